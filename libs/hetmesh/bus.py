@@ -1,0 +1,132 @@
+"""NATS plumbing shared by every service: connect with retries, typed publish/subscribe.
+
+Bodies are msgspec JSON; the request id and W3C trace context ride in NATS headers so a
+message body never has to carry transport concerns.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+import nats
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from hetmesh import telemetry
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+REQUEST_ID = "Hetmesh-Request-Id"
+
+_encoder = msgspec.json.Encoder()
+_decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decoder(kind: Any) -> msgspec.json.Decoder[Any]:
+    dec = _decoders.get(kind)
+    if dec is None:
+        dec = _decoders[kind] = msgspec.json.Decoder(kind)
+    return dec
+
+
+def decode(data: bytes, kind: type[T]) -> T:
+    return decoder(kind).decode(data)
+
+
+def headers_for(request_id: str | None) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    if request_id:
+        headers[REQUEST_ID] = request_id
+    telemetry.inject(headers)
+    return headers
+
+
+class Bus:
+    """A connected NATS client plus typed helpers. One per service process."""
+
+    def __init__(self, nc: Client) -> None:
+        self.nc = nc
+
+    @classmethod
+    async def connect(cls, url: str, name: str, connect_timeout_s: float = 30.0) -> Bus:
+        @retry(
+            wait=wait_exponential(multiplier=0.1, max=2.0),
+            stop=stop_after_delay(connect_timeout_s),
+            retry=retry_if_exception_type((OSError, nats.errors.NoServersError, TimeoutError)),
+            reraise=True,
+        )
+        async def _connect() -> Client:
+            return await nats.connect(
+                url,
+                name=name,
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                connect_timeout=2,
+                pending_size=256 * 1024 * 1024,
+                flusher_queue_size=8192,
+            )
+
+        return cls(await _connect())
+
+    async def publish(self, subject: str, msg: msgspec.Struct, request_id: str | None = None) -> None:
+        await self.nc.publish(subject, encode(msg), headers=headers_for(request_id))
+
+    async def publish_raw(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> None:
+        await self.nc.publish(subject, data, headers=headers)
+
+    async def request(
+        self, subject: str, msg: msgspec.Struct, reply_type: type[T], timeout_s: float, request_id: str | None = None
+    ) -> T:
+        resp = await self.nc.request(subject, encode(msg), timeout=timeout_s, headers=headers_for(request_id))
+        return decode(resp.data, reply_type)
+
+    async def subscribe(
+        self,
+        subject: str,
+        kind: Any,
+        handler: Callable[[Any, Msg], Awaitable[None]],
+        queue: str = "",
+    ) -> Subscription:
+        """Decode each message as `kind` and await handler(decoded, raw). Bad bodies are logged, not fatal."""
+        dec = decoder(kind)
+
+        async def _cb(m: Msg) -> None:
+            try:
+                obj = dec.decode(m.data)
+            except msgspec.DecodeError as exc:
+                log.warning("dropping undecodable message on %s: %s", m.subject, exc)
+                if m.reply:
+                    await m.respond(encode_error(f"undecodable message: {exc}"))
+                return
+            try:
+                await handler(obj, m)
+            except Exception:
+                log.exception("handler for %s failed", m.subject)
+
+        return await self.nc.subscribe(subject, queue=queue, cb=_cb, pending_msgs_limit=1_000_000,
+                                       pending_bytes_limit=1024 * 1024 * 1024)
+
+    async def respond(self, m: Msg, msg: msgspec.Struct) -> None:
+        await m.respond(encode(msg))
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            try:
+                await self.nc.drain()
+            except Exception:
+                await self.nc.close()
+
+
+def encode_error(message: str) -> bytes:
+    return _encoder.encode({"error": {"message": message, "type": "invalid_request_error"}})

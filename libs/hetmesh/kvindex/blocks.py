@@ -1,0 +1,43 @@
+"""Chained prefix-block hashes: block i's hash covers every token of blocks 0..i.
+
+Only full blocks are hashed (a partial block is never shared). Chaining means two prompts
+share block i's hash exactly when they share their first (i+1)*block_size tokens, so a
+prefix match is a walk from block 0 that stops at the first miss. The model name seeds the
+chain so that equal tokens under different models never collide.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable, Sequence
+from hashlib import blake2b
+
+_MASK63 = (1 << 63) - 1  # keep hashes positive and inside a signed 64-bit int (JSON, Redis)
+
+
+def _seed(model: str) -> bytes:
+    return blake2b(model.encode(), digest_size=8).digest()
+
+
+def block_hashes(model: str, tokens: Sequence[int], block_size: int) -> list[int]:
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    out: list[int] = []
+    prev = _seed(model)
+    full = len(tokens) - len(tokens) % block_size
+    for start in range(0, full, block_size):
+        h = blake2b(prev, digest_size=8)
+        h.update(array("q", tokens[start : start + block_size]).tobytes())
+        prev = h.digest()
+        out.append(int.from_bytes(prev, "little") & _MASK63)
+    return out
+
+
+def cached_prefix_blocks(hashes: Sequence[int], has: Callable[[int], bool]) -> int:
+    """Number of leading blocks for which `has` is true (the usable prefix hit)."""
+    n = 0
+    for h in hashes:
+        if not has(h):
+            break
+        n += 1
+    return n

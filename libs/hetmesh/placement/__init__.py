@@ -1,0 +1,20 @@
+"""The placement core: cluster state + request in, decision out. No I/O.
+
+The scheduler service and the offline simulator (hetmesh.sim) drive the very same objects.
+"""
+
+from hetmesh.placement.policies import POLICIES, LeastLoaded, Policy, PrefixAware, RoundRobin, make_policy
+from hetmesh.placement.state import ClusterState, Decision, RequestInfo, WorkerView
+
+__all__ = [
+    "POLICIES",
+    "ClusterState",
+    "Decision",
+    "LeastLoaded",
+    "Policy",
+    "PrefixAware",
+    "RequestInfo",
+    "RoundRobin",
+    "WorkerView",
+    "make_policy",
+]

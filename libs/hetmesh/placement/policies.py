@@ -1,0 +1,105 @@
+"""Placement policies. Each is a small object: `place(request, workers) -> Decision | None`.
+
+Policies may keep state of their own (a round-robin cursor) but do no I/O, so the live
+scheduler and the offline simulator can run them unchanged. `None` means no worker can
+take the request (no worker for the model, all excluded).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from hetmesh.placement.state import Decision, RequestInfo, WorkerView
+from hetmesh.protocol import Role
+
+
+class Policy(Protocol):
+    name: str
+
+    def place(self, req: RequestInfo, workers: Sequence[WorkerView]) -> Decision | None: ...
+
+
+def candidates(req: RequestInfo, workers: Sequence[WorkerView], role: Role) -> list[WorkerView]:
+    return [w for w in workers if w.model == req.model and w.serves(role) and w.worker_id not in req.exclude]
+
+
+def _utilization(w: WorkerView) -> float:
+    # Load per slot of batch, so an 8-GPU server with a big batch counts as less loaded than a
+    # single-GPU one with the same number of requests.
+    return w.load / max(w.max_batch, 1)
+
+
+class _Aggregated:
+    """Shared shape of the simple policies: pick one `both` worker, or else split P/D by `pick`."""
+
+    name = "base"
+
+    def pick(self, req: RequestInfo, pool: list[WorkerView]) -> WorkerView:
+        raise NotImplementedError
+
+    def place(self, req: RequestInfo, workers: Sequence[WorkerView]) -> Decision | None:
+        both = [w for w in candidates(req, workers, Role.BOTH) if w.role == Role.BOTH]
+        if both:
+            w = self.pick(req, both)
+            return Decision(mode="aggregated", decode_worker=w.worker_id,
+                            expected_cached_tokens=req.cached_tokens(w.worker_id), reason=self.name)
+        pre = [w for w in candidates(req, workers, Role.PREFILL) if w.role == Role.PREFILL]
+        dec = [w for w in candidates(req, workers, Role.DECODE) if w.role == Role.DECODE]
+        if not pre or not dec:
+            return None
+        p = self.pick(req, pre)
+        d = self.pick(req, dec)
+        return Decision(mode="disaggregated", prefill_worker=p.worker_id, decode_worker=d.worker_id,
+                        expected_cached_tokens=req.cached_tokens(p.worker_id), reason=self.name)
+
+
+class RoundRobin(_Aggregated):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._cursor = 0
+
+    def pick(self, req: RequestInfo, pool: list[WorkerView]) -> WorkerView:
+        pool = sorted(pool, key=lambda w: w.worker_id)
+        w = pool[self._cursor % len(pool)]
+        self._cursor += 1
+        return w
+
+
+class LeastLoaded(_Aggregated):
+    name = "least_loaded"
+
+    def pick(self, req: RequestInfo, pool: list[WorkerView]) -> WorkerView:
+        return min(pool, key=lambda w: (_utilization(w), w.load, w.worker_id))
+
+
+class PrefixAware(_Aggregated):
+    """Most cached prefix blocks first; ties (and no hits) go to the least loaded."""
+
+    name = "prefix_aware"
+
+    def pick(self, req: RequestInfo, pool: list[WorkerView]) -> WorkerView:
+        return min(pool, key=lambda w: (-req.cached_blocks.get(w.worker_id, 0), _utilization(w), w.load, w.worker_id))
+
+
+def _cost_policy(**kwargs: Any) -> Policy:
+    from hetmesh.placement.cost import CostPolicy  # the cost model is heavier; load on demand
+
+    return CostPolicy(**kwargs)
+
+
+POLICIES: dict[str, Callable[..., Policy]] = {
+    RoundRobin.name: RoundRobin,
+    LeastLoaded.name: LeastLoaded,
+    PrefixAware.name: PrefixAware,
+    "cost": _cost_policy,
+}
+
+
+def make_policy(name: str, **kwargs: Any) -> Policy:
+    try:
+        factory = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown placement policy {name!r}; choose from {sorted(POLICIES)}") from None
+    return factory(**kwargs)

@@ -1,0 +1,141 @@
+"""The live view of the cluster, as the placement core sees it.
+
+`ClusterState` folds heartbeats and the scheduler's own assignments into `WorkerView`s.
+Between two heartbeats a worker's reported load is stale, so work assigned since its last
+heartbeat is added on top (optimistic accounting), which keeps `least_loaded` from sending
+a burst of requests to the one worker that looked idle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from msgspec import Struct, field
+
+from hetmesh.protocol import Heartbeat, Role
+
+
+class WorkerView(Struct, frozen=True, kw_only=True):
+    worker_id: str
+    model: str
+    accelerator: str
+    vendor: str
+    devices: int
+    role: Role
+    queue_depth: int  # waiting requests, including ones assigned since the last heartbeat
+    running: int
+    max_batch: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    block_size: int
+    work_subject: str = ""
+
+    @property
+    def load(self) -> int:
+        return self.queue_depth + self.running
+
+    def serves(self, role: Role) -> bool:
+        return self.role == Role.BOTH or self.role == role
+
+
+class RequestInfo(Struct, frozen=True, kw_only=True):
+    request_id: str
+    model: str
+    prompt_len: int
+    max_tokens: int
+    # worker_id -> leading prompt blocks already in that worker's cache (from the prefix index)
+    cached_blocks: Mapping[str, int] = field(default_factory=dict)
+    block_size: int = 16
+    exclude: frozenset[str] = frozenset()
+    arrival: float = 0.0
+
+    def cached_tokens(self, worker_id: str) -> int:
+        return min(self.cached_blocks.get(worker_id, 0) * self.block_size, max(self.prompt_len - 1, 0))
+
+
+class Decision(Struct, frozen=True, kw_only=True):
+    mode: str  # "aggregated" | "disaggregated"
+    decode_worker: str
+    prefill_worker: str | None = None
+    expected_cached_tokens: int = 0
+    reason: str = ""
+    predicted_ttft_s: float | None = None
+    predicted_tpot_s: float | None = None
+
+    @property
+    def workers(self) -> tuple[str, ...]:
+        return (self.decode_worker,) if self.prefill_worker is None else (self.prefill_worker, self.decode_worker)
+
+
+class _Entry(Struct):
+    hb: Heartbeat
+    seen: float
+    assigned_since: int = 0  # placed on it after hb was sent
+
+
+class ClusterState:
+    """Workers known from heartbeats; `expire(now)` removes the silent ones and returns them."""
+
+    def __init__(self, heartbeat_timeout_s: float) -> None:
+        self.timeout_s = heartbeat_timeout_s
+        self._workers: dict[str, _Entry] = {}
+        self._views: list[WorkerView] | None = None
+
+    def observe(self, hb: Heartbeat, now: float) -> bool:
+        """Fold a heartbeat in; True when the worker is new."""
+        new = hb.worker_id not in self._workers
+        self._workers[hb.worker_id] = _Entry(hb, now)
+        self._views = None
+        return new
+
+    def assigned(self, decision: Decision) -> None:
+        for w in decision.workers:
+            e = self._workers.get(w)
+            if e is not None:
+                e.assigned_since += 1
+        self._views = None
+
+    def remove(self, worker_id: str) -> bool:
+        self._views = None
+        return self._workers.pop(worker_id, None) is not None
+
+    def expire(self, now: float) -> list[str]:
+        dead = [w for w, e in self._workers.items() if now - e.seen > self.timeout_s]
+        for w in dead:
+            self.remove(w)
+        return dead
+
+    def __contains__(self, worker_id: str) -> bool:
+        return worker_id in self._workers
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def worker_ids(self) -> Iterable[str]:
+        return self._workers.keys()
+
+    def heartbeat(self, worker_id: str) -> Heartbeat | None:
+        e = self._workers.get(worker_id)
+        return None if e is None else e.hb
+
+    def views(self) -> list[WorkerView]:
+        if self._views is None:
+            self._views = [
+                WorkerView(
+                    worker_id=e.hb.worker_id,
+                    model=e.hb.model,
+                    accelerator=e.hb.accelerator,
+                    vendor=e.hb.vendor,
+                    devices=e.hb.devices,
+                    role=e.hb.role,
+                    queue_depth=e.hb.queue_depth + e.assigned_since,
+                    running=e.hb.running,
+                    max_batch=e.hb.max_batch,
+                    kv_blocks_total=e.hb.kv_blocks_total,
+                    kv_blocks_used=e.hb.kv_blocks_used,
+                    block_size=e.hb.block_size,
+                    work_subject=e.hb.work_subject,
+                )
+                for e in self._workers.values()
+            ]
+        return self._views

