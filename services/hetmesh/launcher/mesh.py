@@ -1,0 +1,144 @@
+"""`Mesh`: one cluster file -> nats-server, redis-server (when none is reachable) and every
+service of the cluster as a separate process. The run command and the tests both use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hetmesh import config, servers
+
+
+@dataclass
+class Service:
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@dataclass
+class Mesh:
+    cluster_path: Path
+    gateway_port: int | None = None  # None: the cluster file's; 0: a free port
+    env: dict[str, str] = field(default_factory=dict)
+    log_dir: Path | None = None  # None: children inherit this process's stdout/stderr
+    nats_url: str = ""
+    redis_url: str = ""
+    services: dict[str, Service] = field(default_factory=dict)
+    _infra: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+
+    def __post_init__(self) -> None:
+        self.cluster_path = Path(self.cluster_path)
+        self.cfg = config.load(self.cluster_path)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.gateway.host}:{self.port}"
+
+    def start(self, ready_timeout_s: float = 60.0) -> Mesh:
+        nats_url, redis_url = self._infra.enter_context(
+            servers.infrastructure(self.nats_url or self.cfg.mesh.nats_url, self.redis_url or self.cfg.mesh.redis_url))
+        self.nats_url, self.redis_url = nats_url, redis_url
+        self.port = self.gateway_port if self.gateway_port else self.cfg.gateway.port
+        if self.gateway_port == 0:
+            self.port = servers.free_port()
+        cluster = ["--cluster", str(self.cluster_path)]
+        py = [sys.executable, "-m"]
+        self.add("scheduler", [*py, "hetmesh.scheduler", *cluster, "--instance", "sched-0"])
+        for i in range(self.cfg.kv_transfer.replicas):
+            self.add(f"kv-transfer-{i}", [*py, "hetmesh.kv_transfer", *cluster, "--instance", f"kvx-{i}"])
+        for group in self.cfg.workers:
+            for wid in group.worker_ids():
+                self.add(f"worker:{wid}", [*py, "hetmesh.worker", *cluster, "--worker-id", wid])
+        self.add("gateway", [*py, "hetmesh.gateway", *cluster, "--port", str(self.port)])
+        for name in self.services:
+            self.spawn(name)
+        self.wait_ready(ready_timeout_s)
+        return self
+
+    def add(self, name: str, argv: list[str]) -> None:
+        self.services[name] = Service(name, argv)
+
+    def spawn(self, name: str) -> Service:
+        svc = self.services[name]
+        env = servers.env_with(HETMESH_NATS_URL=self.nats_url, HETMESH_REDIS_URL=self.redis_url, **self.env)
+        out: int | object = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            svc.log_path = self.log_dir / f"{name.replace(':', '_')}.log"
+            out = open(svc.log_path, "ab")
+        svc.proc = subprocess.Popen(svc.argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                    start_new_session=True)
+        return svc
+
+    def workers_expected(self) -> int:
+        return sum(g.count for g in self.cfg.workers)
+
+    def ready(self) -> dict[str, object] | None:
+        try:
+            with urllib.request.urlopen(f"{self.url}/ready", timeout=1) as r:
+                return json.loads(r.read())
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            dead = [s.name for s in self.services.values() if not s.alive]
+            if dead:
+                self.stop()
+                raise RuntimeError(f"services exited during start-up: {dead}; logs in {self.log_dir}")
+            status = self.ready()
+            # /ready answers 200 once the gateway sees live workers; wait for all of them.
+            if status is not None and int(str(status.get("workers", self.workers_expected()))) >= self.workers_expected():
+                return
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"mesh not ready within {timeout_s}s; logs in {self.log_dir}")
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        svc = self.services[name]
+        if svc.proc is not None and svc.proc.poll() is None:
+            os.killpg(svc.proc.pid, sig)
+            svc.proc.wait(10)
+
+    def stop(self) -> None:
+        procs = [s.proc for s in self.services.values() if s.proc is not None and s.proc.poll() is None]
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        for p in procs:
+            try:
+                p.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        self._infra.close()
+
+    def __enter__(self) -> Mesh:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def temp_log_dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="hetmesh-logs-"))

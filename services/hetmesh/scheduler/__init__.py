@@ -1,0 +1,1 @@
+"""The scheduler service: live cluster view + prefix index -> placement -> worker subjects."""

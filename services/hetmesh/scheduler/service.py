@@ -1,0 +1,241 @@
+"""Scheduler: a thin asyncio shell around the pure placement core.
+
+It folds worker heartbeats into a `ClusterState`, mirrors workers' KV events into the Redis
+prefix index, and for each submitted request asks the configured policy for a placement,
+then publishes `WorkItem`s to the chosen workers' direct subjects. A worker whose heartbeats
+stop leaves the view; every request it held gets a `WorkerLost` on its reply subject, so the
+gateway can resubmit it (nothing streamed yet) or end it with an error — never a hang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import time
+import uuid
+from collections import defaultdict
+
+from nats.aio.msg import Msg
+
+from hetmesh import config, subjects, telemetry
+from hetmesh.bus import Bus
+from hetmesh.kvindex.index import PrefixIndex
+from hetmesh.placement import ClusterState, Decision, RequestInfo, make_policy
+from hetmesh.protocol import (
+    Cancel,
+    ErrorInfo,
+    Finished,
+    Heartbeat,
+    InferenceRequest,
+    KvEvent,
+    Phase,
+    Placement,
+    ServiceEvent,
+    SubmitReply,
+    WorkerLost,
+    WorkItem,
+)
+
+log = logging.getLogger("hetmesh.scheduler")
+
+PREFIX_POLICIES = {"prefix_aware", "cost"}  # policies that read the prefix index
+
+
+class _InFlight:
+    __slots__ = ("reply_subject", "workers")
+
+    def __init__(self, reply_subject: str, workers: set[str]) -> None:
+        self.reply_subject = reply_subject
+        self.workers = workers
+
+
+class Scheduler:
+    def __init__(self, cfg: config.ClusterConfig, instance: str) -> None:
+        self.cfg = cfg
+        self.instance = instance
+        self.state = ClusterState(cfg.mesh.heartbeat_timeout_s)
+        sc = cfg.scheduler
+        kwargs = {}
+        if sc.policy == "cost":
+            kwargs = {"models": {m.name: m.spec for m in cfg.models}, "objective": sc.objective,
+                      "ttft_slo_s": sc.ttft_slo_s, "tpot_slo_s": sc.tpot_slo_s}
+        self.policy = make_policy(sc.policy, **kwargs)
+        self.uses_prefix = sc.policy in PREFIX_POLICIES
+        self.block_size = {m.name: m.block_size for m in cfg.models}
+        self.inflight: dict[str, _InFlight] = {}
+        self.by_worker: dict[str, set[str]] = defaultdict(set)
+        self.kv_queue: asyncio.Queue[KvEvent] = asyncio.Queue(maxsize=100_000)
+        self.tracer = telemetry.setup("scheduler", instance)
+        self.bus: Bus
+        self.index: PrefixIndex
+        self.placed = 0
+
+    async def start(self) -> None:
+        self.bus = await Bus.connect(self.cfg.mesh.nats_url, f"scheduler-{self.instance}")
+        self.index = PrefixIndex.from_url(self.cfg.mesh.redis_url, self.cfg.scheduler.prefix_ttl_s)
+        await self.index.r.ping()
+        await self.bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
+        await self.bus.subscribe(subjects.KV_EVENTS_ALL, KvEvent, self.on_kv_event)
+        await self.bus.subscribe(subjects.FINISHED, Finished, self.on_finished)
+        await self.bus.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
+        await self.bus.subscribe(subjects.SUBMIT, InferenceRequest, self.on_submit, queue=subjects.SCHEDULER_QUEUE)
+        self._tasks = [asyncio.create_task(self._expire_loop()), asyncio.create_task(self._kv_writer())]
+        log.info("scheduler %s up, policy %s", self.instance, self.policy.name)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await self.bus.close()
+        await self.index.close()
+
+    # --- cluster view -------------------------------------------------------------------
+    async def on_heartbeat(self, hb: Heartbeat, _m: Msg) -> None:
+        if self.state.observe(hb, time.monotonic()):
+            log.info("worker %s joined (%s x%d, %s)", hb.worker_id, hb.accelerator, hb.devices, hb.role)
+            await self._event("", "worker_joined", worker_id=hb.worker_id, accelerator=hb.accelerator)
+
+    async def _expire_loop(self) -> None:
+        period = max(self.cfg.mesh.heartbeat_interval_s / 2, 0.05)
+        while True:
+            await asyncio.sleep(period)
+            for worker_id in self.state.expire(time.monotonic()):
+                await self.worker_lost(worker_id)
+
+    async def worker_lost(self, worker_id: str) -> None:
+        held = self.by_worker.pop(worker_id, set())
+        log.warning("worker %s lost; %d requests affected", worker_id, len(held))
+        await self._event("", "worker_lost", worker_id=worker_id, requests=len(held))
+        for rid in held:
+            fl = self.inflight.pop(rid, None)
+            if fl is None:
+                continue
+            for w in fl.workers:
+                self.by_worker.get(w, set()).discard(rid)
+            await self.bus.publish(fl.reply_subject, WorkerLost(request_id=rid, worker_id=worker_id), rid)
+        await self.index.drop_worker(worker_id)
+
+    # --- prefix index -------------------------------------------------------------------
+    async def on_kv_event(self, ev: KvEvent, _m: Msg) -> None:
+        try:
+            self.kv_queue.put_nowait(ev)
+        except asyncio.QueueFull:
+            log.warning("kv index writer behind; dropping an event from %s", ev.worker_id)
+
+    async def _kv_writer(self) -> None:
+        # One writer keeps each worker's stored/removed events in order.
+        while True:
+            ev = await self.kv_queue.get()
+            try:
+                await self.index.apply(ev)
+            except Exception:
+                log.exception("prefix index update failed")
+
+    # --- placement ----------------------------------------------------------------------
+    async def on_submit(self, req: InferenceRequest, m: Msg) -> None:
+        ctx = telemetry.extract(m.headers)
+        with self.tracer.start_as_current_span("schedule", context=ctx) as span:
+            span.set_attribute("hetmesh.request_id", req.request_id)
+            reply = await self.place(req)
+            if reply.placement is not None:
+                span.set_attribute("hetmesh.mode", reply.placement.mode)
+                span.set_attribute("hetmesh.decode_worker", reply.placement.decode_worker)
+        await self.bus.respond(m, reply)
+
+    async def place(self, req: InferenceRequest) -> SubmitReply:
+        views = self.state.views()
+        cached: dict[str, int] = {}
+        if self.uses_prefix and req.block_hashes:
+            try:
+                cached = await self.index.lookup(req.model, req.block_hashes, self.state.worker_ids())
+            except Exception:
+                log.exception("prefix lookup failed; placing without it")
+        info = RequestInfo(
+            request_id=req.request_id, model=req.model, prompt_len=len(req.prompt_tokens),
+            max_tokens=req.sampling.max_tokens, cached_blocks=cached,
+            block_size=self.block_size.get(req.model, 16), exclude=frozenset(req.exclude_workers),
+            arrival=req.arrival_ts,
+        )
+        decision = self.policy.place(info, views)
+        if decision is None:
+            return SubmitReply(request_id=req.request_id, error=ErrorInfo(
+                message=f"no live worker can serve model {req.model!r} right now", type="server_error",
+                code="no_capacity", status=503))
+        placement = Placement(mode=decision.mode, decode_worker=decision.decode_worker,
+                              prefill_worker=decision.prefill_worker,
+                              expected_cached_tokens=decision.expected_cached_tokens,
+                              policy=self.policy.name, reason=decision.reason)
+        await self._dispatch(req, decision, placement)
+        return SubmitReply(request_id=req.request_id, placement=placement)
+
+    async def _dispatch(self, req: InferenceRequest, d: Decision, placement: Placement) -> None:
+        self.state.assigned(d)
+        workers = set(d.workers)
+        self.inflight[req.request_id] = _InFlight(req.reply_subject, workers)
+        for w in workers:
+            self.by_worker[w].add(req.request_id)
+        rid = req.request_id
+        if d.prefill_worker is None:
+            await self._send(d.decode_worker, WorkItem(request=req, phase=Phase.FULL, placement=placement))
+        else:
+            # Decode first: it can reserve KV space before the prefill side starts shipping.
+            await self._send(d.decode_worker, WorkItem(request=req, phase=Phase.DECODE, placement=placement))
+            await self._send(d.prefill_worker, WorkItem(request=req, phase=Phase.PREFILL, placement=placement))
+        self.placed += 1
+        await self._event(rid, "placed", mode=d.mode, prefill_worker=d.prefill_worker,
+                          decode_worker=d.decode_worker, cached_tokens=d.expected_cached_tokens,
+                          policy=self.policy.name, attempt=req.attempt)
+
+    async def _send(self, worker_id: str, item: WorkItem) -> None:
+        hb = self.state.heartbeat(worker_id)
+        assert hb is not None, "policies only pick workers from the view"
+        await self.bus.publish(hb.work_subject, item, item.request.request_id)
+
+    # --- bookkeeping --------------------------------------------------------------------
+    async def on_finished(self, f: Finished, _m: Msg) -> None:
+        fl = self.inflight.get(f.request_id)
+        if fl is None:
+            return
+        fl.workers.discard(f.worker_id)
+        self.by_worker.get(f.worker_id, set()).discard(f.request_id)
+        if not fl.workers:
+            del self.inflight[f.request_id]
+
+    async def on_cancel(self, c: Cancel, _m: Msg) -> None:
+        fl = self.inflight.pop(c.request_id, None)
+        if fl is not None:
+            for w in fl.workers:
+                self.by_worker.get(w, set()).discard(c.request_id)
+
+    async def _event(self, request_id: str, kind: str, **detail: str | int | float | bool | None) -> None:
+        await self.bus.publish(subjects.event("scheduler"), ServiceEvent(
+            service="scheduler", instance=self.instance, request_id=request_id, kind=kind,
+            ts=time.time(), detail=detail), request_id or None)
+
+
+async def run(cfg: config.ClusterConfig, instance: str) -> None:
+    sched = Scheduler(cfg, instance)
+    await sched.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await sched.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m hetmesh.scheduler", description=__doc__)
+    ap.add_argument("--cluster", help="cluster file (TOML)")
+    ap.add_argument("--instance", default=f"sched-{uuid.uuid4().hex[:6]}")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = config.load(args.cluster)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(run(cfg, args.instance))
