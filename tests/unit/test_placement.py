@@ -1,0 +1,77 @@
+from hetmesh.placement import ClusterState, LeastLoaded, PrefixAware, RequestInfo, RoundRobin, make_policy
+from hetmesh.protocol import Heartbeat, Role
+
+
+def hb(wid: str, role: Role = Role.BOTH, queue: int = 0, running: int = 0, model: str = "m",
+       max_batch: int = 8) -> Heartbeat:
+    return Heartbeat(worker_id=wid, model=model, accelerator="nvidia-h100", vendor="nvidia", devices=1, role=role,
+                     engine="sim", work_subject=f"w.{wid}", queue_depth=queue, running=running, max_batch=max_batch,
+                     kv_blocks_total=100, kv_blocks_used=0, block_size=16, ts=0.0)
+
+
+def req(cached: dict[str, int] | None = None, model: str = "m", exclude: frozenset[str] = frozenset()) -> RequestInfo:
+    return RequestInfo(request_id="r", model=model, prompt_len=100, max_tokens=10, cached_blocks=cached or {},
+                       exclude=exclude)
+
+
+def cluster(*beats: Heartbeat) -> ClusterState:
+    s = ClusterState(heartbeat_timeout_s=1.0)
+    for b in beats:
+        s.observe(b, now=0.0)
+    return s
+
+
+def test_round_robin_cycles() -> None:
+    s = cluster(hb("a"), hb("b"), hb("c"))
+    p = RoundRobin()
+    assert [p.place(req(), s.views()).decode_worker for _ in range(6)] == ["a", "b", "c"] * 2  # type: ignore[union-attr]
+
+
+def test_least_loaded_counts_assignments_since_heartbeat() -> None:
+    s = cluster(hb("a", running=1), hb("b", running=2))
+    p = LeastLoaded()
+    first = p.place(req(), s.views())
+    assert first is not None and first.decode_worker == "a"
+    s.assigned(first)
+    s.assigned(first)  # a now has 3 (1 running + 2 assigned) > b's 2
+    second = p.place(req(), s.views())
+    assert second is not None and second.decode_worker == "b"
+
+
+def test_prefix_aware_prefers_cache_then_load() -> None:
+    s = cluster(hb("a", running=5), hb("b"), hb("c", running=1))
+    p = PrefixAware()
+    d = p.place(req({"a": 3, "c": 1}), s.views())
+    assert d is not None and d.decode_worker == "a" and d.expected_cached_tokens == 48
+    d = p.place(req({}), s.views())
+    assert d is not None and d.decode_worker == "b"
+
+
+def test_disaggregated_when_only_split_pools() -> None:
+    s = cluster(hb("p", role=Role.PREFILL), hb("d1", role=Role.DECODE, running=3), hb("d2", role=Role.DECODE))
+    d = LeastLoaded().place(req(), s.views())
+    assert d is not None and d.mode == "disaggregated" and d.prefill_worker == "p" and d.decode_worker == "d2"
+    assert d.workers == ("p", "d2")
+
+
+def test_exclusion_model_filter_and_none() -> None:
+    s = cluster(hb("a"), hb("b", model="other"))
+    assert PrefixAware().place(req(exclude=frozenset({"a"})), s.views()) is None
+    assert RoundRobin().place(req(model="nope"), s.views()) is None
+
+
+def test_expire_drops_silent_workers() -> None:
+    s = ClusterState(heartbeat_timeout_s=1.0)
+    s.observe(hb("a"), now=0.0)
+    s.observe(hb("b"), now=0.8)
+    assert s.expire(now=1.5) == ["a"]
+    assert [v.worker_id for v in s.views()] == ["b"]
+
+
+def test_unknown_policy_is_a_clear_error() -> None:
+    try:
+        make_policy("fastest")
+    except ValueError as e:
+        assert "round_robin" in str(e)
+    else:
+        raise AssertionError("expected ValueError")
