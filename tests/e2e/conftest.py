@@ -1,0 +1,132 @@
+"""A whole mesh (scheduler, kv-transfer, workers, gateway as separate processes) for e2e tests.
+
+One mesh serves two models so one set of processes covers both placements:
+  tiny-agg  on two aggregated H100 workers (prefix_aware picks between them)
+  tiny-pd   on a Rubin CPX prefill worker and a Rubin VR200 decode worker (disaggregated)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import msgspec
+import nats
+import openai
+import pytest
+
+from hetmesh import subjects
+from hetmesh.launcher import Mesh
+from hetmesh.protocol import ServiceEvent
+
+CLUSTER = """
+[mesh]
+time_scale = {time_scale}
+heartbeat_interval_s = 0.2
+heartbeat_timeout_s = 1.0
+stall_timeout_s = 20.0
+
+[scheduler]
+policy = "prefix_aware"
+
+[[models]]
+name = "tiny-agg"
+spec = "tiny-llama"
+max_context = 4096
+block_size = 16
+
+[[models]]
+name = "tiny-pd"
+spec = "tiny-llama"
+max_context = 4096
+block_size = 16
+
+[[workers]]
+name = "h100"
+model = "tiny-agg"
+accelerator = "nvidia-h100"
+role = "both"
+count = 2
+
+[[workers]]
+name = "cpx"
+model = "tiny-pd"
+accelerator = "nvidia-rubin-cpx"
+role = "prefill"
+
+[[workers]]
+name = "vr200"
+model = "tiny-pd"
+accelerator = "nvidia-rubin-vr200"
+role = "decode"
+"""
+
+# Slow enough that a long generation takes seconds (cancel / kill tests), fast enough for CI.
+TIME_SCALE = 0.5
+
+
+@pytest.fixture(scope="session")
+def mesh(nats_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    d = tmp_path_factory.mktemp("mesh")
+    path = d / "cluster.toml"
+    path.write_text(CLUSTER.format(time_scale=TIME_SCALE))
+    m = Mesh(path, gateway_port=0, log_dir=d / "logs", nats_url=nats_url, redis_url=redis_url)
+    m.start(ready_timeout_s=90)
+    try:
+        yield m
+    finally:
+        m.stop()
+        print_logs_on_failure(d / "logs")
+
+
+def print_logs_on_failure(log_dir: Path) -> None:
+    for f in sorted(log_dir.glob("*.log")):
+        tail = f.read_text(errors="replace").splitlines()[-15:]
+        print(f"--- {f.name}\n" + "\n".join(tail))
+
+
+@pytest.fixture(scope="session")
+def client(mesh: Mesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def aclient(mesh: Mesh) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+class EventLog:
+    """Every ServiceEvent the services publish, collected from `hetmesh.event.>`."""
+
+    def __init__(self) -> None:
+        self.events: list[ServiceEvent] = []
+        self._dec = msgspec.json.Decoder(ServiceEvent)
+
+    async def on_msg(self, m: object) -> None:
+        self.events.append(self._dec.decode(m.data))  # type: ignore[attr-defined]
+
+    def for_request(self, rid: str) -> list[ServiceEvent]:
+        return [e for e in self.events if e.request_id and (e.request_id == rid or rid.endswith(e.request_id))]
+
+    async def wait_for(self, rid: str, kind: str, timeout_s: float = 10.0, **detail: object) -> ServiceEvent:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                for e in self.for_request(rid):
+                    if e.kind == kind and all(e.detail.get(k) == v for k, v in detail.items()):
+                        return e
+                await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+async def events(mesh: Mesh) -> AsyncIterator[EventLog]:
+    nc = await nats.connect(mesh.nats_url)
+    log = EventLog()
+    await nc.subscribe(subjects.EVENTS_ALL, cb=log.on_msg)
+    await nc.flush()
+    try:
+        yield log
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.close()
