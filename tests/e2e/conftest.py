@@ -108,7 +108,8 @@ class EventLog:
         self.events.append(self._dec.decode(m.data))  # type: ignore[attr-defined]
 
     def for_request(self, rid: str) -> list[ServiceEvent]:
-        return [e for e in self.events if e.request_id and (e.request_id == rid or rid.endswith(e.request_id))]
+        """Events of one request ("" matches any request's)."""
+        return [e for e in self.events if e.request_id and (not rid or e.request_id == rid or rid.endswith(e.request_id))]
 
     async def wait_for(self, rid: str, kind: str, timeout_s: float = 10.0, **detail: object) -> ServiceEvent:
         async with asyncio.timeout(timeout_s):

@@ -71,7 +71,7 @@ def test_chat_streaming_with_usage(client: openai.OpenAI) -> None:
 
 def test_completions_with_stop(client: openai.OpenAI) -> None:
     prompt = "Once upon a time"
-    ids, full, _ = expected(TOK.encode(prompt), 60, seed=11)
+    _, full, _ = expected(TOK.encode(prompt), 60, seed=11)
     stop = full[10:12]  # a stop string that really occurs in the deterministic output
     r = client.completions.create(model="tiny-agg", prompt=prompt, max_tokens=60, seed=11, stop=[stop])
     _, text, finish = expected(TOK.encode(prompt), 60, seed=11, stop=[stop])
@@ -174,10 +174,7 @@ async def test_killed_worker_request_is_retried_not_hung(mesh: Mesh, aclient: op
     prompt = "survive a crash"
     task = asyncio.create_task(aclient.completions.create(model="tiny-agg", prompt=prompt, max_tokens=300,
                                                           seed=1, extra_body={"ignore_eos": True}))
-    async with asyncio.timeout(10):
-        while not any(e.kind == "placed" for e in events.events):
-            await asyncio.sleep(0.01)
-    placed = next(e for e in events.events if e.kind == "placed")
+    placed = await events.wait_for("", "placed")
     victim = str(placed.detail["decode_worker"])
     await asyncio.sleep(0.3)
     t0 = time.monotonic()
