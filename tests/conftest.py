@@ -17,8 +17,8 @@ from hetmesh import servers
 @pytest.fixture(scope="session")
 def infra() -> Iterator[tuple[str, str]]:
     with servers.infrastructure(os.environ.get("HETMESH_TEST_NATS_URL", ""),
-                                os.environ.get("HETMESH_TEST_REDIS_URL", "")) as urls:
-        yield urls
+                                os.environ.get("HETMESH_TEST_REDIS_URL", "")) as (nats_url, redis_url, _):
+        yield nats_url, redis_url
 
 
 @pytest.fixture(scope="session")

@@ -105,7 +105,7 @@ def start_redis(port: int | None = None) -> ServerProcess:
 
 @contextlib.contextmanager
 def infrastructure(nats_url: str = "", redis_url: str = ""):  # type: ignore[no-untyped-def]
-    """Yield (nats_url, redis_url): the given ones when reachable, otherwise freshly started servers."""
+    """Yield (nats_url, redis_url, started): the given URLs when reachable, else freshly started servers."""
     started: list[ServerProcess] = []
     try:
         if not nats_url or not reachable(nats_url):
@@ -114,7 +114,7 @@ def infrastructure(nats_url: str = "", redis_url: str = ""):  # type: ignore[no-
         if not redis_url or not reachable(redis_url):
             started.append(start_redis())
             redis_url = started[-1].url
-        yield nats_url, redis_url
+        yield nats_url, redis_url, started
     finally:
         for s in reversed(started):
             s.stop()

@@ -42,6 +42,7 @@ class Mesh:
     redis_url: str = ""
     services: dict[str, Service] = field(default_factory=dict)
     _infra: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    _started: list[servers.ServerProcess] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.cluster_path = Path(self.cluster_path)
@@ -52,7 +53,7 @@ class Mesh:
         return f"http://{self.cfg.gateway.host}:{self.port}"
 
     def start(self, ready_timeout_s: float = 60.0) -> Mesh:
-        nats_url, redis_url = self._infra.enter_context(
+        nats_url, redis_url, self._started = self._infra.enter_context(
             servers.infrastructure(self.nats_url or self.cfg.mesh.nats_url, self.redis_url or self.cfg.mesh.redis_url))
         self.nats_url, self.redis_url = nats_url, redis_url
         self.port = self.gateway_port if self.gateway_port else self.cfg.gateway.port
@@ -111,6 +112,11 @@ class Mesh:
             time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"mesh not ready within {timeout_s}s; logs in {self.log_dir}")
+
+    @property
+    def started_servers(self) -> list[servers.ServerProcess]:
+        """The nats-server / redis-server this mesh started itself (none when given reachable URLs)."""
+        return list(self._started)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         svc = self.services[name]
