@@ -1,7 +1,7 @@
 """The one config loader: a cluster file (TOML) -> typed `ClusterConfig`.
 
 Environment overrides (for containers and tests): HETMESH_NATS_URL, HETMESH_REDIS_URL,
-HETMESH_TIME_SCALE, HETMESH_POLICY.
+HETMESH_TIME_SCALE, HETMESH_POLICY, HETMESH_GATEWAY_HOST.
 """
 
 from __future__ import annotations
@@ -124,6 +124,8 @@ def load(path: str | os.PathLike[str] | None = None) -> ClusterConfig:
         cfg.mesh.time_scale = float(v)
     if v := env.get("HETMESH_POLICY"):
         cfg.scheduler.policy = v
+    if v := env.get("HETMESH_GATEWAY_HOST"):
+        cfg.gateway.host = v
     return cfg.validate()
 
 
