@@ -1,0 +1,153 @@
+"""The scheduler service on a real nats-server and redis-server, driven the way workers and the
+gateway drive it: heartbeats and KV events in, SUBMIT requests in, WorkItems / WorkerLost out."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from hetmesh import subjects
+from hetmesh.bus import Bus
+from hetmesh.kvindex.blocks import block_hashes
+from hetmesh.protocol import (
+    Heartbeat,
+    InferenceRequest,
+    KvEvent,
+    ResponseEvent,
+    Role,
+    SamplingParams,
+    SubmitReply,
+    WorkerLost,
+    WorkItem,
+)
+from hetmesh.servers import env_with
+
+CLUSTER = """
+[mesh]
+heartbeat_interval_s = 0.1
+heartbeat_timeout_s = 0.6
+[scheduler]
+policy = "prefix_aware"
+[[models]]
+name = "m"
+block_size = 4
+[[workers]]
+name = "a"
+model = "m"
+accelerator = "nvidia-h100"
+count = 2
+"""
+
+
+@pytest.fixture(scope="module")
+def scheduler(nats_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    d = tmp_path_factory.mktemp("sched")
+    (d / "c.toml").write_text(CLUSTER)
+    log = open(d / "scheduler.log", "wb")
+    p = subprocess.Popen([sys.executable, "-m", "hetmesh.scheduler", "--cluster", str(d / "c.toml")],
+                         env=env_with(HETMESH_NATS_URL=nats_url, HETMESH_REDIS_URL=redis_url), stdout=log,
+                         stderr=subprocess.STDOUT)
+    yield
+    p.terminate()
+    p.wait(10)
+    print(Path(d / "scheduler.log").read_text()[-3000:])
+
+
+@pytest.fixture
+async def bus(scheduler: None, nats_url: str) -> AsyncIterator[Bus]:
+    b = await Bus.connect(nats_url, "test")
+    yield b
+    await b.close()
+
+
+def beat(wid: str, running: int = 0) -> Heartbeat:
+    return Heartbeat(worker_id=wid, model="m", accelerator="nvidia-h100", vendor="nvidia", devices=1, role=Role.BOTH,
+                     engine="sim", work_subject=subjects.work_direct("both", "nvidia", "nvidia-h100", wid),
+                     queue_depth=0, running=running, max_batch=8, kv_blocks_total=64, kv_blocks_used=0, block_size=4,
+                     ts=time.time())
+
+
+class Beater:
+    def __init__(self, bus: Bus, wids: list[str]) -> None:
+        self.bus, self.wids, self.load = bus, set(wids), dict.fromkeys(wids, 0)
+        self.task = asyncio.create_task(self.run())
+
+    async def run(self) -> None:
+        while True:
+            for w in list(self.wids):
+                await self.bus.publish(subjects.heartbeat(w), beat(w, self.load[w]))
+            await asyncio.sleep(0.1)
+
+
+def request(rid: str, tokens: list[int]) -> InferenceRequest:
+    return InferenceRequest(request_id=rid, model="m", prompt_tokens=tokens, block_hashes=block_hashes("m", tokens, 4),
+                            sampling=SamplingParams(max_tokens=4), reply_subject=subjects.reply(rid),
+                            arrival_ts=time.time())
+
+
+async def submit(bus: Bus, req: InferenceRequest) -> SubmitReply:
+    for _ in range(50):  # the scheduler subscribes a moment after it starts
+        try:
+            return await bus.request(subjects.SUBMIT, req, SubmitReply, timeout_s=1)
+        except Exception:
+            await asyncio.sleep(0.1)
+    raise AssertionError("scheduler never answered")
+
+
+async def test_no_workers_is_a_503(bus: Bus) -> None:
+    reply = await submit(bus, request("r0", [1, 2, 3]))
+    assert reply.placement is None and reply.error is not None and reply.error.status == 503
+
+
+async def test_places_publishes_work_and_follows_prefix(bus: Bus) -> None:
+    got: asyncio.Queue[tuple[str, WorkItem]] = asyncio.Queue()
+
+    async def on_work(item: WorkItem, m: object) -> None:
+        await got.put((m.subject, item))  # type: ignore[attr-defined]
+
+    await bus.subscribe("hetmesh.work.>", WorkItem, on_work)
+    beater = Beater(bus, ["a-0", "a-1"])
+    await asyncio.sleep(0.3)
+    tokens = list(range(16))
+    # a-1 holds the prompt's first 3 blocks; a-0 is idle too, so only the index can pick a-1.
+    await bus.publish(subjects.kv_events("a-1"), KvEvent(worker_id="a-1", model="m",
+                                                          stored=block_hashes("m", tokens, 4)[:3], ts=time.time()))
+    await asyncio.sleep(0.3)
+    reply = await submit(bus, request("r1", tokens))
+    assert reply.placement is not None and reply.placement.decode_worker == "a-1"
+    assert reply.placement.expected_cached_tokens == 12
+    subject, item = await asyncio.wait_for(got.get(), 5)
+    assert subject == subjects.work_direct("both", "nvidia", "nvidia-h100", "a-1")
+    assert item.request.request_id == "r1" and item.phase == "full"
+    beater.task.cancel()
+
+
+async def test_lost_worker_notifies_the_reply_subject(bus: Bus) -> None:
+    lost: asyncio.Queue[ResponseEvent] = asyncio.Queue()
+
+    async def on_reply(ev: ResponseEvent, _m: object) -> None:
+        await lost.put(ev)
+
+    await bus.subscribe(subjects.reply("r2"), ResponseEvent, on_reply)
+    beater = Beater(bus, ["a-0"])
+    await asyncio.sleep(0.3)
+    reply = await submit(bus, request("r2", [9, 9, 9, 9, 9]))
+    assert reply.placement is not None and reply.placement.decode_worker == "a-0"
+    beater.task.cancel()  # a-0 goes silent
+    ev = await asyncio.wait_for(lost.get(), 5)
+    assert isinstance(ev, WorkerLost) and ev.worker_id == "a-0" and ev.request_id == "r2"
+    again = await submit(bus, request("r3", [1]))
+    assert again.error is not None  # a-0 left the view
+
+
+def test_response_union_decodes_each_kind() -> None:
+    dec = msgspec.json.Decoder(ResponseEvent)
+    raw = msgspec.json.encode(WorkerLost(request_id="x", worker_id="w"))
+    assert isinstance(dec.decode(raw), WorkerLost)
