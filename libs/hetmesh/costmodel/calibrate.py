@@ -1,0 +1,140 @@
+"""Efficiency factors: fitted from measured (shape, time) samples by least squares, stored as JSON.
+
+The shipped `efficiency.json` holds one `Efficiency` per accelerator id (defaults for the ones
+nobody measured). `calibrate` fits (compute, memory, overhead[, per_seq]) for one engine by
+minimising the relative error of the step-time model over the samples.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+from scipy.optimize import least_squares
+
+from hetmesh.costmodel.model import CostModel, Efficiency
+
+_SHIPPED = Path(__file__).resolve().parent / "efficiency.json"
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measured step (or a whole prefill / decode step): its batch shape and its seconds."""
+
+    prefills: tuple[tuple[int, int], ...]  # (new, cached) per prefill chunk
+    decode_contexts: tuple[int, ...]
+    seconds: float
+
+    @classmethod
+    def prefill(cls, new: int, seconds: float, cached: int = 0) -> Sample:
+        return cls(((new, cached),), (), seconds)
+
+    @classmethod
+    def decode(cls, batch: int, context: int, seconds: float) -> Sample:
+        return cls((), (context,) * batch, seconds)
+
+
+def load_efficiencies(path: str | os.PathLike[str]) -> dict[str, Efficiency]:
+    raw = json.loads(Path(path).read_text())
+    return {k: Efficiency(**{f: v for f, v in d.items() if f in Efficiency.__dataclass_fields__})
+            for k, d in raw.items() if not k.startswith("_")}
+
+
+def save_efficiencies(path: str | os.PathLike[str], effs: Mapping[str, Efficiency],
+                      note: str = "") -> None:
+    out: dict[str, object] = {"_note": note} if note else {}
+    out.update({k: asdict(e) for k, e in sorted(effs.items())})
+    Path(path).write_text(json.dumps(out, indent=2) + "\n")
+
+
+@cache
+def _shipped() -> dict[str, Efficiency]:
+    return load_efficiencies(_SHIPPED)
+
+
+def default_efficiency(accel_id: str) -> Efficiency:
+    """The shipped factors for an accelerator ($HETMESH_EFFICIENCY may point to another file)."""
+    env = os.environ.get("HETMESH_EFFICIENCY")
+    table = load_efficiencies(env) if env else _shipped()
+    return table.get(accel_id) or table.get("default") or Efficiency()
+
+
+def calibrate(cm: CostModel, samples: Sequence[Sample], fit_per_seq: bool = False,
+              fixed: Mapping[str, float] | None = None) -> Efficiency:
+    """Least-squares efficiency factors for `cm`'s engine from measured samples.
+
+    `fixed` pins some factors (names of `Efficiency` fields) and fits the rest, e.g. when there
+    are fewer samples than factors.
+    """
+    if not samples:
+        raise ValueError("need at least one sample")
+    feats = np.array([cm.step_features(s.prefills, s.decode_contexts) for s in samples], dtype=float)
+    t = np.array([s.seconds for s in samples], dtype=float)
+    if (t <= 0).any():
+        raise ValueError("measured times must be > 0")
+    fixed = dict(fixed or {})
+    if not fit_per_seq:
+        fixed.setdefault("per_seq_s", 0.0)
+    names = ["compute", "memory", "overhead_s", "per_seq_s"]
+    free = [n for n in names if n not in fixed]
+    # fit inverse efficiencies (time multipliers): the model is linear in them inside the max
+    to_x = {"compute": lambda e: 1.0 / e, "memory": lambda e: 1.0 / e, "overhead_s": lambda v: v,
+            "per_seq_s": lambda v: v}
+    lo = {"compute": 1 / 1.5, "memory": 1 / 1.5, "overhead_s": 0.0, "per_seq_s": 0.0}
+    hi = {"compute": 1e3, "memory": 1e3, "overhead_s": 10.0, "per_seq_s": 1.0}
+
+    def unpack(x: np.ndarray) -> dict[str, float]:
+        vals = {n: to_x[n](v) for n, v in fixed.items()}
+        vals.update(dict(zip(free, x, strict=True)))
+        return vals
+
+    def resid(x: np.ndarray) -> np.ndarray:
+        v = unpack(x)
+        pred = v["overhead_s"] + v["per_seq_s"] * feats[:, 3] + np.maximum(
+            feats[:, 0] * v["compute"], feats[:, 1] * v["memory"]) + feats[:, 2]
+        return (pred - t) / t
+
+    best = None
+    starts = {"compute": (1.5, 3.0, 10.0), "memory": (1.2, 2.0, 5.0), "overhead_s": (0.0, float(t.min()) / 2),
+              "per_seq_s": (0.0, 1e-4)}
+    grid = np.array(np.meshgrid(*[starts[n] for n in free])).T.reshape(-1, len(free)) if free else None
+    if grid is None:
+        return _efficiency(unpack(np.array([])))
+    for x0 in grid:
+        x0 = np.clip(x0, [lo[n] for n in free], [hi[n] for n in free])
+        r = least_squares(resid, x0, bounds=([lo[n] for n in free], [hi[n] for n in free]), x_scale="jac")
+        if best is None or r.cost < best.cost:
+            best = r
+    assert best is not None
+    return _efficiency(unpack(best.x))
+
+
+def _efficiency(v: Mapping[str, float]) -> Efficiency:
+    return Efficiency(compute=1.0 / v["compute"], memory=1.0 / v["memory"],
+                      overhead_s=float(v["overhead_s"]), per_seq_s=float(v["per_seq_s"]))
+
+
+def relative_errors(cm: CostModel, samples: Sequence[Sample]) -> np.ndarray:
+    return np.array([cm.step_time(s.prefills, s.decode_contexts) / s.seconds - 1.0 for s in samples])
+
+
+def splitwise_samples(path: str | os.PathLike[str], model: str, hardware: str,
+                      tensor_parallel: int) -> list[Sample]:
+    """Samples from the Splitwise simulator's perf-model CSV (prompt_time: a batch of prompts;
+    token_time: one decode step at the mean context of the generation)."""
+    import csv
+
+    out: list[Sample] = []
+    with Path(path).open() as f:
+        for r in csv.DictReader(f):
+            if r["model"] != model or r["hardware"] != hardware or int(r["tensor_parallel"]) != tensor_parallel:
+                continue
+            p, b, n = int(r["prompt_size"]), int(r["batch_size"]), int(r["token_size"])
+            out.append(Sample(((p, 0),) * b, (), float(r["prompt_time"]) / 1e3))
+            out.append(Sample.decode(b, p + n // 2, float(r["token_time"]) / 1e3))
+    return out
