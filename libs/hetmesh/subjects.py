@@ -61,6 +61,16 @@ def reply(request_id: str) -> str:
     return f"{PREFIX}.resp.{token_safe(request_id)}"
 
 
+def reply_inbox(instance: str) -> str:
+    """One gateway instance's single wildcard subscription covering all its requests' reply subjects."""
+    return f"{PREFIX}.resp.{token_safe(instance)}.*"
+
+
+def reply_to(instance: str, key: str) -> str:
+    """A reply subject under `reply_inbox(instance)`; `key` names one request attempt."""
+    return f"{PREFIX}.resp.{token_safe(instance)}.{token_safe(key)}"
+
+
 def event(service: str) -> str:
     return f"{PREFIX}.event.{token_safe(service)}"
 
@@ -77,7 +87,7 @@ TABLE: tuple[SubjectRow, ...] = (
     SubjectRow(SUBMIT, "gateway", "scheduler (queue group)", "InferenceRequest -> SubmitReply", "request/reply"),
     SubjectRow(f"{PREFIX}.work.<role>.<vendor>.<accelerator>.<worker_id>", "scheduler", "that worker", "WorkItem", "direct placement"),
     SubjectRow(f"{PREFIX}.work.<role>.<vendor>.<accelerator>", "scheduler", "the pool (queue group)", "WorkItem", "any worker of the pool"),
-    SubjectRow(f"{PREFIX}.resp.<request_id>", "workers, scheduler", "gateway", "TokenChunk | RequestError | WorkerLost", "per-request stream"),
+    SubjectRow(f"{PREFIX}.resp.<gateway>.<request_id>-<attempt>", "workers, scheduler", "gateway", "TokenChunk | RequestError | WorkerLost", "per-request stream"),
     SubjectRow(CANCEL, "gateway", "workers, scheduler, kv-transfer", "Cancel", "broadcast"),
     SubjectRow(FINISHED, "workers", "scheduler", "Finished", "in-flight bookkeeping"),
     SubjectRow(f"{PREFIX}.heartbeat.<worker_id>", "workers", "scheduler", "Heartbeat", "liveness + load"),

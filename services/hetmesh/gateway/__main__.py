@@ -1,0 +1,35 @@
+"""`python -m hetmesh.gateway --cluster FILE [--host H] [--port P] [--instance ID]`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import uvicorn
+
+from hetmesh import config
+
+from .service import Gateway, create_app, default_instance
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m hetmesh.gateway", description=__doc__)
+    ap.add_argument("--cluster", help="cluster file (TOML); default $HETMESH_CLUSTER or ops/clusters/default.toml")
+    ap.add_argument("--host", default=None, help="listen address (default: the cluster file's gateway.host)")
+    ap.add_argument("--port", type=int, default=None, help="listen port (default: the cluster file's gateway.port)")
+    ap.add_argument("--instance", default=None, help="instance id (names this gateway's reply subjects)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = config.load(args.cluster)
+    if not cfg.mesh.nats_url:
+        ap.error("no NATS URL: set mesh.nats_url in the cluster file or HETMESH_NATS_URL")
+    host = args.host or cfg.gateway.host
+    port = cfg.gateway.port if args.port is None else args.port
+    gw = Gateway(cfg, args.instance or default_instance())
+    # loop/http "auto": uvloop and httptools when installed (they cut per-request overhead a lot).
+    uvicorn.run(create_app(gw), host=host, port=port, loop="auto", http="auto", log_level="warning",
+                access_log=False, timeout_graceful_shutdown=2, lifespan="on")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,551 @@
+"""The gateway's imperative shell: FastAPI routes, the NATS side, one `Call` per request.
+
+Replies: one wildcard subscription `hetmesh.resp.<instance>.*` routes every worker message to
+its request's `Inbox` by the subject's last token (`<request_id>-<attempt>`), so a request
+costs no subscribe/unsubscribe round trips and a stale attempt's messages fall on the floor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+import nats.errors
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from nats.aio.msg import Msg
+from opentelemetry import trace
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from hetmesh import config, subjects, telemetry, tokenizer
+from hetmesh.bus import Bus
+from hetmesh.kvindex.blocks import block_hashes
+from hetmesh.protocol import (
+    Cancel,
+    ErrorInfo,
+    Heartbeat,
+    InferenceRequest,
+    Placement,
+    RequestError,
+    ResponseEvent,
+    ServiceEvent,
+    SubmitReply,
+    TokenChunk,
+    WorkerLost,
+)
+
+from . import core
+from .core import ApiError, Formatter, Prepared, Reassembler
+from .schemas import ChatCompletionRequest, CompletionRequest, error_body, from_validation
+
+log = logging.getLogger("hetmesh.gateway")
+
+JSON = "application/json"
+
+
+def error_response(info: ErrorInfo) -> Response:
+    return Response(error_body(info), status_code=info.status, media_type=JSON)
+
+
+class _Gone:
+    """Put in an inbox when the client disconnects."""
+
+
+GONE = _Gone()
+
+
+class ClientGone(Exception):
+    pass
+
+
+class Inbox:
+    """A per-request mailbox: a deque plus at most one waiter. Cheaper than asyncio.Queue + wait_for."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: deque[Any] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: object) -> None:
+        self.items.append(item)
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def wait(self, timeout_s: float) -> None:
+        """Return when something is in the box or `timeout_s` passed."""
+        if self.items:
+            return
+        loop = asyncio.get_running_loop()
+        fut = self.waiter = loop.create_future()
+        timer = loop.call_later(timeout_s, _wake, fut)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            self.waiter = None
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class Gateway:
+    def __init__(self, cfg: config.ClusterConfig, instance: str) -> None:
+        self.cfg = cfg
+        self.instance = subjects.token_safe(instance)
+        self.models = {m.name: m for m in cfg.models}
+        self.tokenizers = {m.name: tokenizer.load(m.tokenizer) for m in cfg.models}
+        self.inboxes: dict[str, Inbox] = {}
+        self.live: dict[str, dict[str, float]] = {m.name: {} for m in cfg.models}  # model -> worker -> seen
+        self.tracer = telemetry.setup("gateway", self.instance)
+        self.bus: Bus | None = None
+        self._ids = itertools.count(1)
+        self._bg: set[asyncio.Task[None]] = set()
+        self.created = int(time.time())
+
+    # --- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.bus = await Bus.connect(self.cfg.mesh.nats_url, f"gateway-{self.instance}")
+        await self.bus.subscribe(subjects.reply_inbox(self.instance), ResponseEvent, self._on_reply)
+        await self.bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self._on_heartbeat)
+        await self.bus.nc.flush()
+        log.info("gateway %s connected to %s", self.instance, self.cfg.mesh.nats_url)
+
+    async def stop(self) -> None:
+        for t in list(self._bg):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(t, 1.0)
+        if self.bus is not None:
+            await self.bus.close()
+
+    def spawn(self, coro: Any) -> None:
+        """Fire-and-forget publishes (events, cancels) that must outlive a cancelled request task."""
+        t = asyncio.get_running_loop().create_task(coro)
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
+
+    @property
+    def connected(self) -> bool:
+        return self.bus is not None and self.bus.nc.is_connected
+
+    # --- NATS side ------------------------------------------------------------------------
+    async def _on_reply(self, ev: ResponseEvent, m: Msg) -> None:
+        box = self.inboxes.get(m.subject[m.subject.rfind(".") + 1:])
+        if box is not None:
+            box.put(ev)
+
+    async def _on_heartbeat(self, hb: Heartbeat, _m: Msg) -> None:
+        workers = self.live.get(hb.model)
+        if workers is not None:
+            workers[hb.worker_id] = time.monotonic()
+
+    def live_workers(self, model: str) -> int:
+        workers = self.live.get(model)
+        if not workers:
+            return 0
+        cutoff = time.monotonic() - self.cfg.mesh.heartbeat_timeout_s
+        for wid in [w for w, seen in workers.items() if seen < cutoff]:
+            del workers[wid]
+        return len(workers)
+
+    def event(self, rid: str, kind: str, **detail: str | int | float | bool | None) -> None:
+        if self.bus is None:
+            return
+        ev = ServiceEvent(service="gateway", instance=self.instance, request_id=rid, kind=kind, ts=time.time(),
+                          detail=detail)
+        self.spawn(self.bus.publish(subjects.event("gateway"), ev, rid))
+
+    def cancel(self, rid: str, reason: str) -> None:
+        if self.bus is not None:
+            self.spawn(self.bus.publish(subjects.CANCEL, Cancel(request_id=rid, reason=reason), rid))
+
+    # --- HTTP side ------------------------------------------------------------------------
+    async def handle(self, request: Request, chat: bool) -> Response:
+        raw = await request.body()
+        try:
+            body: ChatCompletionRequest | CompletionRequest = (
+                ChatCompletionRequest if chat else CompletionRequest).model_validate_json(raw)
+        except ValidationError as exc:
+            return error_response(from_validation(exc))
+        model = self.models.get(body.model)
+        if model is None:
+            return error_response(core.model_not_found(body.model))
+        try:
+            tok = self.tokenizers[model.name]
+            prep = (core.prepare_chat(body, model, tok) if chat  # type: ignore[arg-type]
+                    else core.prepare_completion(body, model, tok))  # type: ignore[arg-type]
+        except ApiError as exc:
+            return error_response(exc.info)
+        if not self.connected:
+            return error_response(ErrorInfo(message="the gateway is not connected to the mesh", type="server_error",
+                                            code="service_unavailable", status=503))
+        if self.live_workers(model.name) == 0:
+            return error_response(ErrorInfo(message=f"no live worker serves model {model.name!r} right now",
+                                            type="server_error", code="no_workers", status=503))
+        rid = f"{self.instance}-{next(self._ids)}"
+        call = Call(self, rid, model, prep, request)
+        fmt = Formatter(chat, f"{'chatcmpl' if chat else 'cmpl'}-{rid}", model.name, int(time.time()),
+                        prep.include_usage)
+        return await call.run(fmt)
+
+
+class Call:
+    """One request's life in the gateway: submit, consume the reply stream, retry, cancel."""
+
+    def __init__(self, gw: Gateway, rid: str, model: config.ModelConfig, prep: Prepared, request: Request) -> None:
+        self.gw = gw
+        self.rid = rid
+        self.prep = prep
+        self.request = request
+        self.t0 = time.perf_counter()
+        self.req = InferenceRequest(
+            request_id=rid, model=model.name, prompt_tokens=prep.prompt_tokens,
+            block_hashes=block_hashes(model.name, prep.prompt_tokens, model.block_size),
+            sampling=prep.sampling, reply_subject="", arrival_ts=time.time())
+        self.box = Inbox()
+        self.key = ""
+        self.reasm = Reassembler()
+        self.placement: Placement | None = None
+        self.delivered = False  # some token reached the client: no more retries
+        self.gone = False
+        self.cancelled = False
+        self.closed = False
+        self.first_token_at: float | None = None
+        self.span = gw.tracer.start_span("gateway.request", attributes={
+            "hetmesh.request_id": rid, "hetmesh.model": model.name, "hetmesh.prompt_tokens": len(prep.prompt_tokens),
+            "hetmesh.stream": prep.stream})
+        self.watcher: asyncio.Task[None] | None = None
+
+    # --- the mesh side ----------------------------------------------------------------------
+    async def submit(self) -> ErrorInfo | None:
+        gw = self.gw
+        assert gw.bus is not None
+        self.key = f"{self.rid}-{self.req.attempt}"
+        self.req.reply_subject = subjects.reply_to(gw.instance, self.key)
+        gw.inboxes[self.key] = self.box  # before submitting: the first token may beat the reply
+        try:
+            with trace.use_span(self.span, end_on_exit=False):
+                reply = await gw.bus.request(subjects.SUBMIT, self.req, SubmitReply,
+                                             timeout_s=gw.cfg.gateway.submit_timeout_s, request_id=self.rid)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, TimeoutError):
+            return ErrorInfo(message="the scheduler did not answer", type="server_error",
+                             code="scheduler_unavailable", status=503)
+        except nats.errors.Error as exc:
+            return ErrorInfo(message=f"the mesh is unreachable: {exc}", type="server_error",
+                             code="service_unavailable", status=503)
+        if reply.error is not None:
+            return reply.error
+        self.placement = reply.placement
+        if reply.placement is not None:
+            p = reply.placement
+            gw.event(self.rid, "placed", mode=p.mode, decode_worker=p.decode_worker, prefill_worker=p.prefill_worker,
+                     attempt=self.req.attempt)
+        return None
+
+    def can_retry(self) -> bool:
+        return not self.delivered and self.req.attempt + 1 < self.gw.cfg.mesh.max_attempts
+
+    async def retry(self, lost_worker: str | None) -> ErrorInfo | None:
+        self.gw.inboxes.pop(self.key, None)
+        self.box.items.clear()  # the old attempt's leftovers
+        self.reasm = Reassembler()
+        self.req.attempt += 1
+        if lost_worker and lost_worker not in self.req.exclude_workers:
+            self.req.exclude_workers.append(lost_worker)
+        self.gw.event(self.rid, "retried", attempt=self.req.attempt, lost_worker=lost_worker)
+        return await self.submit()
+
+    async def pull(self) -> list[TokenChunk] | ErrorInfo:
+        """The next chunks in completion order (never empty), or the error that ends the request.
+
+        Raises ClientGone when the client disconnected. Retries happen in here, invisibly.
+        """
+        stall = self.gw.cfg.mesh.stall_timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + stall
+        ready: list[TokenChunk] = []
+        while True:
+            items = self.box.items
+            while items:
+                ev = items.popleft()
+                if type(ev) is TokenChunk:
+                    if ev.finish_reason == "abort" and not self.cancelled:
+                        return ErrorInfo(message=f"worker {ev.worker_id} aborted the request", type="server_error",
+                                         code="aborted", status=502)
+                    ready.extend(self.reasm.add(ev))
+                elif ev is GONE:
+                    raise ClientGone
+                elif type(ev) is WorkerLost or (type(ev) is RequestError and ev.retryable):
+                    lost = ev.worker_id if type(ev) is WorkerLost else None
+                    if not self.can_retry():
+                        return self._lost_info(ev)
+                    err = await self.retry(lost)
+                    if err is not None:
+                        return err
+                    ready.clear()
+                    deadline = loop.time() + stall
+                    break
+                elif type(ev) is RequestError:
+                    return ev.error
+            if self.gone:
+                raise ClientGone
+            if ready and not items:
+                return ready
+            if items:
+                continue
+            now = loop.time()
+            if now >= deadline:
+                self.gw.cancel(self.rid, "stalled")
+                self.cancelled = True
+                return ErrorInfo(message=f"no response from the mesh for {stall:g}s", type="server_error",
+                                 code="timeout", status=504)
+            await self.box.wait(deadline - now)
+            if self.box.items:
+                deadline = loop.time() + stall
+
+    def _lost_info(self, ev: WorkerLost | RequestError) -> ErrorInfo:
+        if type(ev) is RequestError:
+            return ev.error
+        what = "after part of the response was sent" if self.delivered else f"after {self.req.attempt + 1} attempts"
+        return ErrorInfo(message=f"worker {ev.worker_id} was lost {what}", type="server_error",
+                         code="worker_lost", status=502)
+
+    # --- the client side --------------------------------------------------------------------
+    async def _watch(self, receive: Receive) -> None:
+        # The body is consumed; the next ASGI message is http.disconnect (client left or response done).
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                if not self.closed:
+                    self.gone = True
+                    self.box.put(GONE)
+                return
+
+    async def run(self, fmt: Formatter) -> Response:
+        gw = self.gw
+        gw.event(self.rid, "received", model=self.req.model, prompt_tokens=len(self.req.prompt_tokens),
+                 max_tokens=self.req.sampling.max_tokens, stream=self.prep.stream)
+        self.watcher = asyncio.get_running_loop().create_task(self._watch(self.request.receive))
+        handed_off = False
+        try:
+            err = await self.submit()
+            if err is not None:
+                return self._error(err)
+            if self.prep.stream:
+                first = await self.pull()  # before the 200: an early failure still gets its real status
+                if isinstance(first, ErrorInfo):
+                    return self._error(first)
+                handed_off = True
+                return SseResponse(self, fmt, first)
+            return await self._collect(fmt)
+        except ClientGone:
+            self._cancel("client_disconnected")
+            return Response(status_code=499)
+        except BaseException:
+            self._cancel("gateway_error")
+            raise
+        finally:
+            if not handed_off:
+                self.close()
+
+    async def _collect(self, fmt: Formatter) -> Response:
+        texts: list[str] = []
+        attempt = self.req.attempt
+        while not self.reasm.done:
+            got = await self.pull()
+            if isinstance(got, ErrorInfo):
+                return self._error(got)
+            if self.req.attempt != attempt:  # a retry started over: what came before is void
+                texts.clear()
+                attempt = self.req.attempt
+            if self.first_token_at is None:
+                self._first_token()
+            texts.extend(c.text for c in got)
+        self._finished()
+        return Response(fmt.full("".join(texts), self.reasm.finish_reason, self.usage()), media_type=JSON)
+
+    def usage(self) -> core.Usage:
+        return core.usage_of(self.reasm, len(self.req.prompt_tokens))
+
+    def _first_token(self) -> None:
+        self.first_token_at = time.perf_counter()
+        self.gw.event(self.rid, "first_token", ttft_ms=round((self.first_token_at - self.t0) * 1e3, 3))
+
+    def _finished(self) -> None:
+        u = self.usage()
+        self.gw.event(self.rid, "finished", finish_reason=self.reasm.finish_reason,
+                      completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens,
+                      attempts=self.req.attempt + 1, duration_ms=round((time.perf_counter() - self.t0) * 1e3, 3))
+
+    def _error(self, info: ErrorInfo) -> Response:
+        self._error_event(info)
+        return error_response(info)
+
+    def _error_event(self, info: ErrorInfo) -> None:
+        self.span.set_status(trace.Status(trace.StatusCode.ERROR, info.message))
+        self.gw.event(self.rid, "error", status=info.status, code=info.code, message=info.message)
+
+    def _cancel(self, reason: str) -> None:
+        if not self.cancelled and self.placement is not None:
+            self.cancelled = True
+            self.gw.cancel(self.rid, reason)
+            self.gw.event(self.rid, "cancelled", reason=reason)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.gw.inboxes.pop(self.key, None)
+        if self.watcher is not None:
+            self.watcher.cancel()
+        self.span.end()
+
+
+class SseResponse(Response):
+    """The streaming body. Its own ASGI loop (not StreamingResponse) so that a disconnect is a
+    message in the inbox, not a cancellation: the Cancel publish then runs in a live task."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, call: Call, fmt: Formatter, first: list[TokenChunk]) -> None:
+        # No content-length: uvicorn sends the body chunked as it comes.
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                            (b"x-accel-buffering", b"no")]
+        self.call = call
+        self.fmt = fmt
+        self.first = first
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        call, fmt = self.call, self.fmt
+        finished = False
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            body = fmt.sse_chunks(self.first, first=True)
+            call.delivered = True
+            call._first_token()
+            if call.reasm.done:
+                body += self._tail()
+                finished = True
+            await send({"type": "http.response.body", "body": body, "more_body": not finished})
+            while not finished:
+                got = await call.pull()
+                if isinstance(got, ErrorInfo):
+                    call._error_event(got)
+                    await send({"type": "http.response.body", "body": core.sse_error(got), "more_body": False})
+                    finished = True  # the mesh ended it; nothing to cancel
+                    call.cancelled = True
+                    return
+                body = fmt.sse_chunks(got, first=False)
+                if call.reasm.done:
+                    body += self._tail()
+                    finished = True
+                await send({"type": "http.response.body", "body": body, "more_body": not finished})
+        except ClientGone:
+            pass
+        except OSError:
+            pass
+        finally:
+            if not finished:
+                call._cancel("client_disconnected")
+            call.close()
+
+    def _tail(self) -> bytes:
+        call = self.call
+        call._finished()
+        tail = core.DONE
+        if self.fmt.include_usage:
+            tail = self.fmt.sse_usage(call.usage()) + tail
+        return tail
+
+
+def create_app(gw: Gateway) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await gw.start()
+        try:
+            yield
+        finally:
+            await gw.stop()
+
+    app = FastAPI(title="Hetmesh gateway", version="0.1.0", lifespan=lifespan)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_r: Request, exc: RequestValidationError) -> Response:
+        return error_response(from_validation(list(exc.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(r: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404:
+            msg = f"Invalid URL ({r.method} {r.url.path})"
+        elif exc.status_code == 405:
+            msg = f"Method {r.method} is not allowed for {r.url.path}"
+        else:
+            msg = str(exc.detail)
+        info = ErrorInfo(message=msg, type="invalid_request_error", status=exc.status_code)
+        return Response(error_body(info), status_code=exc.status_code, media_type=JSON,
+                        headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _crash(_r: Request, exc: Exception) -> Response:
+        log.exception("unhandled error", exc_info=exc)
+        return error_response(ErrorInfo(message="internal error in the gateway", type="server_error", status=500))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await gw.handle(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await gw.handle(request, chat=False)
+
+    def model_card(m: config.ModelConfig) -> dict[str, object]:
+        return {"id": m.name, "object": "model", "created": gw.created, "owned_by": "hetmesh",
+                "max_model_len": m.max_context, "live_workers": gw.live_workers(m.name)}
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        data = [model_card(m) for m in gw.models.values()]
+        return Response(core._enc.encode({"object": "list", "data": data}), media_type=JSON)
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> Response:
+        m = gw.models.get(name)
+        if m is None:
+            return error_response(core.model_not_found(name))
+        return Response(core._enc.encode(model_card(m)), media_type=JSON)
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = gw.connected
+        return Response(core._enc.encode({"status": "ok" if ok else "nats_disconnected", "instance": gw.instance}),
+                        status_code=200 if ok else 503, media_type=JSON)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        per_model = {name: gw.live_workers(name) for name in gw.models}
+        total = sum(per_model.values())
+        ok = gw.connected and total > 0
+        body = {"status": "ready" if ok else "not_ready", "nats": gw.connected, "workers": total,
+                "models": per_model}
+        return Response(core._enc.encode(body), status_code=200 if ok else 503, media_type=JSON)
+
+    return app
+
+
+def default_instance() -> str:
+    return f"gw{os.getpid():x}{os.urandom(2).hex()}"

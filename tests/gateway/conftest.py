@@ -1,0 +1,285 @@
+"""A real nats-server, a real gateway process, and a scripted peer playing scheduler + worker.
+
+The peer is not the system under test: it answers `SUBMIT` and streams `TokenChunk`s on the
+request's reply subject the way the real scheduler and workers do, with the misbehaviour a
+test asks for (chosen by a keyword in the prompt). It runs its own event loop in a thread so
+that sync tests (httpx, the sync openai client) and async ones can both drive the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import msgspec
+import nats
+import pytest
+
+from hetmesh import servers, subjects
+from hetmesh.bus import Bus
+from hetmesh.protocol import (
+    Cancel,
+    ErrorInfo,
+    Heartbeat,
+    InferenceRequest,
+    Placement,
+    RequestError,
+    Role,
+    ServiceEvent,
+    SubmitReply,
+    TokenChunk,
+    Usage,
+    WorkerLost,
+)
+
+MAX_CONTEXT = 256
+CLUSTER = f"""
+[mesh]
+heartbeat_interval_s = 0.2
+heartbeat_timeout_s = 1.5
+stall_timeout_s = 1.5
+max_attempts = 2
+
+[gateway]
+submit_timeout_s = 1.0
+
+[[models]]
+name = "tiny"
+tokenizer = "byte"
+max_context = {MAX_CONTEXT}
+block_size = 16
+
+[[models]]
+name = "dead"
+tokenizer = "byte"
+max_context = {MAX_CONTEXT}
+
+[[workers]]
+name = "fake"
+model = "tiny"
+accelerator = "nvidia-h100"
+"""
+
+ALPHABET = "abcdefghijklmnopqrstuvwxyz"
+CACHED = 16  # cached_tokens the fake worker reports
+
+
+def text_for(n: int) -> str:
+    """What the fake worker generates: a deterministic cycle, so tests know the exact text."""
+    return "".join(ALPHABET[i % len(ALPHABET)] for i in range(n))
+
+
+class FakePeer:
+    """Scheduler + worker stand-in. Scenario keywords in the prompt text:
+    lost-once, error-retry-once, partial-lost, shuffle, reject, noreply, silent, slow, fatal."""
+
+    def __init__(self, nats_url: str) -> None:
+        self.nats_url = nats_url
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.submits: list[InferenceRequest] = []
+        self.cancels: list[Cancel] = []
+        self.events: list[ServiceEvent] = []
+        self.chunk_size = 4
+        self._tasks: set[asyncio.Future[None]] = set()
+        self.bus: Bus
+
+    def start(self) -> FakePeer:
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(15)
+        return self
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self.bus.close(), self.loop).result(5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+    async def _start(self) -> None:
+        self.bus = await Bus.connect(self.nats_url, "fake-peer")
+        await self.bus.subscribe(subjects.SUBMIT, InferenceRequest, self._on_submit, queue=subjects.SCHEDULER_QUEUE)
+        await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel)
+        await self.bus.subscribe(subjects.EVENTS_ALL, ServiceEvent, self._on_event)
+        await self.bus.nc.flush()
+        self._hb = asyncio.ensure_future(self._heartbeats())
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await self.bus.publish(subjects.heartbeat("fake-0"), Heartbeat(
+                worker_id="fake-0", model="tiny", accelerator="nvidia-h100", vendor="nvidia", devices=1,
+                role=Role.BOTH, engine="fake", work_subject="unused", queue_depth=0, running=0, max_batch=8,
+                kv_blocks_total=100, kv_blocks_used=0, block_size=16, ts=time.time()))
+            await asyncio.sleep(0.2)
+
+    async def _on_cancel(self, c: Cancel, _m: object) -> None:
+        self.cancels.append(c)
+
+    async def _on_event(self, e: ServiceEvent, _m: object) -> None:
+        self.events.append(e)
+
+    async def _on_submit(self, req: InferenceRequest, m: object) -> None:
+        self.submits.append(req)
+        prompt = bytes(t for t in req.prompt_tokens if t < 256).decode(errors="replace")
+        if "noreply" in prompt:
+            return
+        if "reject" in prompt:
+            await self.bus.respond(m, SubmitReply(request_id=req.request_id, error=ErrorInfo(  # type: ignore[arg-type]
+                message="too busy", type="server_error", code="no_capacity", status=429)))
+            return
+        await self.bus.respond(m, SubmitReply(request_id=req.request_id, placement=Placement(  # type: ignore[arg-type]
+            mode="aggregated", decode_worker="fake-0", policy="fake")))
+        t = asyncio.ensure_future(self._work(req, prompt))
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    def _chunks(self, req: InferenceRequest) -> list[TokenChunk]:
+        n = req.sampling.max_tokens
+        text = text_for(n)
+        out = []
+        for start in range(0, n, self.chunk_size):
+            piece = text[start:start + self.chunk_size]
+            last = start + self.chunk_size >= n
+            out.append(TokenChunk(
+                request_id=req.request_id, worker_id="fake-0", index=start, token_ids=list(piece.encode()),
+                text=piece, finish_reason="length" if last else None,
+                usage=Usage(prompt_tokens=len(req.prompt_tokens), completion_tokens=n, cached_tokens=CACHED)
+                if last else None))
+        return out
+
+    async def _work(self, req: InferenceRequest, prompt: str) -> None:
+        rs = req.reply_subject
+        rid = req.request_id
+        await asyncio.sleep(0.01)
+        if "silent" in prompt:
+            return
+        if "fatal" in prompt:
+            await self.bus.publish(rs, RequestError(request_id=rid, error=ErrorInfo(
+                message="engine exploded", type="server_error", code="engine_error", status=500)))
+            return
+        if "lost-once" in prompt and req.attempt == 0:
+            await self.bus.publish(rs, WorkerLost(request_id=rid, worker_id="fake-0"))
+            return
+        if "error-retry-once" in prompt and req.attempt == 0:
+            await self.bus.publish(rs, RequestError(request_id=rid, retryable=True, error=ErrorInfo(
+                message="preempted", status=503)))
+            return
+        chunks = self._chunks(req)
+        if ("partial-lost" in prompt and req.attempt == 0) or "partial-lost-always" in prompt:
+            for c in chunks[:2]:
+                await self.bus.publish(rs, c)
+            await asyncio.sleep(0.05)
+            await self.bus.publish(rs, WorkerLost(request_id=rid, worker_id="fake-0"))
+            return
+        if "shuffle" in prompt:
+            # Last first, a duplicate of each: the gateway must reorder and drop the copies.
+            for c in [*reversed(chunks), *chunks]:
+                await self.bus.publish(rs, c)
+            return
+        delay = 0.05 if "slow" in prompt else 0.0
+        for c in chunks:
+            if delay:
+                if any(x.request_id == rid for x in self.cancels):
+                    return  # a real worker aborts on Cancel
+                await asyncio.sleep(delay)
+            await self.bus.publish(rs, c)
+
+    def wait_for(self, what: str, pred: object, timeout_s: float = 10.0) -> object:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for x in list(getattr(self, what)):
+                if pred(x):  # type: ignore[operator]
+                    return x
+            time.sleep(0.02)
+        raise AssertionError(f"no matching {what} within {timeout_s}s")
+
+
+@pytest.fixture(scope="session")
+def gw_nats() -> Iterator[str]:
+    srv = servers.start_nats(jetstream=False)
+    try:
+        yield srv.url
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def peer(gw_nats: str) -> Iterator[FakePeer]:
+    p = FakePeer(gw_nats).start()
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+class GatewayProc:
+    def __init__(self, url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+        self.url = url
+        self.proc = proc
+        self.log = log
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+@pytest.fixture(scope="session")
+def gateway(gw_nats: str, peer: FakePeer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProc]:
+    d = tmp_path_factory.mktemp("gateway")
+    cluster = d / "cluster.toml"
+    cluster.write_text(CLUSTER)
+    port = servers.free_port()
+    log = d / "gateway.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "hetmesh.gateway", "--cluster", str(cluster), "--port",
+                                 str(port), "--instance", "gwtest"],
+                                env=servers.env_with(HETMESH_NATS_URL=gw_nats), stdout=out, stderr=subprocess.STDOUT)
+    gp = GatewayProc(f"http://127.0.0.1:{port}", proc, log)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, f"gateway exited: {log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"gateway not ready: {log.read_text()[-3000:]}"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{gp.url}/ready", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.1)
+        yield gp
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        print(f"--- gateway log\n{log.read_text()[-3000:]}")
+
+
+def sse_events(raw: str) -> list[object]:
+    """Decode an SSE body into its `data:` payloads ("[DONE]" stays a string)."""
+    out: list[object] = []
+    for block in raw.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), block
+        payload = block[len("data: "):]
+        out.append(payload if payload == "[DONE]" else msgspec.json.decode(payload))
+    return out
+
+
+async def nats_sub(url: str, subject: str) -> tuple[nats.NATS, list[bytes]]:
+    nc = await nats.connect(url)
+    got: list[bytes] = []
+
+    async def cb(m: object) -> None:
+        got.append(m.data)  # type: ignore[attr-defined]
+
+    await nc.subscribe(subject, cb=cb)
+    await nc.flush()
+    return nc, got
