@@ -173,6 +173,7 @@ class KvTransferRequest(Struct, kw_only=True):
     chunk_bytes: int
     first_token_ids: list[int]  # what prefill generated; decode continues after them
     first_text: str = ""
+    cached_tokens: int = 0  # prefill side's prefix-cache hit, for the decode side's final Usage
 
 
 class KvTransferAccept(Struct, kw_only=True):
@@ -193,6 +194,7 @@ class KvLanded(Struct, kw_only=True):
     first_text: str = ""
     ok: bool = True
     error: str | None = None
+    cached_tokens: int = 0  # copied from KvTransferRequest
 
 
 class ServiceEvent(Struct, kw_only=True):

@@ -1,0 +1,97 @@
+"""The narrow engine interface the worker shell drives.
+
+It is deliberately small so that a vLLM `AsyncLLM` can sit behind it later: `submit` maps to
+`AsyncLLM.add_request`, `stream` to its per-request output queue, `abort` to `abort`, and
+`kv_events` to vLLM's KV-cache event publisher (BlockStored / BlockRemoved / AllBlocksCleared).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from msgspec import Struct, field
+
+from hetmesh.protocol import Phase, SamplingParams
+
+
+class EngineError(Exception):
+    """The engine cannot take or finish a request (e.g. it can never fit in the KV cache)."""
+
+
+class EngineRequest(Struct, kw_only=True):
+    request_id: str
+    prompt_tokens: list[int]
+    block_hashes: list[int]  # hetmesh.kvindex.blocks.block_hashes of the prompt: the one scheme in the mesh
+    sampling: SamplingParams
+    phase: Phase = Phase.FULL
+    # DECODE: the token(s) the prefill side generated; their KV and the prompt's have landed.
+    first_token_ids: list[int] = field(default_factory=list)
+
+
+class EngineOutput(Struct, kw_only=True):
+    """New tokens since the previous output of this request (outputs of several steps may be merged)."""
+
+    request_id: str
+    index: int  # position of token_ids[0] in the completion
+    token_ids: list[int]
+    text: str  # new text; stop strings and text that may still become one are held back
+    finished: bool = False  # the last output of this stream
+    # "stop" | "length" | "abort"; None on a finished PREFILL stream that handed off to decode
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from this engine's prefix cache
+    completion_tokens: int = 0  # completion length so far, including DECODE's first tokens
+
+
+class EngineStats(Struct, kw_only=True):
+    waiting: int
+    running: int
+    max_batch: int
+    kv_blocks_total: int
+    kv_blocks_used: int  # pinned by running requests (evictable cached blocks count as free)
+    kv_blocks_cached: int  # blocks holding a prefix (pinned or evictable)
+    block_size: int
+    tokens_generated: int = 0
+    prompt_tokens_computed: int = 0
+    prompt_tokens_cached: int = 0
+    aborted: int = 0
+    steps: int = 0
+    busy_s: float = 0.0  # simulated accelerator time spent in steps
+
+
+class KvEventBatch(Struct, kw_only=True):
+    """Net change of the prefix cache since the last drain (a block stored then evicted cancels out)."""
+
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+    cleared: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(self.stored or self.removed or self.cleared)
+
+
+class Engine(Protocol):
+    name: str
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def submit(self, request: EngineRequest) -> None:
+        """Queue a request; raises EngineError when it can never run here."""
+        ...
+
+    def stream(self, request_id: str) -> AsyncIterator[EngineOutput]:
+        """Outputs of a submitted request until (and including) the one with finished=True."""
+        ...
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop computing the request now; its stream ends with finish_reason "abort". False if unknown."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+    def kv_events(self) -> KvEventBatch:
+        """Drain the prefix cache's stored/removed block hashes since the previous call."""
+        ...

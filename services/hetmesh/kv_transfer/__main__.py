@@ -1,0 +1,4 @@
+from hetmesh.kv_transfer.service import main
+
+if __name__ == "__main__":
+    main()

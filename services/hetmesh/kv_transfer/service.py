@@ -1,0 +1,203 @@
+"""kv-transfer: moves a request's KV cache from its prefill worker to its decode worker.
+
+Per transfer: subscribe the transfer's data subject, accept, relay every chunk to the decode
+worker's receive subject as it arrives (nothing is buffered, so memory stays bounded by NATS'
+per-subscription limits), check that every byte and every sequence number arrived, then tell
+the decode worker with KvLanded. Replicas share requests as a queue group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import deque
+
+from msgspec import Struct
+from nats.aio.msg import Msg
+
+from hetmesh import config, subjects, telemetry
+from hetmesh.bus import Bus, encode_error
+from hetmesh.protocol import Cancel, KvLanded, KvTransferAccept, KvTransferRequest, ServiceEvent
+
+log = logging.getLogger("hetmesh.kv_transfer")
+
+
+class TransferRecord(Struct, kw_only=True):
+    transfer_id: str
+    request_id: str
+    src: str
+    dst: str
+    nbytes: int
+    chunks: int
+    duration_s: float
+    ok: bool
+    error: str | None = None
+
+
+class _Transfer:
+    __slots__ = ("bytes", "chunks", "done", "error", "last_seen", "req", "started")
+
+    def __init__(self, req: KvTransferRequest) -> None:
+        self.req = req
+        self.bytes = 0
+        self.chunks = 0
+        self.error: str | None = None
+        self.done = asyncio.Event()
+        self.started = self.last_seen = time.monotonic()
+
+
+class KvTransferService:
+    def __init__(self, cfg: config.ClusterConfig, instance: str, idle_timeout_s: float = 10.0,
+                 max_concurrent: int = 512, history: int = 1000) -> None:
+        self.cfg = cfg
+        self.instance = instance
+        self.idle_timeout_s = idle_timeout_s
+        self.max_concurrent = max_concurrent
+        self.active: dict[str, _Transfer] = {}  # transfer id ->
+        self.records: deque[TransferRecord] = deque(maxlen=history)
+        self.total_bytes = 0
+        self.total_transfers = 0
+        self.tracer = telemetry.setup("kv-transfer", instance)
+        self.bus: Bus
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self.bus = await Bus.connect(self.cfg.mesh.nats_url, f"kv-transfer-{self.instance}")
+        await self.bus.subscribe(subjects.KV_TRANSFER, KvTransferRequest, self.on_request,
+                                 queue=subjects.KV_TRANSFER_QUEUE)
+        await self.bus.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
+        await self.bus.nc.flush()
+        log.info("kv-transfer %s up", self.instance)
+
+    async def stop(self) -> None:
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=self.idle_timeout_s)
+        await self.bus.close()
+
+    async def on_request(self, req: KvTransferRequest, m: Msg) -> None:
+        if len(self.active) >= self.max_concurrent:
+            await m.respond(encode_error(f"kv-transfer {self.instance} busy: {len(self.active)} transfers"))
+            return
+        if req.transfer_id in self.active:
+            await m.respond(encode_error(f"transfer {req.transfer_id} already in progress"))
+            return
+        t = _Transfer(req)
+        self.active[req.transfer_id] = t
+        data_subject = subjects.kv_data(req.transfer_id)
+        sub = await self.bus.nc.subscribe(data_subject, cb=self._relay(t), pending_msgs_limit=100_000,
+                                          pending_bytes_limit=512 << 20)
+        task = asyncio.create_task(self._finish(t, sub, telemetry.extract(m.headers)))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        await self.bus.respond(m, KvTransferAccept(transfer_id=req.transfer_id, data_subject=data_subject))
+
+    def _relay(self, t: _Transfer):  # type: ignore[no-untyped-def]
+        recv = subjects.kv_recv(t.req.dst_worker)
+        tid = t.req.transfer_id
+        nc = self.bus.nc
+
+        async def cb(m: Msg) -> None:
+            if t.done.is_set():
+                return
+            h = m.headers or {}
+            seq = int(h.get("Kv-Seq", "-1"))
+            if seq != t.chunks and t.error is None:
+                t.error = f"chunk {t.chunks} missing (got seq {seq})"
+            t.chunks += 1
+            t.bytes += len(m.data)
+            t.last_seen = time.monotonic()
+            last = h.get("Kv-Last") == "1"
+            await nc.publish(recv, m.data, headers={"Kv-Transfer": tid, "Kv-Seq": str(seq),
+                                                    "Kv-Last": "1" if last else "0"})
+            if last:
+                t.done.set()
+
+        return cb
+
+    async def _finish(self, t: _Transfer, sub: object, ctx: object) -> None:
+        req = t.req
+        span = self.tracer.start_span("kv_transfer", context=ctx, attributes={  # type: ignore[arg-type]
+            "hetmesh.request_id": req.request_id, "hetmesh.transfer_id": req.transfer_id,
+            "hetmesh.src": req.src_worker, "hetmesh.dst": req.dst_worker, "hetmesh.nbytes": req.nbytes})
+        try:
+            # An idle timeout rather than a total one: a large transfer on a slow link is fine while it moves.
+            while not t.done.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(t.done.wait(), self.idle_timeout_s)
+                if not t.done.is_set() and time.monotonic() - t.last_seen >= self.idle_timeout_s:
+                    t.error = t.error or (f"timed out after {self.idle_timeout_s:g}s idle with {t.bytes} of "
+                                          f"{req.nbytes} bytes in {t.chunks} chunks")
+                    break
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()  # type: ignore[attr-defined]
+            if t.error is None and t.bytes != req.nbytes:
+                t.error = f"byte count mismatch: got {t.bytes}, expected {req.nbytes}"
+            duration = time.monotonic() - t.started
+            ok = t.error is None
+            # Flush the relayed chunks before KvLanded so they are ahead of it on the wire.
+            await self.bus.nc.flush(timeout=30)
+            await self.bus.publish(subjects.kv_landed(req.dst_worker), KvLanded(
+                transfer_id=req.transfer_id, request_id=req.request_id, src_worker=req.src_worker, nbytes=t.bytes,
+                chunks=t.chunks, duration_s=duration, first_token_ids=req.first_token_ids,
+                first_text=req.first_text, ok=ok, error=t.error, cached_tokens=req.cached_tokens), req.request_id)
+            rec = TransferRecord(transfer_id=req.transfer_id, request_id=req.request_id, src=req.src_worker,
+                                 dst=req.dst_worker, nbytes=t.bytes, chunks=t.chunks, duration_s=duration, ok=ok,
+                                 error=t.error)
+            self.records.append(rec)
+            self.total_transfers += 1
+            self.total_bytes += t.bytes
+            if not ok:
+                log.warning("transfer %s failed: %s", req.transfer_id, t.error)
+            await self.bus.publish(subjects.event("kv-transfer"), ServiceEvent(
+                service="kv-transfer", instance=self.instance, request_id=req.request_id, kind="kv_transferred",
+                ts=time.time(), detail={"transfer_id": req.transfer_id, "src": req.src_worker, "dst": req.dst_worker,
+                                        "nbytes": t.bytes, "expected_nbytes": req.nbytes, "chunks": t.chunks,
+                                        "duration_s": duration, "num_tokens": req.num_tokens, "ok": ok,
+                                        "error": t.error,
+                                        "bytes_per_s": t.bytes / duration if duration > 0 else 0.0}),
+                req.request_id)
+            span.set_attribute("hetmesh.ok", ok)
+        finally:
+            span.end()
+            self.active.pop(req.transfer_id, None)
+
+    async def on_cancel(self, c: Cancel, _m: Msg) -> None:
+        for t in self.active.values():
+            if t.req.request_id == c.request_id and not t.done.is_set():
+                t.error = f"cancelled: {c.reason}"
+                t.done.set()
+
+
+async def run(cfg: config.ClusterConfig, instance: str, idle_timeout_s: float) -> None:
+    import signal
+
+    svc = KvTransferService(cfg, instance, idle_timeout_s)
+    await svc.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await svc.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m hetmesh.kv_transfer", description=__doc__)
+    ap.add_argument("--cluster", help="cluster file (TOML)")
+    ap.add_argument("--instance", default=f"kvx-{uuid.uuid4().hex[:6]}")
+    ap.add_argument("--idle-timeout-s", type=float, default=10.0,
+                    help="a transfer with no chunk for this long fails (KvLanded ok=False)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = config.load(args.cluster)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(run(cfg, args.instance, args.idle_timeout_s))

@@ -1,0 +1,1 @@
+"""`python -m hetmesh.prefill_worker`: the worker with role `prefill` unless --role says otherwise."""

@@ -1,0 +1,519 @@
+"""Worker: the asyncio shell around one engine (one accelerator instance: a GPU or a server).
+
+It takes WorkItems from its direct and pool subjects, streams TokenChunks straight to the
+gateway, heartbeats its load, publishes its prefix cache's KV events, aborts on Cancel, and
+plays its part in disaggregated serving: a PREFILL item ends by shipping the KV through
+kv-transfer; a DECODE item waits for KvLanded, then continues the same completion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+import uuid
+from typing import Any
+
+import msgspec
+from nats.aio.msg import Msg
+from opentelemetry import trace
+from opentelemetry.context import Context
+
+from hetmesh import config, engines, subjects, telemetry
+from hetmesh.bus import Bus
+from hetmesh.costmodel import CostModel, accelerator, model_spec
+from hetmesh.engines.base import Engine, EngineError, EngineOutput, EngineRequest
+from hetmesh.protocol import (
+    Cancel,
+    ErrorInfo,
+    Finished,
+    Heartbeat,
+    KvEvent,
+    KvLanded,
+    KvTransferAccept,
+    KvTransferRequest,
+    Phase,
+    RequestError,
+    Role,
+    ServiceEvent,
+    TokenChunk,
+    Usage,
+    WorkItem,
+)
+
+log = logging.getLogger("hetmesh.worker")
+
+KV_EVENT_PERIOD_S = 0.05  # coalescing window for KvEvent batches
+KV_ACCEPT_TIMEOUT_S = 5.0
+KV_FLUSH_EVERY = 16 << 20  # flush the connection every this many KV bytes: bounded client buffer
+EARLY_LANDED_MAX = 10_000
+STALE_S = 120.0
+
+_enc = msgspec.json.Encoder()
+
+
+class _Decode:
+    """A DECODE work item waiting for its KV."""
+
+    __slots__ = ("future", "item")
+
+    def __init__(self, item: WorkItem, future: asyncio.Future[KvLanded]) -> None:
+        self.item = item
+        self.future = future
+
+
+class Worker:
+    def __init__(self, cfg: config.ClusterConfig, worker_id: str, role: Role | None = None,
+                 kv_landed_timeout_s: float = 30.0, drain_timeout_s: float = 10.0,
+                 engine: Engine | None = None) -> None:
+        self.cfg = cfg
+        self.worker_id = worker_id
+        self.group = cfg.group_of(worker_id)
+        self.role = Role(role or self.group.role)
+        self.model = cfg.model(self.group.model)
+        self.cost = CostModel(accelerator(self.group.accelerator), model_spec(self.model.spec),
+                              self.group.devices, self.group.parallel)
+        self.engine: Engine = engine or engines.create(cfg, self.group, self.cost)
+        self.kv_landed_timeout_s = kv_landed_timeout_s
+        self.drain_timeout_s = drain_timeout_s
+        vendor, accel = self.group.vendor, self.group.accelerator
+        self.work_subject = subjects.work_direct(self.role.value, vendor, accel, worker_id)
+        self.pool_subject = subjects.work_pool(self.role.value, vendor, accel)
+        self.tracer = telemetry.setup("worker", worker_id)
+        self.bus: Bus
+        self.tasks: dict[str, asyncio.Task[None]] = {}  # request id -> the task serving it
+        self.decodes: dict[str, _Decode] = {}  # waiting for KvLanded
+        self.early_landed: dict[str, tuple[KvLanded, float]] = {}  # KvLanded that beat its WorkItem
+        self.recv: dict[str, list[float]] = {}  # transfer id -> [bytes, chunks, last seen]
+        self.cancelled: set[str] = set()
+        self.draining = False
+        self._subs: list[Any] = []
+        self._work_subs: list[Any] = []
+        self._loops: list[asyncio.Task[None]] = []
+        self.kv_bytes_sent = 0
+        self.kv_bytes_received = 0
+        self._zeros = b""
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        self.bus = await Bus.connect(self.cfg.mesh.nats_url, f"worker-{self.worker_id}")
+        await self.engine.start()
+        nc = self.bus.nc
+        self._subs += [
+            await self.bus.subscribe(subjects.CANCEL, Cancel, self.on_cancel),
+            await self.bus.subscribe(subjects.kv_landed(self.worker_id), KvLanded, self.on_kv_landed),
+            await nc.subscribe(subjects.kv_recv(self.worker_id), cb=self.on_kv_recv,
+                               pending_msgs_limit=1_000_000, pending_bytes_limit=1 << 30),
+        ]
+        # The index must forget whatever an earlier incarnation of this worker held.
+        await self._publish_kv_events(force_cleared=True)
+        self._work_subs = [
+            await self.bus.subscribe(self.work_subject, WorkItem, self.on_work),
+            await self.bus.subscribe(self.pool_subject, WorkItem, self.on_work, queue=self.pool_subject),
+        ]
+        await nc.flush()
+        self._loops = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._kv_event_loop())]
+        await self._heartbeat()
+        log.info("worker %s up: %s x%d, role %s, engine %s, subject %s", self.worker_id, self.group.accelerator,
+                 self.group.devices, self.role, self.engine.name, self.work_subject)
+
+    async def stop(self) -> None:
+        """Graceful: no new work, no heartbeats, let in-flight requests finish, error the rest, drain."""
+        self.draining = True
+        for t in self._loops:
+            t.cancel()
+        for s in self._work_subs:
+            with contextlib.suppress(Exception):
+                await s.unsubscribe()
+        pending = [t for t in self.tasks.values() if not t.done()]
+        if pending:
+            log.info("draining %d in-flight requests", len(pending))
+            await asyncio.wait(pending, timeout=self.drain_timeout_s)
+        for d in list(self.decodes.values()):
+            if not d.future.done():
+                d.future.set_exception(EngineError("worker shutting down"))
+        await self.engine.close()  # aborts what is left; their tasks send RequestError
+        rest = [t for t in self.tasks.values() if not t.done()]
+        if rest:
+            await asyncio.wait(rest, timeout=5.0)
+        with contextlib.suppress(Exception):
+            await self._publish_kv_events()
+        await self.bus.close()
+
+    # ------------------------------------------------------------------ helpers
+    async def _event(self, request_id: str, kind: str, **detail: str | int | float | bool | None) -> None:
+        detail["worker_id"] = self.worker_id
+        await self.bus.publish(subjects.event("worker"), ServiceEvent(
+            service="worker", instance=self.worker_id, request_id=request_id, kind=kind, ts=time.time(),
+            detail=detail), request_id)
+
+    async def _send(self, subject: str, msg: msgspec.Struct) -> None:
+        # Token traffic goes without headers: the request id is in the body and header encoding costs CPU.
+        await self.bus.nc.publish(subject, _enc.encode(msg))
+
+    async def _error(self, item: WorkItem, message: str, *, retryable: bool, status: int = 500,
+                     code: str | None = None, etype: str = "server_error") -> None:
+        rid = item.request.request_id
+        await self._send(item.request.reply_subject, RequestError(
+            request_id=rid, error=ErrorInfo(message=message, type=etype, code=code, status=status),
+            retryable=retryable))
+        await self._event(rid, "error", phase=item.phase.value, message=message, retryable=retryable)
+
+    async def _finished(self, rid: str, reason: str, completion_tokens: int) -> None:
+        await self.bus.publish(subjects.FINISHED, Finished(request_id=rid, worker_id=self.worker_id,
+                                                           finish_reason=reason,
+                                                           completion_tokens=completion_tokens), rid)
+
+    # ------------------------------------------------------------------ work intake
+    async def on_work(self, item: WorkItem, m: Msg) -> None:
+        rid = item.request.request_id
+        if self.draining:
+            await self._error(item, f"worker {self.worker_id} is shutting down", retryable=True, status=503)
+            return
+        if rid in self.tasks:
+            log.warning("duplicate work item for %s ignored", rid)
+            return
+        ctx = telemetry.extract(m.headers)
+        serve = self._serve_decode if item.phase == Phase.DECODE else self._serve_compute
+        if item.phase == Phase.DECODE:
+            # Register before yielding: the KvLanded may already be on its way.
+            fut: asyncio.Future[KvLanded] = asyncio.get_running_loop().create_future()
+            self.decodes[rid] = _Decode(item, fut)
+            early = self.early_landed.pop(rid, None)
+            if early is not None:
+                fut.set_result(early[0])
+        task = asyncio.create_task(self._traced(serve, item, ctx), name=f"req-{rid}")
+        self.tasks[rid] = task
+        task.add_done_callback(lambda _t, rid=rid: self._done(rid))
+        await self._event(rid, "accepted", phase=item.phase.value, role=self.role.value,
+                          prompt_tokens=len(item.request.prompt_tokens), attempt=item.request.attempt)
+
+    def _done(self, rid: str) -> None:
+        self.tasks.pop(rid, None)
+        self.decodes.pop(rid, None)
+        self.cancelled.discard(rid)
+
+    async def _traced(self, serve: Any, item: WorkItem, ctx: Context) -> None:
+        span = self.tracer.start_span(f"worker.{item.phase.value}", context=ctx, attributes={
+            "hetmesh.request_id": item.request.request_id, "hetmesh.worker_id": self.worker_id,
+            "hetmesh.prompt_tokens": len(item.request.prompt_tokens)})
+        with trace.use_span(span, end_on_exit=True):
+            try:
+                await serve(item)
+            except Exception as exc:  # never leave the client hanging
+                log.exception("serving %s failed", item.request.request_id)
+                span.record_exception(exc)
+                with contextlib.suppress(Exception):
+                    await self._error(item, f"worker {self.worker_id} failed: {exc}", retryable=False)
+                    await self._finished(item.request.request_id, "error", 0)
+
+    def _engine_request(self, item: WorkItem, first: list[int] | None = None) -> EngineRequest:
+        r = item.request
+        return EngineRequest(request_id=r.request_id, prompt_tokens=r.prompt_tokens, block_hashes=r.block_hashes,
+                             sampling=r.sampling, phase=item.phase, first_token_ids=first or [])
+
+    async def _submit(self, item: WorkItem, er: EngineRequest) -> bool:
+        try:
+            await self.engine.submit(er)
+            return True
+        except EngineError as exc:
+            await self._error(item, str(exc), retryable=False, status=400, etype="invalid_request_error")
+            await self._finished(er.request_id, "error", 0)
+            return False
+
+    async def _on_abort(self, item: WorkItem, out: EngineOutput, streamed: int) -> None:
+        rid = item.request.request_id
+        if rid in self.cancelled:
+            await self._event(rid, "aborted", phase=item.phase.value, completion_tokens=out.completion_tokens)
+        else:  # aborted by shutdown, not by the client
+            await self._error(item, f"worker {self.worker_id} shut down", retryable=streamed == 0, status=503)
+        await self._finished(rid, "abort", out.completion_tokens)
+
+    # ------------------------------------------------------------------ FULL and PREFILL
+    async def _serve_compute(self, item: WorkItem) -> None:
+        req = item.request
+        rid = req.request_id
+        if not await self._submit(item, self._engine_request(item)):
+            return
+        streamed = 0
+        last: EngineOutput | None = None
+        async for out in self.engine.stream(rid):
+            last = out
+            if out.finish_reason == "abort":
+                await self._on_abort(item, out, streamed)
+                return
+            if out.finished and item.phase == Phase.PREFILL:
+                break
+            usage = None
+            if out.finished:
+                usage = Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                              cached_tokens=out.cached_tokens)
+            await self._send(req.reply_subject, TokenChunk(
+                request_id=rid, worker_id=self.worker_id, index=out.index, token_ids=out.token_ids, text=out.text,
+                finish_reason=out.finish_reason, usage=usage))
+            streamed += len(out.token_ids)
+        assert last is not None and last.finished
+        if item.phase == Phase.FULL:
+            await self._event(rid, "decode_done", phase="full", completion_tokens=last.completion_tokens,
+                              finish_reason=last.finish_reason, cached_tokens=last.cached_tokens)
+            await self._finished(rid, last.finish_reason or "stop", last.completion_tokens)
+            return
+        await self._prefill_handoff(item, last)
+
+    async def _prefill_handoff(self, item: WorkItem, out: EngineOutput) -> None:
+        req = item.request
+        rid = req.request_id
+        usage = None
+        if out.finish_reason is not None:  # e.g. max_tokens == 1: the decode side has nothing left to add
+            usage = Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                          cached_tokens=out.cached_tokens)
+        await self._send(req.reply_subject, TokenChunk(
+            request_id=rid, worker_id=self.worker_id, index=out.index, token_ids=out.token_ids, text=out.text,
+            finish_reason=out.finish_reason, usage=usage))
+        await self._event(rid, "prefill_done", phase="prefill", prompt_tokens=out.prompt_tokens,
+                          cached_tokens=out.cached_tokens, first_tokens=len(out.token_ids),
+                          finish_reason=out.finish_reason, decode_worker=item.placement.decode_worker)
+        # Ship the KV even when prefill already finished the request, so the decode side ends cleanly.
+        await self._transfer(item, out)
+        await self._finished(rid, out.finish_reason or "prefill_done", out.completion_tokens)
+
+    async def _transfer(self, item: WorkItem, out: EngineOutput) -> None:
+        req = item.request
+        rid = req.request_id
+        dst = item.placement.decode_worker
+        kvc = self.cfg.kv_transfer
+        nbytes = self.cost.kv_bytes_per_token() * len(req.prompt_tokens)
+        if kvc.max_wire_bytes > 0:
+            nbytes = min(nbytes, kvc.max_wire_bytes)
+        chunk = max(1, kvc.chunk_bytes)
+        treq = KvTransferRequest(
+            transfer_id=f"{rid}.{uuid.uuid4().hex[:8]}", request_id=rid, model=req.model, src_worker=self.worker_id,
+            dst_worker=dst, num_tokens=len(req.prompt_tokens), nbytes=nbytes, chunk_bytes=chunk,
+            first_token_ids=out.token_ids, first_text=out.text, cached_tokens=out.cached_tokens)
+        t0 = time.perf_counter()
+        try:
+            accept = await self.bus.request(subjects.KV_TRANSFER, treq, KvTransferAccept, KV_ACCEPT_TIMEOUT_S, rid)
+            chunks = await self._send_kv(accept.data_subject, nbytes, chunk)
+        except Exception as exc:
+            # Tell the decode worker right away instead of letting it wait for its timeout.
+            msg = f"KV transfer {self.worker_id} -> {dst} failed: {exc!r}"
+            log.warning("%s", msg)
+            await self.bus.publish(subjects.kv_landed(dst), KvLanded(
+                transfer_id=treq.transfer_id, request_id=rid, src_worker=self.worker_id, nbytes=0, chunks=0,
+                duration_s=time.perf_counter() - t0, first_token_ids=out.token_ids, first_text=out.text,
+                ok=False, error=msg, cached_tokens=out.cached_tokens), rid)
+            await self._event(rid, "kv_failed", phase="prefill", dst=dst, message=msg)
+            return
+        self.kv_bytes_sent += nbytes
+        await self._event(rid, "kv_sent", phase="prefill", transfer_id=treq.transfer_id, dst=dst, nbytes=nbytes,
+                          chunks=chunks, duration_s=time.perf_counter() - t0)
+
+    async def _send_kv(self, subject: str, nbytes: int, chunk: int) -> int:
+        """Put nbytes of (simulated) KV on the wire in chunks; the size is real, the content is not."""
+        if len(self._zeros) < chunk:
+            self._zeros = bytes(chunk)
+        nc = self.bus.nc
+        seq = sent = since_flush = 0
+        while True:
+            n = min(chunk, nbytes - sent)
+            last = sent + n >= nbytes
+            data = self._zeros if n == len(self._zeros) else self._zeros[:n]
+            await nc.publish(subject, data, headers={"Kv-Seq": str(seq), "Kv-Last": "1" if last else "0"})
+            seq += 1
+            sent += n
+            since_flush += n
+            if last:
+                break
+            if since_flush >= KV_FLUSH_EVERY:
+                await nc.flush(timeout=30)
+                since_flush = 0
+        await nc.flush(timeout=30)
+        return seq
+
+    # ------------------------------------------------------------------ DECODE
+    async def _serve_decode(self, item: WorkItem) -> None:
+        req = item.request
+        rid = req.request_id
+        d = self.decodes[rid]
+        try:
+            landed = await asyncio.wait_for(d.future, self.kv_landed_timeout_s)
+        except TimeoutError:
+            await self._error(item, f"KV for request {rid} did not land on {self.worker_id} within "
+                              f"{self.kv_landed_timeout_s:g}s", retryable=False, status=504, code="kv_timeout")
+            await self._finished(rid, "error", 0)
+            return
+        except asyncio.CancelledError:
+            if rid not in self.cancelled:
+                raise
+            await self._event(rid, "aborted", phase="decode", completion_tokens=0, waiting_for_kv=True)
+            await self._finished(rid, "abort", 0)
+            return
+        except EngineError as exc:  # shutdown while waiting
+            await self._error(item, str(exc), retryable=False, status=503)
+            await self._finished(rid, "error", 0)
+            return
+        finally:
+            self.decodes.pop(rid, None)
+        if not landed.ok:
+            await self._error(item, landed.error or "KV transfer failed", retryable=False, status=502,
+                              code="kv_transfer_failed")
+            await self._finished(rid, "error", 0)
+            return
+        received = await self._received(landed)
+        if rid in self.cancelled:  # cancelled between landing and submit
+            await self._event(rid, "aborted", phase="decode", completion_tokens=0)
+            await self._finished(rid, "abort", 0)
+            return
+        await self._event(rid, "kv_landed", phase="decode", transfer_id=landed.transfer_id, src=landed.src_worker,
+                          nbytes=landed.nbytes, bytes_received=received, chunks=landed.chunks,
+                          duration_s=landed.duration_s)
+        first = list(landed.first_token_ids)
+        if not await self._submit(item, self._engine_request(item, first)):
+            return
+        streamed = 0
+        last: EngineOutput | None = None
+        async for out in self.engine.stream(rid):
+            last = out
+            if out.finish_reason == "abort":
+                await self._on_abort(item, out, streamed)
+                return
+            if out.finished and not out.token_ids and out.completion_tokens == len(first):
+                break  # the first tokens already ended it and the prefill worker told the client
+            usage = None
+            if out.finished:
+                usage = Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                              cached_tokens=landed.cached_tokens)
+            await self._send(req.reply_subject, TokenChunk(
+                request_id=rid, worker_id=self.worker_id, index=out.index, token_ids=out.token_ids, text=out.text,
+                finish_reason=out.finish_reason, usage=usage))
+            streamed += len(out.token_ids)
+        assert last is not None and last.finished
+        await self._event(rid, "decode_done", phase="decode", completion_tokens=last.completion_tokens,
+                          finish_reason=last.finish_reason, cached_tokens=landed.cached_tokens)
+        await self._finished(rid, last.finish_reason or "stop", last.completion_tokens)
+
+    async def _received(self, landed: KvLanded) -> int:
+        """Bytes seen on kv_recv for this transfer; the relay's chunks may still sit in their subscription queue."""
+        deadline = time.monotonic() + 2.0
+        while True:
+            got = self.recv.get(landed.transfer_id)
+            n = int(got[0]) if got else 0
+            if n >= landed.nbytes or time.monotonic() > deadline:
+                self.recv.pop(landed.transfer_id, None)
+                return n
+            await asyncio.sleep(0.002)
+
+    async def on_kv_landed(self, landed: KvLanded, _m: Msg) -> None:
+        d = self.decodes.get(landed.request_id)
+        if d is not None and not d.future.done():
+            d.future.set_result(landed)
+            return
+        if len(self.early_landed) >= EARLY_LANDED_MAX:
+            self.early_landed.pop(next(iter(self.early_landed)))
+        self.early_landed[landed.request_id] = (landed, time.monotonic())
+
+    async def on_kv_recv(self, m: Msg) -> None:
+        tid = (m.headers or {}).get("Kv-Transfer", "")
+        e = self.recv.get(tid)
+        if e is None:
+            e = self.recv[tid] = [0, 0, 0.0]
+        e[0] += len(m.data)
+        e[1] += 1
+        e[2] = time.monotonic()
+        self.kv_bytes_received += len(m.data)
+
+    # ------------------------------------------------------------------ cancel
+    async def on_cancel(self, c: Cancel, _m: Msg) -> None:
+        rid = c.request_id
+        task = self.tasks.get(rid)
+        if task is None:
+            return
+        self.cancelled.add(rid)
+        d = self.decodes.get(rid)
+        if d is not None and not d.future.done():
+            task.cancel()  # still waiting for KV: nothing in the engine yet
+            return
+        await self.engine.abort(rid)
+
+    # ------------------------------------------------------------------ heartbeats and KV events
+    async def _heartbeat(self) -> None:
+        s = self.engine.stats()
+        g = self.group
+        await self.bus.publish(subjects.heartbeat(self.worker_id), Heartbeat(
+            worker_id=self.worker_id, model=g.model, accelerator=g.accelerator, vendor=g.vendor, devices=g.devices,
+            role=self.role, engine=self.engine.name, work_subject=self.work_subject,
+            queue_depth=s.waiting + len(self.decodes), running=s.running, max_batch=s.max_batch,
+            kv_blocks_total=s.kv_blocks_total, kv_blocks_used=s.kv_blocks_used, block_size=s.block_size,
+            ts=time.time(), tokens_generated=s.tokens_generated, prompt_tokens_computed=s.prompt_tokens_computed,
+            prompt_tokens_cached=s.prompt_tokens_cached, aborted=s.aborted))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.mesh.heartbeat_interval_s)
+            try:
+                await self._heartbeat()
+                self._sweep()
+            except Exception:
+                log.exception("heartbeat failed")
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        for tid in [t for t, e in self.recv.items() if now - e[2] > STALE_S]:
+            del self.recv[tid]
+        for rid in [r for r, (_, ts) in self.early_landed.items() if now - ts > STALE_S]:
+            del self.early_landed[rid]
+
+    async def _publish_kv_events(self, force_cleared: bool = False) -> None:
+        b = self.engine.kv_events()
+        if b or force_cleared:
+            await self.bus.publish(subjects.kv_events(self.worker_id), KvEvent(
+                worker_id=self.worker_id, model=self.group.model, stored=b.stored, removed=b.removed,
+                cleared=b.cleared or force_cleared, ts=time.time()))
+
+    async def _kv_event_loop(self) -> None:
+        while True:
+            await asyncio.sleep(KV_EVENT_PERIOD_S)
+            try:
+                await self._publish_kv_events()
+            except Exception:
+                log.exception("publishing KV events failed")
+
+
+async def run(cfg: config.ClusterConfig, worker_id: str, role: Role | None, kv_landed_timeout_s: float,
+              drain_timeout_s: float) -> None:
+    w = Worker(cfg, worker_id, role, kv_landed_timeout_s, drain_timeout_s)
+    await w.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("worker %s stopping", worker_id)
+    await w.stop()
+
+
+def main(default_role: Role | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m hetmesh.worker", description=__doc__)
+    ap.add_argument("--cluster", help="cluster file (TOML)")
+    ap.add_argument("--worker-id", required=True, help="<worker group name>-<index>, e.g. h100-0")
+    ap.add_argument("--role", choices=[r.value for r in Role], default=default_role.value if default_role else None,
+                    help="override the worker group's role")
+    ap.add_argument("--kv-landed-timeout-s", type=float,
+                    default=float(os.environ.get("HETMESH_KV_LANDED_TIMEOUT_S", "30")),
+                    help="a DECODE item whose KV has not landed by then ends with an error")
+    ap.add_argument("--drain-timeout-s", type=float, default=10.0)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = config.load(args.cluster)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(run(cfg, args.worker_id, Role(args.role) if args.role else None, args.kv_landed_timeout_s,
+                    args.drain_timeout_s))

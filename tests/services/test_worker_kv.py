@@ -1,0 +1,393 @@
+"""Worker and kv-transfer processes against a real nats-server, driven like the scheduler drives them.
+
+The test publishes WorkItems straight to the workers' subjects and reads what the services
+put on the wire: token chunks, heartbeats, KV events, Finished, and their ServiceEvents.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats
+import pytest
+
+from hetmesh import servers, subjects
+from hetmesh.bus import encode
+from hetmesh.costmodel import CostModel, accelerator, model_spec
+from hetmesh.engines.sim import expected_completion
+from hetmesh.kvindex.blocks import block_hashes
+from hetmesh.protocol import (
+    Cancel,
+    Finished,
+    Heartbeat,
+    InferenceRequest,
+    KvEvent,
+    Phase,
+    Placement,
+    RequestError,
+    ResponseEvent,
+    SamplingParams,
+    ServiceEvent,
+    TokenChunk,
+    WorkItem,
+)
+from hetmesh.tokenizer import ByteTokenizer
+
+TOK = ByteTokenizer()
+MODEL = "tiny"
+BS = 16
+KV_LANDED_TIMEOUT_S = 2.0
+
+CLUSTER = f"""
+[mesh]
+time_scale = 1.0
+heartbeat_interval_s = 0.2
+
+[kv_transfer]
+chunk_bytes = 65536
+
+[[models]]
+name = "{MODEL}"
+spec = "tiny-llama"
+block_size = {BS}
+
+[[workers]]
+name = "agg"
+model = "{MODEL}"
+accelerator = "nvidia-h100"
+role = "both"
+
+[[workers]]
+name = "pre"
+model = "{MODEL}"
+accelerator = "nvidia-rubin-cpx"
+role = "prefill"
+
+[[workers]]
+name = "dec"
+model = "{MODEL}"
+accelerator = "nvidia-rubin-vr200"
+role = "decode"
+
+[[workers]]
+name = "spare"
+model = "{MODEL}"
+accelerator = "amd-mi300x"
+role = "both"
+"""
+
+WORKERS = {"agg-0": ("both", "nvidia", "nvidia-h100"), "pre-0": ("prefill", "nvidia", "nvidia-rubin-cpx"),
+           "dec-0": ("decode", "nvidia", "nvidia-rubin-vr200"), "spare-0": ("both", "amd", "amd-mi300x")}
+
+
+def direct(worker_id: str) -> str:
+    return subjects.work_direct(*WORKERS[worker_id], worker_id)
+
+
+class Mesh:
+    def __init__(self, nats_url: str, cluster: Path, logs: Path) -> None:
+        self.nats_url = nats_url
+        self.cluster = cluster
+        self.logs = logs
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        env = servers.env_with(HETMESH_NATS_URL=self.nats_url,
+                               HETMESH_KV_LANDED_TIMEOUT_S=str(KV_LANDED_TIMEOUT_S))
+        out = open(self.logs / f"{name}.log", "wb")  # the child process writes it
+        p = subprocess.Popen([sys.executable, "-m", *args, "--cluster", str(self.cluster)], env=env, stdout=out,
+                             stderr=subprocess.STDOUT)
+        self.procs[name] = p
+        return p
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    nats_srv = servers.start_nats()
+    d = tmp_path_factory.mktemp("worker-kv")
+    (d / "cluster.toml").write_text(CLUSTER)
+    m = Mesh(nats_srv.url, d / "cluster.toml", d)
+    try:
+        m.spawn("kv-transfer", "hetmesh.kv_transfer", "--instance", "kvx-test")
+        for wid in WORKERS:
+            m.spawn(wid, "hetmesh.worker", "--worker-id", wid)
+        yield m
+    finally:
+        m.stop()
+        for f in sorted(d.glob("*.log")):
+            print(f"--- {f.name}\n" + "\n".join(f.read_text(errors="replace").splitlines()[-20:]))
+        nats_srv.stop()
+
+
+class Tap:
+    """Everything the mesh publishes on a few wildcard subjects, decoded."""
+
+    def __init__(self) -> None:
+        self.heartbeats: list[Heartbeat] = []
+        self.kv_events: list[KvEvent] = []
+        self.events: list[ServiceEvent] = []
+        self.finished: list[Finished] = []
+        self.replies: dict[str, list[Any]] = {}
+        self.kv_recv_bytes: dict[str, int] = {}
+
+    async def until(self, pred: Callable[[], Any], timeout_s: float = 15.0) -> Any:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                if v := pred():
+                    return v
+                await asyncio.sleep(0.01)
+
+    def event(self, rid: str, kind: str) -> ServiceEvent | None:
+        return next((e for e in self.events if e.request_id == rid and e.kind == kind), None)
+
+
+@pytest.fixture(scope="module")
+async def tap(mesh: Mesh) -> AsyncIterator[tuple[Tap, nats.NATS]]:
+    nc = await nats.connect(mesh.nats_url)
+    t = Tap()
+    dec = {k: msgspec.json.Decoder(k) for k in (Heartbeat, KvEvent, ServiceEvent, Finished)}
+    resp = msgspec.json.Decoder(ResponseEvent)
+
+    def sink(lst: list[Any], kind: Any) -> Callable[[Any], Any]:
+        async def cb(m: Any) -> None:
+            lst.append(dec[kind].decode(m.data))
+        return cb
+
+    async def on_resp(m: Any) -> None:
+        t.replies.setdefault(m.subject, []).append(resp.decode(m.data))
+
+    async def on_recv(m: Any) -> None:
+        tid = m.headers["Kv-Transfer"]
+        t.kv_recv_bytes[tid] = t.kv_recv_bytes.get(tid, 0) + len(m.data)
+
+    await nc.subscribe(subjects.HEARTBEAT_ALL, cb=sink(t.heartbeats, Heartbeat))
+    await nc.subscribe(subjects.KV_EVENTS_ALL, cb=sink(t.kv_events, KvEvent))
+    await nc.subscribe(subjects.EVENTS_ALL, cb=sink(t.events, ServiceEvent))
+    await nc.subscribe(subjects.FINISHED, cb=sink(t.finished, Finished))
+    await nc.subscribe(f"{subjects.PREFIX}.resp.>", cb=on_resp)
+    await nc.subscribe(subjects.kv_recv("dec-0"), cb=on_recv)
+    await nc.flush()
+    # Every worker up (heartbeating) and kv-transfer answering before any test runs.
+    await t.until(lambda: {h.worker_id for h in t.heartbeats} >= set(WORKERS), timeout_s=60)
+    async with asyncio.timeout(60):
+        while True:
+            try:
+                await nc.request(subjects.KV_TRANSFER, b"{}", timeout=1)  # answered with an error body
+                break
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                await asyncio.sleep(0.1)
+    yield t, nc
+    await nc.close()
+
+
+def make_item(prompt: str, max_tokens: int, phase: Phase = Phase.FULL, decode_worker: str = "agg-0",
+              prefill_worker: str | None = None, **sampling: Any) -> WorkItem:
+    rid = uuid.uuid4().hex[:12]
+    toks = TOK.encode(prompt)
+    sp = SamplingParams(max_tokens=max_tokens, **sampling)
+    req = InferenceRequest(request_id=rid, model=MODEL, prompt_tokens=toks, block_hashes=block_hashes(MODEL, toks, BS),
+                           sampling=sp, reply_subject=subjects.reply(rid), arrival_ts=0.0)
+    mode = "disaggregated" if prefill_worker else "aggregated"
+    return WorkItem(request=req, phase=phase, placement=Placement(mode=mode, decode_worker=decode_worker,
+                                                                  prefill_worker=prefill_worker))
+
+
+def chunks_of(t: Tap, item: WorkItem) -> list[Any]:
+    return t.replies.get(item.request.reply_subject, [])
+
+
+def final(t: Tap, item: WorkItem) -> TokenChunk | RequestError | None:
+    return next((c for c in chunks_of(t, item) if isinstance(c, RequestError) or c.finish_reason), None)
+
+
+def text_of(t: Tap, item: WorkItem) -> tuple[list[int], str]:
+    cs = sorted((c for c in chunks_of(t, item) if isinstance(c, TokenChunk)), key=lambda c: c.index)
+    ids = [i for c in cs for i in c.token_ids]
+    assert [c.index for c in cs] == [sum(len(x.token_ids) for x in cs[:k]) for k in range(len(cs))]
+    return ids, "".join(c.text for c in cs)
+
+
+def expected(item: WorkItem) -> tuple[list[int], str, str]:
+    return expected_completion(TOK, item.request.prompt_tokens, item.request.sampling)
+
+
+async def test_heartbeats_advertise_direct_subjects(tap: tuple[Tap, nats.NATS]) -> None:
+    t, _ = tap
+    for wid, (role, _vendor, accel) in WORKERS.items():
+        hb = next(h for h in t.heartbeats if h.worker_id == wid)
+        assert hb.work_subject == direct(wid)
+        assert hb.role == role and hb.accelerator == accel and hb.model == MODEL and hb.engine == "sim"
+        assert hb.kv_blocks_total > 0 and hb.block_size == BS and hb.max_batch == 64
+    # A fresh worker tells the index to forget what an earlier incarnation held.
+    assert {e.worker_id for e in t.kv_events if e.cleared} >= set(WORKERS)
+
+
+async def test_full_request_streams_expected_text_and_usage(tap: tuple[Tap, nats.NATS]) -> None:
+    t, nc = tap
+    item = make_item("Tell me a story about a mesh of accelerators.", 60, seed=3)
+    await nc.publish(direct("agg-0"), encode(item))
+    last = await t.until(lambda: final(t, item))
+    ids, text, finish = expected(item)
+    assert isinstance(last, TokenChunk) and last.worker_id == "agg-0"
+    assert text_of(t, item) == (ids, text)
+    assert last.finish_reason == finish
+    assert last.usage is not None
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(item.request.prompt_tokens), len(ids))
+    done = await t.until(lambda: next((f for f in t.finished if f.request_id == item.request.request_id), None))
+    assert done.worker_id == "agg-0" and done.completion_tokens == len(ids) and done.finish_reason == finish
+    assert (await t.until(lambda: t.event(item.request.request_id, "decode_done"))).detail["phase"] == "full"
+
+
+async def test_stop_string_and_pool_subject(tap: tuple[Tap, nats.NATS]) -> None:
+    t, nc = tap
+    probe = make_item("Once upon a time", 60, seed=11, ignore_eos=True)
+    _, full, _ = expected(probe)
+    stop = full[20:23]
+    item = make_item("Once upon a time", 60, seed=11, ignore_eos=True, stop=[stop])
+    # The pool subject (queue group): the only `both` H100 takes it.
+    await nc.publish(subjects.work_pool("both", "nvidia", "nvidia-h100"), encode(item))
+    last = await t.until(lambda: final(t, item))
+    assert isinstance(last, TokenChunk) and last.finish_reason == "stop" and last.worker_id == "agg-0"
+    assert text_of(t, item)[1] == full[: full.index(stop)] == expected(item)[1]
+
+
+async def test_repeated_prefix_hits_cache_and_emits_kv_events(tap: tuple[Tap, nats.NATS]) -> None:
+    t, nc = tap
+    shared = "You are a careful assistant who answers briefly. " * 6  # 300 bytes: 18 full blocks
+    a = make_item(shared + "first question", 4)
+    await nc.publish(direct("agg-0"), encode(a))
+    assert isinstance(await t.until(lambda: final(t, a)), TokenChunk)
+    hashes = set(a.request.block_hashes)
+    stored = await t.until(lambda: hashes <= {h for e in t.kv_events if e.worker_id == "agg-0" for h in e.stored})
+    assert stored
+    b = make_item(shared + "second question", 4)
+    shared_blocks = len(set(b.request.block_hashes) & hashes)
+    assert shared_blocks == len(shared) // BS
+    await nc.publish(direct("agg-0"), encode(b))
+    last = await t.until(lambda: final(t, b))
+    assert isinstance(last, TokenChunk) and last.usage is not None
+    assert last.usage.cached_tokens == shared_blocks * BS
+    assert text_of(t, b)[1] == expected(b)[1]  # a cache hit changes the time, not the text
+    hb = await t.until(lambda: next((h for h in reversed(t.heartbeats)
+                                     if h.worker_id == "agg-0" and h.prompt_tokens_cached >= shared_blocks * BS), None))
+    assert hb.prompt_tokens_computed > 0
+
+
+async def test_cancel_stops_the_engine(tap: tuple[Tap, nats.NATS]) -> None:
+    t, nc = tap
+    item = make_item("a very long story", 3000, ignore_eos=True)  # ~12 s of simulated H100 time at scale 1
+    rid = item.request.request_id
+    await nc.publish(direct("agg-0"), encode(item))
+    await t.until(lambda: chunks_of(t, item))
+    await nc.publish(subjects.CANCEL, encode(Cancel(request_id=rid)))
+    aborted = await t.until(lambda: t.event(rid, "aborted"))
+    assert aborted.detail["worker_id"] == "agg-0"
+    assert 0 < int(aborted.detail["completion_tokens"]) < 3000  # type: ignore[arg-type]
+    done = await t.until(lambda: next((f for f in t.finished if f.request_id == rid), None))
+    assert done.finish_reason == "abort"
+    await t.until(lambda: any(h.worker_id == "agg-0" and h.aborted >= 1 and h.running == 0 for h in t.heartbeats))
+    # The engine really stopped: the stream ended without a final chunk, and after the abort
+    # the worker's token counter stands still across later heartbeats.
+    assert final(t, item) is None
+    n = len(t.heartbeats)
+    await t.until(lambda: sum(h.worker_id == "agg-0" for h in t.heartbeats[n:]) >= 2)
+    counts = {h.tokens_generated for h in t.heartbeats[n:] if h.worker_id == "agg-0"}
+    assert len(counts) == 1
+
+
+async def test_disaggregated_prefill_kv_transfer_decode(tap: tuple[Tap, nats.NATS]) -> None:
+    t, nc = tap
+    prompt = "a disaggregated request travels across two accelerators " * 3
+    pre = make_item(prompt, 30, Phase.PREFILL, decode_worker="dec-0", prefill_worker="pre-0", seed=5)
+    dec = WorkItem(request=pre.request, phase=Phase.DECODE, placement=pre.placement)
+    rid = pre.request.request_id
+    # As the scheduler does: both halves at once, decode first so it can reserve.
+    await nc.publish(direct("dec-0"), encode(dec))
+    await nc.publish(direct("pre-0"), encode(pre))
+    last = await t.until(lambda: final(t, pre))
+    ids, text, finish = expected(pre)
+    assert isinstance(last, TokenChunk) and last.worker_id == "dec-0" and last.finish_reason == finish
+    assert text_of(t, pre) == (ids, text)
+    first = next(c for c in chunks_of(t, pre) if isinstance(c, TokenChunk) and c.index == 0)
+    assert first.worker_id == "pre-0" and first.finish_reason is None and len(first.token_ids) == 1
+    assert last.usage is not None and last.usage.completion_tokens == len(ids)
+    assert last.usage.prompt_tokens == len(pre.request.prompt_tokens)
+
+    prefill = await t.until(lambda: t.event(rid, "prefill_done"))
+    sent = await t.until(lambda: t.event(rid, "kv_sent"))
+    moved = await t.until(lambda: t.event(rid, "kv_transferred"))
+    landed = await t.until(lambda: t.event(rid, "kv_landed"))
+    done = await t.until(lambda: t.event(rid, "decode_done"))
+    nbytes = CostModel(accelerator("nvidia-rubin-cpx"), model_spec("tiny-llama")).kv_bytes_per_token() * len(
+        pre.request.prompt_tokens)
+    assert prefill.service == "worker" and prefill.detail["worker_id"] == "pre-0"
+    assert sent.detail["worker_id"] == "pre-0" and sent.detail["nbytes"] == nbytes
+    assert moved.service == "kv-transfer" and moved.detail["src"] == "pre-0" and moved.detail["dst"] == "dec-0"
+    assert moved.detail["nbytes"] == nbytes and moved.detail["ok"] is True
+    assert moved.detail["chunks"] == -(-nbytes // 65536)
+    assert landed.detail["worker_id"] == "dec-0" and landed.detail["bytes_received"] == nbytes
+    assert t.kv_recv_bytes[str(moved.detail["transfer_id"])] == nbytes  # the bytes really crossed the wire
+    assert done.detail["worker_id"] == "dec-0" and done.detail["completion_tokens"] == len(ids)
+    assert prefill.ts <= moved.ts <= landed.ts <= done.ts
+    fin = await t.until(lambda: {f.worker_id for f in t.finished if f.request_id == rid} >= {"pre-0", "dec-0"})
+    assert fin
+
+
+async def test_disaggregated_max_tokens_one_ends_cleanly_on_both_sides(tap: tuple[Tap, nats.NATS]) -> None:
+    t, nc = tap
+    pre = make_item("just one token please", 1, Phase.PREFILL, decode_worker="dec-0", prefill_worker="pre-0")
+    rid = pre.request.request_id
+    await nc.publish(direct("dec-0"), encode(WorkItem(request=pre.request, phase=Phase.DECODE,
+                                                      placement=pre.placement)))
+    await nc.publish(direct("pre-0"), encode(pre))
+    last = await t.until(lambda: final(t, pre))
+    assert isinstance(last, TokenChunk) and last.worker_id == "pre-0" and last.finish_reason == "length"
+    assert last.usage is not None and last.usage.completion_tokens == 1
+    assert text_of(t, pre)[1] == expected(pre)[1]
+    done = await t.until(lambda: t.event(rid, "decode_done"))
+    assert done.detail["worker_id"] == "dec-0" and done.detail["completion_tokens"] == 1
+    await t.until(lambda: {f.worker_id for f in t.finished if f.request_id == rid} >= {"pre-0", "dec-0"})
+    assert len([c for c in chunks_of(t, pre) if isinstance(c, TokenChunk)]) == 1  # no duplicate final chunk
+
+
+async def test_decode_whose_kv_never_lands_errors(tap: tuple[Tap, nats.NATS]) -> None:
+    t, nc = tap
+    item = make_item("orphan decode", 10, Phase.DECODE, decode_worker="dec-0", prefill_worker="pre-0")
+    await nc.publish(direct("dec-0"), encode(item))
+    err = await t.until(lambda: final(t, item), timeout_s=KV_LANDED_TIMEOUT_S + 10)
+    assert isinstance(err, RequestError) and err.error.code == "kv_timeout"
+    done = await t.until(lambda: next((f for f in t.finished if f.request_id == item.request.request_id), None))
+    assert done.finish_reason == "error"
+
+
+async def test_sigterm_finishes_in_flight_then_exits(mesh: Mesh, tap: tuple[Tap, nats.NATS]) -> None:
+    t, nc = tap
+    item = make_item("finish me before you go", 40, ignore_eos=True)
+    await nc.publish(direct("spare-0"), encode(item))
+    await t.until(lambda: t.event(item.request.request_id, "accepted"))
+    proc = mesh.procs["spare-0"]
+    os.kill(proc.pid, signal.SIGTERM)
+    last = await t.until(lambda: final(t, item))
+    assert isinstance(last, TokenChunk) and last.finish_reason == "length"
+    assert text_of(t, item)[1] == expected(item)[1]
+    assert await asyncio.to_thread(proc.wait, 15) == 0
