@@ -97,6 +97,7 @@ class FakePeer:
         return self
 
     def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self._hb.cancel)
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(self.bus.close(), self.loop).result(5)
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -178,8 +179,9 @@ class FakePeer:
             await self.bus.publish(rs, WorkerLost(request_id=rid, worker_id="fake-0"))
             return
         if "shuffle" in prompt:
-            # Last first, a duplicate of each: the gateway must reorder and drop the copies.
-            for c in [*reversed(chunks), *chunks]:
+            # Out of order with copies of delivered chunks before the end: reorder, drop the copies.
+            first, mid, last = chunks[:2], chunks[2:-1], chunks[-1]
+            for c in [*reversed(first), *first, *reversed(mid), *first, *mid, last, *mid, last]:
                 await self.bus.publish(rs, c)
             return
         delay = 0.05 if "slow" in prompt else 0.0
