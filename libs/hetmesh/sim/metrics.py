@@ -1,0 +1,79 @@
+"""Summaries of a simulation run: throughput, latency percentiles, goodput, utilization."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hetmesh.sim.engine import SimResult
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_s: float = 2.0
+    tpot_s: float = 0.1
+
+
+def _pct(xs: np.ndarray) -> dict[str, float]:
+    if xs.size == 0:
+        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan"), "mean": float("nan")}
+    p50, p90, p99 = np.percentile(xs, [50, 90, 99])
+    return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(xs.mean())}
+
+
+def summarize(res: SimResult, slo: Slo = Slo()) -> dict[str, Any]:
+    recs = res.records
+    dur = max(res.end - res.start, 1e-9)
+    out = np.array([r.output_len for r in recs], dtype=float)
+    ttft = np.array([r.ttft for r in recs])
+    multi = [r for r in recs if r.output_len > 1]
+    tpot = np.array([r.tpot for r in multi])
+    ok = np.array([r.ttft <= slo.ttft_s and (r.output_len <= 1 or r.tpot <= slo.tpot_s) for r in recs], dtype=bool)
+    # steady state: requests finishing between the 10th and 90th percentile of finish times
+    # (drops the ramp-up of a closed loop and the drain at the end)
+    steady = float("nan")
+    if len(recs) >= 50:
+        fin = np.array([r.finish for r in recs])
+        order = np.argsort(fin)
+        lo, hi = order[len(order) // 10], order[(len(order) * 9) // 10]
+        t0, t1 = fin[lo], fin[hi]
+        sel = (fin > t0) & (fin <= t1)
+        steady = float(out[sel].sum() / (t1 - t0)) if t1 > t0 else float("nan")
+    prompt = sum(r.input_len for r in recs)
+    pools: dict[str, dict[str, float]] = defaultdict(lambda: {"workers": 0, "busy_s": 0.0, "prefill_tokens": 0,
+                                                             "decode_tokens": 0})
+    for w in res.workers:
+        p = pools[w.pool]
+        p["workers"] += 1
+        p["busy_s"] += w.busy_s
+        p["prefill_tokens"] += w.prefill_tokens
+        p["decode_tokens"] += w.decode_tokens
+    pool_out = {k: {"accelerator": next(w.accelerator for w in res.workers if w.pool == k),
+                    "workers": int(v["workers"]), "utilization": v["busy_s"] / (v["workers"] * dur),
+                    "prefill_tokens": int(v["prefill_tokens"]), "decode_tokens": int(v["decode_tokens"])}
+                for k, v in pools.items()}
+    modes: dict[str, int] = defaultdict(int)
+    for r in recs:
+        modes[r.mode] += 1
+    return {
+        "policy": res.policy,
+        "requests": len(recs),
+        "rejected": res.rejected,
+        "duration_s": dur,
+        "output_tok_s": float(out.sum() / dur),
+        "output_tok_s_steady": steady,
+        "requests_per_s": len(recs) / dur,
+        "ttft_s": _pct(ttft),
+        "tpot_s": _pct(tpot),
+        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
+        "slo_attainment": float(ok.mean()) if recs else 0.0,
+        "goodput_tok_s": float(out[ok].sum() / dur) if recs else 0.0,
+        "goodput_req_s": float(ok.sum() / dur),
+        "kv_transfer_gb": res.kv_transfer_bytes / 1e9,
+        "prefix_hit_rate": sum(r.cached_tokens for r in recs) / prompt if prompt else 0.0,
+        "modes": dict(modes),
+        "pools": pool_out,
+    }
