@@ -1,0 +1,29 @@
+"""Regenerate the generated parts of README.md (between <!-- BEGIN x --> / <!-- END x --> marks).
+
+    python ops/readme_tables.py          # rewrite README.md in place
+The test suite checks that the README's subject table is the code's table.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from hetmesh import subjects
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def replace_block(text: str, name: str, body: str) -> str:
+    pat = re.compile(rf"(<!-- BEGIN {name} -->\n).*?(\n<!-- END {name} -->)", re.S)
+    return pat.sub(lambda m: m.group(1) + body + m.group(2), text)
+
+
+def main() -> None:
+    text = README.read_text()
+    text = replace_block(text, "subjects", subjects.markdown_table())
+    README.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
