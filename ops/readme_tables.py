@@ -15,8 +15,8 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def replace_block(text: str, name: str, body: str) -> str:
-    pat = re.compile(rf"(<!-- BEGIN {name} -->\n).*?(\n<!-- END {name} -->)", re.S)
-    return pat.sub(lambda m: m.group(1) + body + m.group(2), text)
+    pat = re.compile(rf"(<!-- BEGIN {name} -->\n).*?(<!-- END {name} -->)", re.S)
+    return pat.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
 
 
 def main() -> None:

@@ -68,11 +68,12 @@ TIME_SCALE = 0.5
 
 
 @pytest.fixture(scope="session")
-def mesh(nats_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    # Its own nats-server and redis-server: other tests' schedulers and workers must not join.
     d = tmp_path_factory.mktemp("mesh")
     path = d / "cluster.toml"
     path.write_text(CLUSTER.format(time_scale=TIME_SCALE))
-    m = Mesh(path, gateway_port=0, log_dir=d / "logs", nats_url=nats_url, redis_url=redis_url)
+    m = Mesh(path, gateway_port=0, log_dir=d / "logs")
     m.start(ready_timeout_s=90)
     try:
         yield m
