@@ -19,7 +19,6 @@ from pathlib import Path
 
 import httpx
 import msgspec
-import nats
 import pytest
 
 from hetmesh import servers, subjects
@@ -87,6 +86,7 @@ class FakePeer:
         self.submits: list[InferenceRequest] = []
         self.cancels: list[Cancel] = []
         self.events: list[ServiceEvent] = []
+        self.submit_headers: dict[str, dict[str, str]] = {}
         self.chunk_size = 4
         self._tasks: set[asyncio.Future[None]] = set()
         self.bus: Bus
@@ -127,6 +127,7 @@ class FakePeer:
 
     async def _on_submit(self, req: InferenceRequest, m: object) -> None:
         self.submits.append(req)
+        self.submit_headers[req.request_id] = dict(m.headers or {})  # type: ignore[attr-defined]
         prompt = bytes(t for t in req.prompt_tokens if t < 256).decode(errors="replace")
         if "noreply" in prompt:
             return
@@ -231,17 +232,18 @@ class GatewayProc:
         return self.proc.poll() is None
 
 
-@pytest.fixture(scope="session")
-def gateway(gw_nats: str, peer: FakePeer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProc]:
-    d = tmp_path_factory.mktemp("gateway")
-    cluster = d / "cluster.toml"
+@contextlib.contextmanager
+def run_gateway(nats_url: str, workdir: Path, instance: str, **env: str) -> Iterator[GatewayProc]:
+    """A real `python -m hetmesh.gateway` process on a free port, ready (it sees the peer's worker)."""
+    cluster = workdir / "cluster.toml"
     cluster.write_text(CLUSTER)
     port = servers.free_port()
-    log = d / "gateway.log"
+    log = workdir / f"{instance}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "hetmesh.gateway", "--cluster", str(cluster), "--port",
-                                 str(port), "--instance", "gwtest"],
-                                env=servers.env_with(HETMESH_NATS_URL=gw_nats), stdout=out, stderr=subprocess.STDOUT)
+                                 str(port), "--instance", instance],
+                                env=servers.env_with(HETMESH_NATS_URL=nats_url, **env), stdout=out,
+                                stderr=subprocess.STDOUT)
     gp = GatewayProc(f"http://127.0.0.1:{port}", proc, log)
     try:
         deadline = time.monotonic() + 30
@@ -260,7 +262,13 @@ def gateway(gw_nats: str, peer: FakePeer, tmp_path_factory: pytest.TempPathFacto
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        print(f"--- gateway log\n{log.read_text()[-3000:]}")
+        print(f"--- {instance} log\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def gateway(gw_nats: str, peer: FakePeer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProc]:
+    with run_gateway(gw_nats, tmp_path_factory.mktemp("gateway"), "gwtest") as gp:
+        yield gp
 
 
 def sse_events(raw: str) -> list[object]:
@@ -273,15 +281,3 @@ def sse_events(raw: str) -> list[object]:
         payload = block[len("data: "):]
         out.append(payload if payload == "[DONE]" else msgspec.json.decode(payload))
     return out
-
-
-async def nats_sub(url: str, subject: str) -> tuple[nats.NATS, list[bytes]]:
-    nc = await nats.connect(url)
-    got: list[bytes] = []
-
-    async def cb(m: object) -> None:
-        got.append(m.data)  # type: ignore[attr-defined]
-
-    await nc.subscribe(subject, cb=cb)
-    await nc.flush()
-    return nc, got

@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import nats.errors
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,7 +29,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from hetmesh import config, subjects, telemetry, tokenizer
-from hetmesh.bus import Bus
+from hetmesh.bus import REQUEST_ID, Bus, decode, encode
 from hetmesh.kvindex.blocks import block_hashes
 from hetmesh.protocol import (
     Cancel,
@@ -57,11 +58,11 @@ def error_response(info: ErrorInfo) -> Response:
     return Response(error_body(info), status_code=info.status, media_type=JSON)
 
 
-class _Gone:
-    """Put in an inbox when the client disconnects."""
-
-
-GONE = _Gone()
+# How often a waiting request asks the server whether its client is still there. A poll, not a
+# watcher task per request: requests shorter than this never pay for the check at all.
+DISCONNECT_POLL_S = 0.2
+# Gateway ServiceEvents go out in batches this far apart: one NATS write for many requests' events.
+EVENT_BATCH_S = 0.005
 
 
 class ClientGone(Exception):
@@ -111,10 +112,16 @@ class Gateway:
         self.inboxes: dict[str, Inbox] = {}
         self.live: dict[str, dict[str, float]] = {m.name: {} for m in cfg.models}  # model -> worker -> seen
         self.tracer = telemetry.setup("gateway", self.instance)
+        # Spans cost tens of microseconds each; without an exporter nobody sees them.
+        self.tracing = bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+        self._events: deque[bytes] = deque()
+        self._events_wake: asyncio.Event | None = None
         self.bus: Bus | None = None
         self._ids = itertools.count(1)
         self._bg: set[asyncio.Task[None]] = set()
         self.created = int(time.time())
+        self.closing = False
+        self.reply_prefix = subjects.reply_to(self.instance, "")
 
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -122,9 +129,14 @@ class Gateway:
         await self.bus.subscribe(subjects.reply_inbox(self.instance), ResponseEvent, self._on_reply)
         await self.bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self._on_heartbeat)
         await self.bus.nc.flush()
+        self._events_wake = asyncio.Event()
+        self.spawn(self._event_pump())
         log.info("gateway %s connected to %s", self.instance, self.cfg.mesh.nats_url)
 
     async def stop(self) -> None:
+        self.closing = True
+        if self._events_wake is not None:
+            self._events_wake.set()
         for t in list(self._bg):
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(t, 1.0)
@@ -162,11 +174,31 @@ class Gateway:
         return len(workers)
 
     def event(self, rid: str, kind: str, **detail: str | int | float | bool | None) -> None:
-        if self.bus is None:
-            return
+        """Queue a ServiceEvent; one pump publishes them, so the request path pays no task or await."""
         ev = ServiceEvent(service="gateway", instance=self.instance, request_id=rid, kind=kind, ts=time.time(),
                           detail=detail)
-        self.spawn(self.bus.publish(subjects.event("gateway"), ev, rid))
+        self._events.append(encode(ev))
+        wake = self._events_wake
+        if wake is not None and not wake.is_set():
+            wake.set()
+
+    async def _event_pump(self) -> None:
+        assert self.bus is not None and self._events_wake is not None
+        subject = subjects.event("gateway")
+        q, wake = self._events, self._events_wake
+        while True:
+            await wake.wait()
+            await asyncio.sleep(EVENT_BATCH_S)
+            wake.clear()
+            while q:
+                data = q.popleft()
+                try:
+                    await self.bus.publish_raw(subject, data)
+                except Exception:
+                    log.warning("dropping gateway events: NATS publish failed", exc_info=True)
+                    q.clear()
+            if self.closing:
+                return
 
     def cancel(self, rid: str, reason: str) -> None:
         if self.bus is not None:
@@ -220,29 +252,41 @@ class Call:
         self.reasm = Reassembler()
         self.placement: Placement | None = None
         self.delivered = False  # some token reached the client: no more retries
-        self.gone = False
         self.cancelled = False
         self.closed = False
         self.first_token_at: float | None = None
-        self.span = gw.tracer.start_span("gateway.request", attributes={
-            "hetmesh.request_id": rid, "hetmesh.model": model.name, "hetmesh.prompt_tokens": len(prep.prompt_tokens),
-            "hetmesh.stream": prep.stream})
-        self.watcher: asyncio.Task[None] | None = None
+        self.span: trace.Span = trace.INVALID_SPAN
+        if gw.tracing:
+            # A client's traceparent (if any) makes this span its child.
+            self.span = gw.tracer.start_span("gateway.request", context=telemetry.extract(dict(request.headers)),
+                                             attributes={"hetmesh.request_id": rid, "hetmesh.model": model.name,
+                                                         "hetmesh.prompt_tokens": len(prep.prompt_tokens),
+                                                         "hetmesh.stream": prep.stream})
+        self.next_disconnect_check = 0.0
 
     # --- the mesh side ----------------------------------------------------------------------
     async def submit(self) -> ErrorInfo | None:
         gw = self.gw
         assert gw.bus is not None
         self.key = f"{self.rid}-{self.req.attempt}"
-        self.req.reply_subject = subjects.reply_to(gw.instance, self.key)
+        self.req.reply_subject = gw.reply_prefix + self.key  # == subjects.reply_to(instance, key); key is token-safe
         gw.inboxes[self.key] = self.box  # before submitting: the first token may beat the reply
+        timeout_s = gw.cfg.gateway.submit_timeout_s
         try:
-            with trace.use_span(self.span, end_on_exit=False):
-                reply = await gw.bus.request(subjects.SUBMIT, self.req, SubmitReply,
-                                             timeout_s=gw.cfg.gateway.submit_timeout_s, request_id=self.rid)
+            if gw.tracing:
+                with trace.use_span(self.span, end_on_exit=False):  # bus.request injects this span's context
+                    reply = await gw.bus.request(subjects.SUBMIT, self.req, SubmitReply, timeout_s=timeout_s,
+                                                 request_id=self.rid)
+            else:  # no trace to carry: skip the propagators' work
+                resp = await gw.bus.nc.request(subjects.SUBMIT, encode(self.req), timeout=timeout_s,
+                                               headers={REQUEST_ID: self.rid})
+                reply = decode(resp.data, SubmitReply)
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError, TimeoutError):
             return ErrorInfo(message="the scheduler did not answer", type="server_error",
                              code="scheduler_unavailable", status=503)
+        except msgspec.DecodeError as exc:
+            return ErrorInfo(message=f"the scheduler sent an unreadable reply: {exc}", type="server_error",
+                             code="bad_scheduler_reply", status=502)
         except nats.errors.Error as exc:
             return ErrorInfo(message=f"the mesh is unreachable: {exc}", type="server_error",
                              code="service_unavailable", status=503)
@@ -286,8 +330,6 @@ class Call:
                         return ErrorInfo(message=f"worker {ev.worker_id} aborted the request", type="server_error",
                                          code="aborted", status=502)
                     ready.extend(self.reasm.add(ev))
-                elif ev is GONE:
-                    raise ClientGone
                 elif type(ev) is WorkerLost or (type(ev) is RequestError and ev.retryable):
                     lost = ev.worker_id if type(ev) is WorkerLost else None
                     if not self.can_retry():
@@ -300,19 +342,22 @@ class Call:
                     break
                 elif type(ev) is RequestError:
                     return ev.error
-            if self.gone:
-                raise ClientGone
             if ready and not items:
                 return ready
             if items:
                 continue
             now = loop.time()
+            if now >= self.next_disconnect_check:
+                if await self.request.is_disconnected():
+                    raise ClientGone
+                now = loop.time()
+                self.next_disconnect_check = now + DISCONNECT_POLL_S
             if now >= deadline:
                 self.gw.cancel(self.rid, "stalled")
                 self.cancelled = True
                 return ErrorInfo(message=f"no response from the mesh for {stall:g}s", type="server_error",
                                  code="timeout", status=504)
-            await self.box.wait(deadline - now)
+            await self.box.wait(min(deadline, self.next_disconnect_check) - now)
             if self.box.items:
                 deadline = loop.time() + stall
 
@@ -324,21 +369,11 @@ class Call:
                          code="worker_lost", status=502)
 
     # --- the client side --------------------------------------------------------------------
-    async def _watch(self, receive: Receive) -> None:
-        # The body is consumed; the next ASGI message is http.disconnect (client left or response done).
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                if not self.closed:
-                    self.gone = True
-                    self.box.put(GONE)
-                return
-
     async def run(self, fmt: Formatter) -> Response:
         gw = self.gw
         gw.event(self.rid, "received", model=self.req.model, prompt_tokens=len(self.req.prompt_tokens),
                  max_tokens=self.req.sampling.max_tokens, stream=self.prep.stream)
-        self.watcher = asyncio.get_running_loop().create_task(self._watch(self.request.receive))
+        self.next_disconnect_check = asyncio.get_running_loop().time() + DISCONNECT_POLL_S
         handed_off = False
         try:
             err = await self.submit()
@@ -395,7 +430,8 @@ class Call:
         return error_response(info)
 
     def _error_event(self, info: ErrorInfo) -> None:
-        self.span.set_status(trace.Status(trace.StatusCode.ERROR, info.message))
+        if self.span.is_recording():
+            self.span.set_status(trace.Status(trace.StatusCode.ERROR, info.message))
         self.gw.event(self.rid, "error", status=info.status, code=info.code, message=info.message)
 
     def _cancel(self, reason: str) -> None:
@@ -409,8 +445,6 @@ class Call:
             return
         self.closed = True
         self.gw.inboxes.pop(self.key, None)
-        if self.watcher is not None:
-            self.watcher.cancel()
         self.span.end()
 
 
@@ -476,13 +510,26 @@ class SseResponse(Response):
 def create_app(gw: Gateway) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        prof_path = os.environ.get("HETMESH_GATEWAY_PROFILE")  # the benchmark's --profile
+        prof = None
+        if prof_path:
+            import cProfile
+
+            prof = cProfile.Profile(time.process_time)  # CPU time: wall time counts preemption on a busy box
+            prof.enable()
         await gw.start()
         try:
             yield
         finally:
             await gw.stop()
+            if prof is not None:
+                prof.disable()
+                prof.dump_stats(prof_path)
 
-    app = FastAPI(title="Hetmesh gateway", version="0.1.0", lifespan=lifespan)
+    # FastAPI's own per-request telemetry (server spans, metrics, operation spans) costs more than the
+    # rest of the gateway's request path; the gateway makes its own span (see Call) when tracing is on.
+    app = FastAPI(title="Hetmesh gateway", version="0.1.0", lifespan=lifespan,
+                  telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False})
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_r: Request, exc: RequestValidationError) -> Response:
@@ -505,13 +552,16 @@ def create_app(gw: Gateway) -> FastAPI:
         log.exception("unhandled error", exc_info=exc)
         return error_response(ErrorInfo(message="internal error in the gateway", type="server_error", status=500))
 
-    @app.post("/v1/chat/completions")
+    # Plain Starlette routes for the hot paths: the body is validated by hand (model_validate_json
+    # straight from bytes), so FastAPI's dependency machinery would be pure overhead.
     async def chat_completions(request: Request) -> Response:
         return await gw.handle(request, chat=True)
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await gw.handle(request, chat=False)
+
+    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_route("/v1/completions", completions, methods=["POST"])
 
     def model_card(m: config.ModelConfig) -> dict[str, object]:
         return {"id": m.name, "object": "model", "created": gw.created, "owned_by": "hetmesh",

@@ -1,0 +1,232 @@
+"""Gateway overhead benchmark: `python -m hetmesh.gateway.bench [--rates 50,500] [--out FILE]`.
+
+A real nats-server and a real gateway process; behind them an instant peer (scheduler +
+worker stand-in in its own process) that places every request at once and streams its tokens
+with no engine time. So the client's time to first token is the gateway's own cost plus two
+NATS hops, and the gateway's CPU time divided by streamed tokens is its cost per token.
+The load is open-loop (fixed arrival times) from a minimal raw-socket HTTP client, so the
+client's overhead stays small on a 2-core machine. Prints a table, writes a JSON results file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from hetmesh import servers, subjects
+from hetmesh.bus import Bus
+from hetmesh.protocol import Heartbeat, InferenceRequest, Placement, Role, SubmitReply, TokenChunk, Usage
+
+CLUSTER = """
+[mesh]
+stall_timeout_s = 30.0
+[gateway]
+submit_timeout_s = 5.0
+[[models]]
+name = "bench"
+tokenizer = "byte"
+max_context = 8192
+block_size = 16
+[[workers]]
+name = "peer"
+model = "bench"
+accelerator = "nvidia-h100"
+"""
+
+
+# --- the instant peer --------------------------------------------------------------------------
+async def peer(nats_url: str, chunk_tokens: int) -> None:
+    bus = await Bus.connect(nats_url, "bench-peer")
+
+    async def on_submit(req: InferenceRequest, m: object) -> None:
+        await bus.respond(m, SubmitReply(request_id=req.request_id,  # type: ignore[arg-type]
+                                         placement=Placement(mode="aggregated", decode_worker="peer-0")))
+        n = req.sampling.max_tokens
+        for start in range(0, n, chunk_tokens):
+            k = min(chunk_tokens, n - start)
+            last = start + k >= n
+            await bus.publish(req.reply_subject, TokenChunk(
+                request_id=req.request_id, worker_id="peer-0", index=start, token_ids=[97] * k, text="a" * k,
+                finish_reason="length" if last else None,
+                usage=Usage(prompt_tokens=len(req.prompt_tokens), completion_tokens=n) if last else None))
+
+    await bus.subscribe(subjects.SUBMIT, InferenceRequest, on_submit, queue=subjects.SCHEDULER_QUEUE)
+    while True:
+        await bus.publish(subjects.heartbeat("peer-0"), Heartbeat(
+            worker_id="peer-0", model="bench", accelerator="nvidia-h100", vendor="nvidia", devices=1, role=Role.BOTH,
+            engine="instant", work_subject="unused", queue_depth=0, running=0, max_batch=1024, kv_blocks_total=1,
+            kv_blocks_used=0, block_size=16, ts=time.time()))
+        await asyncio.sleep(0.5)
+
+
+# --- a minimal HTTP/1.1 client ------------------------------------------------------------------
+class Conn:
+    def __init__(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        self.r, self.w = r, w
+
+
+class Client:
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.idle: list[Conn] = []
+
+    async def stream(self, body: bytes) -> tuple[float, float, bool]:
+        """POST one streaming request; (seconds to first token, seconds to [DONE], ok)."""
+        conn = self.idle.pop() if self.idle else Conn(*await asyncio.open_connection(self.host, self.port))
+        t0 = time.perf_counter()
+        conn.w.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        buf = b""
+        ttft = 0.0
+        while True:
+            data = await conn.r.read(65536)
+            if not data:
+                return ttft, time.perf_counter() - t0, False
+            buf += data
+            if not ttft and b"data: {" in buf:
+                ttft = time.perf_counter() - t0
+                if not buf.startswith(b"HTTP/1.1 200"):
+                    return ttft, 0.0, False
+            if buf.endswith(b"\r\n0\r\n\r\n"):
+                break
+        self.idle.append(conn)
+        return ttft, time.perf_counter() - t0, b"data: [DONE]" in buf
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
+
+
+async def load(client: Client, rate: float, duration_s: float, max_tokens: int, prompt_len: int) -> dict[str, float]:
+    n = int(rate * duration_s)
+    ttfts: list[float] = []
+    errors = 0
+    t_start = time.perf_counter()
+
+    async def one(i: int) -> None:
+        nonlocal errors
+        body = json.dumps({"model": "bench", "prompt": f"{i:08d}" + "x" * (prompt_len - 8), "max_tokens": max_tokens,
+                           "stream": True}).encode()
+        ttft, _total, ok = await client.stream(body)
+        if ok:
+            ttfts.append(ttft)
+        else:
+            errors += 1
+
+    tasks = []
+    for i in range(n):
+        delay = t_start + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i)))
+    await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - t_start
+    return {"requests": n, "errors": errors, "achieved_rps": n / elapsed,
+            "ttft_p50_ms": pct(ttfts, 50) * 1e3 if ttfts else float("nan"),
+            "ttft_p99_ms": pct(ttfts, 99) * 1e3 if ttfts else float("nan"),
+            "ttft_mean_ms": statistics.fmean(ttfts) * 1e3 if ttfts else float("nan")}
+
+
+async def drive(args: argparse.Namespace, port: int, gw_pid: int, peer_pid: int) -> list[dict[str, float]]:
+    client = Client("127.0.0.1", port)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"GET /ready HTTP/1.1\r\nhost: x\r\n\r\n")
+            ready = (await r.read(100)).startswith(b"HTTP/1.1 200")
+            w.close()
+            if ready:
+                break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError("gateway not ready")
+        await asyncio.sleep(0.2)
+    await load(client, 100, 2, args.max_tokens, args.prompt_len)  # warm-up: connections, caches
+    rows: list[dict[str, float]] = []
+    for rate in args.rates:
+        g0, p0 = cpu_seconds(gw_pid), cpu_seconds(peer_pid)
+        row = await load(client, rate, args.duration, args.max_tokens, args.prompt_len)
+        g1, p1 = cpu_seconds(gw_pid), cpu_seconds(peer_pid)
+        ok = row["requests"] - row["errors"]
+        tokens = ok * args.max_tokens
+        row.update(rate=rate, max_tokens=args.max_tokens, chunk_tokens=args.chunk_tokens,
+                   gateway_cpu_s=g1 - g0, peer_cpu_s=p1 - p0,
+                   gateway_cpu_per_request_us=(g1 - g0) / max(ok, 1) * 1e6,
+                   gateway_cpu_per_token_us=(g1 - g0) / max(tokens, 1) * 1e6)
+        rows.append(row)
+        await asyncio.sleep(1)
+    return rows
+
+
+def bench(args: argparse.Namespace) -> list[dict[str, float]]:
+    nats = servers.start_nats(jetstream=False)
+    work = Path(tempfile.mkdtemp(prefix="hetmesh-gwbench-"))
+    cluster = work / "cluster.toml"
+    cluster.write_text(CLUSTER)
+    port = servers.free_port()
+    env = servers.env_with(HETMESH_NATS_URL=nats.url)
+    gw_env = servers.env_with(HETMESH_NATS_URL=nats.url, HETMESH_GATEWAY_PROFILE=args.profile or "")
+    gw = subprocess.Popen([sys.executable, "-m", "hetmesh.gateway", "--cluster", str(cluster), "--port",
+                           str(port)], env=gw_env)
+    pr = subprocess.Popen([sys.executable, "-m", "hetmesh.gateway.bench", "--peer", nats.url,
+                           "--chunk-tokens", str(args.chunk_tokens)], env=env)
+    try:
+        return asyncio.run(drive(args, port, gw.pid, pr.pid))
+    finally:
+        for p in (gw, pr):
+            p.terminate()
+            p.wait(10)
+        nats.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m hetmesh.gateway.bench", description=__doc__)
+    ap.add_argument("--rates", default="50,500", help="request rates to run, comma-separated")
+    ap.add_argument("--duration", type=float, default=10.0, help="seconds per rate")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--chunk-tokens", type=int, default=1, help="tokens per TokenChunk the peer sends")
+    ap.add_argument("--prompt-len", type=int, default=200)
+    ap.add_argument("--out", default="gateway-bench.json")
+    ap.add_argument("--profile", metavar="FILE", help="run the gateway under cProfile, stats to FILE")
+    ap.add_argument("--peer", metavar="NATS_URL", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.peer:
+        try:
+            import uvloop
+
+            uvloop.install()
+        except ImportError:
+            pass
+        asyncio.run(peer(args.peer, args.chunk_tokens))
+        return
+    args.rates = [float(r) for r in args.rates.split(",")]
+    rows = bench(args)
+    cols = ["rate", "achieved_rps", "errors", "ttft_p50_ms", "ttft_p99_ms", "gateway_cpu_per_request_us",
+            "gateway_cpu_per_token_us"]
+    print(" | ".join(cols))
+    for r in rows:
+        print(" | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols))
+    meta = {"cpus": os.cpu_count(), "python": sys.version.split()[0], "duration_s": args.duration,
+            "prompt_len": args.prompt_len}
+    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    print(f"results in {args.out}")
+
+
+if __name__ == "__main__":
+    main()
