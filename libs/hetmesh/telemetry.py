@@ -18,17 +18,20 @@ _configured = False
 
 
 def setup(service: str, instance: str | None = None) -> trace.Tracer:
-    """Install a tracer provider once per process; export only when OTEL_EXPORTER_OTLP_ENDPOINT is set."""
+    """Install the SDK tracer provider once per process when OTEL_EXPORTER_OTLP_ENDPOINT is set.
+
+    Without an endpoint the API's no-op tracer stays: spans cost next to nothing on the hot
+    path, and incoming trace context is still passed on in headers.
+    """
     global _configured
-    if not _configured:
+    if not _configured and os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         attrs = {"service.name": f"hetmesh-{service}"}
         if instance:
             attrs["service.instance.id"] = instance
         provider = TracerProvider(resource=Resource.create(attrs))
-        if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         trace.set_tracer_provider(provider)
         _configured = True
     return trace.get_tracer(f"hetmesh.{service}")
