@@ -77,6 +77,7 @@ class Client:
     def __init__(self, host: str, port: int) -> None:
         self.host, self.port = host, port
         self.idle: list[Conn] = []
+        self.failures: list[str] = []
 
     async def stream(self, body: bytes) -> tuple[float, float, bool]:
         """POST one streaming request; (seconds to first token, seconds to [DONE], ok)."""
@@ -93,12 +94,15 @@ class Client:
             buf += data
             if not ttft and b"data: {" in buf:
                 ttft = time.perf_counter() - t0
-                if not buf.startswith(b"HTTP/1.1 200"):
-                    return ttft, 0.0, False
-            if buf.endswith(b"\r\n0\r\n\r\n"):
+            if buf.endswith(b"\r\n0\r\n\r\n") or (not buf.startswith(b"HTTP/1.1 200") and b"}" in buf):
                 break
-        self.idle.append(conn)
-        return ttft, time.perf_counter() - t0, b"data: [DONE]" in buf
+        ok = buf.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in buf
+        if ok:
+            self.idle.append(conn)
+        else:
+            self.failures.append(buf[-300:].decode(errors="replace"))
+            conn.w.close()
+        return ttft, time.perf_counter() - t0, ok
 
 
 def cpu_seconds(pid: int) -> float:
@@ -170,6 +174,9 @@ async def drive(args: argparse.Namespace, port: int, gw_pid: int, peer_pid: int)
                    gateway_cpu_per_request_us=(g1 - g0) / max(ok, 1) * 1e6,
                    gateway_cpu_per_token_us=(g1 - g0) / max(tokens, 1) * 1e6)
         rows.append(row)
+        for f in client.failures[:3]:
+            print(f"failed request: {f!r}")
+        client.failures.clear()
         await asyncio.sleep(1)
     return rows
 
@@ -223,6 +230,7 @@ def main() -> None:
     for r in rows:
         print(" | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols))
     meta = {"cpus": os.cpu_count(), "python": sys.version.split()[0], "duration_s": args.duration,
+            "loadavg_after": os.getloadavg(),
             "prompt_len": args.prompt_len}
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     print(f"results in {args.out}")
