@@ -166,6 +166,11 @@ def test_worker_error_before_tokens(gateway: GatewayProc) -> None:
     assert err["message"] == "engine exploded"
 
 
+def test_huge_prompt_is_a_context_error_not_a_crash(gateway: GatewayProc) -> None:
+    r = post(gateway, "/v1/completions", {"model": "tiny", "prompt": "y" * 3_000_000, "max_tokens": 1})
+    assert_openai_error(r, 400, param="prompt", code="context_length_exceeded")
+
+
 def test_gateway_still_up(gateway: GatewayProc) -> None:
     # Runs after the tests above (file order): nothing they sent took the process down.
     assert gateway.alive
