@@ -79,8 +79,9 @@ class FakePeer:
     """Scheduler + worker stand-in. Scenario keywords in the prompt text:
     lost-once, error-retry-once, partial-lost, shuffle, reject, noreply, silent, slow, fatal."""
 
-    def __init__(self, nats_url: str) -> None:
+    def __init__(self, nats_url: str, scheduler: bool = True) -> None:
         self.nats_url = nats_url
+        self.scheduler = scheduler  # False: only heartbeats, nobody answers SUBMIT
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.submits: list[InferenceRequest] = []
@@ -105,7 +106,9 @@ class FakePeer:
 
     async def _start(self) -> None:
         self.bus = await Bus.connect(self.nats_url, "fake-peer")
-        await self.bus.subscribe(subjects.SUBMIT, InferenceRequest, self._on_submit, queue=subjects.SCHEDULER_QUEUE)
+        if self.scheduler:
+            await self.bus.subscribe(subjects.SUBMIT, InferenceRequest, self._on_submit,
+                                     queue=subjects.SCHEDULER_QUEUE)
         await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel)
         await self.bus.subscribe(subjects.EVENTS_ALL, ServiceEvent, self._on_event)
         await self.bus.nc.flush()

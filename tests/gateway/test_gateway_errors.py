@@ -152,6 +152,9 @@ def test_no_live_worker_is_503(gateway: GatewayProc, client: openai.OpenAI) -> N
 def test_scheduler_not_answering_is_503(gateway: GatewayProc, peer: FakePeer) -> None:
     r = post(gateway, "/v1/completions", {"model": "tiny", "prompt": "noreply", "max_tokens": 3})
     assert_openai_error(r, 503, code="scheduler_unavailable", type_="server_error")
+    sub = peer.wait_for("submits", lambda s: bytes(s.prompt_tokens) == b"noreply")
+    # It might still get placed late: the gateway tells the mesh to drop it.
+    peer.wait_for("cancels", lambda c: c.request_id == sub.request_id and c.reason == "submit_timeout")  # type: ignore[attr-defined]
 
 
 def test_scheduler_rejection_keeps_its_status(gateway: GatewayProc) -> None:

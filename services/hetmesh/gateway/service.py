@@ -281,7 +281,12 @@ class Call:
                 resp = await gw.bus.nc.request(subjects.SUBMIT, encode(self.req), timeout=timeout_s,
                                                headers={REQUEST_ID: self.rid})
                 reply = decode(resp.data, SubmitReply)
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, TimeoutError):
+        except (nats.errors.TimeoutError, TimeoutError):
+            # A slow scheduler may still place it: make sure no worker keeps generating for nobody.
+            gw.cancel(self.rid, "submit_timeout")
+            return ErrorInfo(message="the scheduler did not answer", type="server_error",
+                             code="scheduler_unavailable", status=503)
+        except nats.errors.NoRespondersError:
             return ErrorInfo(message="the scheduler did not answer", type="server_error",
                              code="scheduler_unavailable", status=503)
         except msgspec.DecodeError as exc:
