@@ -95,8 +95,10 @@ def calibrate(cm: CostModel, samples: Sequence[Sample], fit_per_seq: bool = Fals
 
     def resid(x: np.ndarray) -> np.ndarray:
         v = unpack(x)
-        pred = v["overhead_s"] + v["per_seq_s"] * feats[:, 3] + np.maximum(
-            feats[:, 0] * v["compute"], feats[:, 1] * v["memory"]) + feats[:, 2]
+        c, m = v["compute"], v["memory"]
+        pred = (v["overhead_s"] + v["per_seq_s"] * feats[:, 7] + feats[:, 6]
+                + np.maximum(feats[:, 0] * c, feats[:, 1] * m) + np.maximum(feats[:, 2] * c, feats[:, 3] * m)
+                + np.maximum(feats[:, 4] * c, feats[:, 5] * m))
         return (pred - t) / t
 
     best = None

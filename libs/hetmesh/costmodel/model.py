@@ -1,16 +1,22 @@
 """The step-time model: how long one engine step takes on a server for a given batch shape.
 
 One continuous-batching step runs every scheduled token (prefill chunks and one token per
-decoding sequence) through the model once. Its time is a roofline with a fixed cost:
+decoding sequence) through the model once. Its time is a roofline per kind of kernel, summed
+(kernels run one after another; each is bound by its own compute or memory traffic), plus a
+fixed cost:
 
-    t = overhead + per_seq * sequences + max(FLOPs / (peak * compute_eff), bytes / (bw * memory_eff)) + comm
+    t = overhead + per_seq * sequences + comm
+        + sum over op in (dense GEMMs, expert GEMMs, attention) of
+          max(FLOPs_op / (peak_op * compute_eff), bytes_op / (bw * memory_eff))
 
-FLOPs: 2 per active parameter per token (MoE: only the routed experts), the LM head for the
-tokens that produce logits, and attention (quadratic in prefill: each new token attends to
-every cached and earlier new token). Bytes: the weights read once per step (MoE: only the
-experts the batch touches, E * (1 - (1 - k/E)^tokens) per layer) plus the KV cache read and
-written. comm: tensor-parallel all-reduces / expert-parallel all-to-alls over the scale-up
-links. Efficiency factors come from calibration (hetmesh.costmodel.calibrate).
+Dense GEMMs: 2 FLOPs per shared parameter per token (attention projections, dense MLPs, shared
+experts, routers) and the LM head for the tokens that produce logits; their weights are read
+once per step. Expert GEMMs (MoE): 2 FLOPs per routed-expert parameter per token, and only the
+experts the batch touches are read, E * (1 - (1 - k/E)^tokens) per layer. Attention: QK^T and
+PV per (query, key) pair (quadratic in prefill; MLA decode in the absorbed latent form), run
+in bf16, reading the KV cache. comm: tensor-parallel all-reduces / expert-parallel
+all-to-alls over the scale-up links. Efficiency factors come from calibration
+(hetmesh.costmodel.calibrate).
 """
 
 from __future__ import annotations
@@ -103,7 +109,9 @@ class CostModel:
         self._expert_bytes = m.expert_params * wb
         self._moe_layers = m.moe_layers
         self._k_frac = m.experts_per_token / m.experts if m.is_moe else 0.0
-        self._flops_per_token = 2.0 * (m.shared_params + m.moe_layers * m.experts_per_token * m.expert_params)
+        self._dense_flops_per_token = 2.0 * m.shared_params
+        self._expert_flops_per_token = 2.0 * m.moe_layers * m.experts_per_token * m.expert_params
+        self._attn_peak = accel.peak_flops("bf16") * engine_devices  # attention math stays in bf16
         self._flops_per_logit = 2.0 * m.vocab * m.hidden
         self._kvpt = int(m.kv_elems_per_token() * DTYPE_BYTES[self.kv_dtype])
         full_layers = m.layers - m.sliding_layers
@@ -151,30 +159,37 @@ class CostModel:
     def features(
         self, tokens: float, logits: float, pf_pairs: float, dec_pairs: float, kv_read: float, seqs: float,
         pf_pairs_window: float = 0.0, dec_pairs_window: float = 0.0,
-    ) -> tuple[float, float, float, float]:
-        """(compute s at 100% efficiency, memory s at 100%, comm s, sequences) of one step; summed work.
+    ) -> tuple[float, ...]:
+        """Per-op (compute s, memory s) at 100% efficiency, then comm s and sequences, of one step.
 
-        pf_pairs / dec_pairs: attention pairs per full-attention layer; *_window: per sliding layer.
+        Returns (dense_c, dense_m, expert_c, expert_m, attn_c, attn_m, comm, seqs). pf_pairs /
+        dec_pairs: attention pairs per full-attention layer; *_window: per sliding layer.
         """
         r = self._replicas
         t = tokens / r
-        flops = (self._flops_per_token * t + self._flops_per_logit * logits / r
-                 + (self._attn_pf * (pf_pairs * self._full_layers + pf_pairs_window * self._sliding_layers)
-                    + self._attn_dec * (dec_pairs * self._full_layers + dec_pairs_window * self._sliding_layers))
-                 / r)
-        nbytes = self._fixed_bytes + (kv_read / r + t) * self._kvpt
+        dense_c = (self._dense_flops_per_token * t + self._flops_per_logit * logits / r) / self._peak
+        dense_m = self._fixed_bytes / self._bw
         if self._moe_layers:
             touched = self.model.experts * (1.0 - (1.0 - self._k_frac) ** t)
-            nbytes += self._moe_layers * touched * self._expert_bytes
-        return flops / self._peak, nbytes / self._bw, self._comm_per_token * t, seqs / r
+            exp_c = self._expert_flops_per_token * t / self._peak
+            exp_m = self._moe_layers * touched * self._expert_bytes / self._bw
+        else:
+            exp_c = exp_m = 0.0
+        attn_flops = (self._attn_pf * (pf_pairs * self._full_layers + pf_pairs_window * self._sliding_layers)
+                      + self._attn_dec * (dec_pairs * self._full_layers + dec_pairs_window * self._sliding_layers))
+        attn_c = attn_flops / r / self._attn_peak
+        attn_m = (kv_read / r + t) * self._kvpt / self._bw
+        return dense_c, dense_m, exp_c, exp_m, attn_c, attn_m, self._comm_per_token * t, seqs / r
 
-    def _time(self, f: tuple[float, float, float, float]) -> float:
+    def _time(self, f: tuple[float, ...]) -> float:
         e = self.eff
-        return e.overhead_s + e.per_seq_s * f[3] + max(f[0] / e.compute, f[1] / e.memory) + f[2]
+        ic, im = 1.0 / e.compute, 1.0 / e.memory
+        return (e.overhead_s + e.per_seq_s * f[7] + f[6] + max(f[0] * ic, f[1] * im) + max(f[2] * ic, f[3] * im)
+                + max(f[4] * ic, f[5] * im))
 
     def step_features(
         self, prefills: Sequence[tuple[int, int]], decode_contexts: Sequence[int]
-    ) -> tuple[float, float, float, float]:
+    ) -> tuple[float, ...]:
         w = self._window
         pf_pairs = pf_win = 0.0
         kv_read = 0.0
