@@ -9,7 +9,7 @@ import uvicorn
 
 from hetmesh import config
 
-from .service import Gateway, create_app, default_instance
+from .service import Gateway, asgi_app, default_instance
 
 
 def main() -> None:
@@ -27,7 +27,7 @@ def main() -> None:
     port = cfg.gateway.port if args.port is None else args.port
     gw = Gateway(cfg, args.instance or default_instance())
     # loop/http "auto": uvloop and httptools when installed (they cut per-request overhead a lot).
-    uvicorn.run(create_app(gw), host=host, port=port, loop="auto", http="auto", log_level="warning",
+    uvicorn.run(asgi_app(gw), host=host, port=port, loop="auto", http="auto", log_level="warning",
                 access_log=False, timeout_graceful_shutdown=2, lifespan="on")
 
 

@@ -81,16 +81,23 @@ class Client:
 
     async def stream(self, body: bytes) -> tuple[float, float, bool]:
         """POST one streaming request; (seconds to first token, seconds to [DONE], ok)."""
+        request = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                   b"content-length: %d\r\n\r\n%s" % (len(body), body))
         conn = self.idle.pop() if self.idle else Conn(*await asyncio.open_connection(self.host, self.port))
         t0 = time.perf_counter()
-        conn.w.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                     b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        conn.w.write(request)
         buf = b""
         ttft = 0.0
         while True:
             data = await conn.r.read(65536)
             if not data:
-                return ttft, time.perf_counter() - t0, False
+                if buf:
+                    self.failures.append(f"connection closed mid-response: {buf[-200:]!r}")
+                    return ttft, time.perf_counter() - t0, False
+                # The server closed an idle keep-alive connection just as we reused it: a fresh one.
+                conn = Conn(*await asyncio.open_connection(self.host, self.port))
+                conn.w.write(request)
+                continue
             buf += data
             if not ttft and b"data: {" in buf:
                 ttft = time.perf_counter() - t0
