@@ -39,6 +39,8 @@ def simulate(workers: Sequence[WorkerSpec], policy: str | Policy, trace: Trace |
              config: SimConfig | None = None, slo: Slo = Slo(),
              progress: Callable[[int, int], None] | None = None, **policy_kwargs: Any
              ) -> tuple[dict[str, Any], SimResult]:
+    if policy == "cost" and config is not None and config.efficiencies:
+        policy_kwargs.setdefault("efficiencies", config.efficiencies)  # predict with the factors it runs on
     pol = policy_for(policy, workers, slo, **policy_kwargs) if isinstance(policy, str) else policy
     if isinstance(trace, ClosedLoop):  # a closed loop is stateful: give each run a fresh one
         trace = ClosedLoop(**{k: getattr(trace, k) for k in ("concurrency", "total", "input_len", "output_len",

@@ -135,3 +135,52 @@ def sweep(param: str, values: list[int], base: Workload = Workload()) -> list[di
                      "compute_eff_mi300x": r["efficiency"]["amd-mi300x"]["compute"],
                      "compute_eff_mi308x": r["efficiency"]["amd-mi308x"]["compute"]})
     return rows
+
+
+# ---- policy comparison (benchmarks/policy_comparison.py, tests/sim/test_policy_win.py) ----
+
+COMPARISON = [  # (label, layout, policy)
+    ("round_robin", "load_balanced", "round_robin"),
+    ("least_loaded (load balancer)", "load_balanced", "least_loaded"),
+    ("prefix_aware", "load_balanced", "prefix_aware"),
+    ("static split (seed)", "disaggregated", "least_loaded"),
+    ("cost", "flexible", "cost"),
+]
+CASE_SLO = Slo(ttft_s=10.0, tpot_s=0.15)
+CASE_WORKLOAD = Workload(clients_per_server=8)  # twice the seed's load: where static roles start to queue
+
+
+def rubin_servers(layout: str, model: str = "llama-3.1-70b") -> list[WorkerSpec]:
+    """Rubin VR200 : Rubin CPX servers at 1:2 (2 + 4 servers of 8)."""
+    kw: dict[str, Any] = {"model": model, "devices": 8, "max_batch": MAX_BATCH}
+    if layout in ("load_balanced", "flexible"):
+        return pool("vr200", 2, "nvidia-rubin-vr200", **kw) + pool("cpx", 4, "nvidia-rubin-cpx", **kw)
+    if layout == "disaggregated":
+        return (pool("vr200", 2, "nvidia-rubin-vr200", Role.DECODE, **kw)
+                + pool("cpx", 4, "nvidia-rubin-cpx", Role.PREFILL, **kw))
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+RUBIN_WORKLOAD = Workload(clients_per_server=16, input_len=16384, output_len=512)
+RUBIN_SLO = Slo(ttft_s=3.0, tpot_s=0.05)
+
+
+def compare(cluster: str = "case-study", wl: Workload | None = None, slo: Slo | None = None,
+            effs: Mapping[str, Efficiency] | None = None) -> list[dict[str, Any]]:
+    """Every policy of COMPARISON on one cluster and workload, as summaries with a `label`."""
+    if cluster == "case-study":
+        wl, slo = wl or CASE_WORKLOAD, slo or CASE_SLO
+        effs = effs if effs is not None else calibrate_seed(Workload())
+        build = servers
+    elif cluster == "rubin":
+        wl, slo, effs, build = wl or RUBIN_WORKLOAD, slo or RUBIN_SLO, effs or {}, rubin_servers
+    else:
+        raise ValueError(f"unknown cluster {cluster!r}")
+    rows = []
+    for label, layout, policy in COMPARISON:
+        ws = build(layout)
+        s, _ = simulate(ws, policy, wl.closed_loop(len(ws)), SimConfig(efficiencies=effs), slo)
+        s["label"] = label
+        s["layout"] = layout
+        rows.append(s)
+    return rows

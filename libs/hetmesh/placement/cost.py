@@ -1,0 +1,215 @@
+"""The cost-aware placement policy: predict each feasible placement, pick the best.
+
+For a request it prices every aggregated placement (one `both` worker does prefill and decode)
+and every disaggregated one (prefill on P, KV over the NICs, decode on D; a `both` worker may
+take either phase) with the cost model:
+
+    TTFT  = prefill backlog on P + prefill time on P (after P's prefix hit, with P's decode batch riding along)
+    TPOT  = decode step time on D at its batch (running + queued + this one) / (1 - D's prefill share)
+    e2e   = TTFT + KV transfer (disaggregated) + (output - 1) * TPOT
+
+The prefill backlog and each worker's prefill share are the policy's own bookkeeping of what
+it placed (prefill seconds it predicted, drained in real time, read off `RequestInfo.arrival`);
+batch sizes, memory and roles come from the `WorkerView`s. Objectives: "throughput" takes the
+lowest e2e time (in a closed loop, the highest throughput; the one that frees the cluster
+soonest otherwise), preferring placements inside the SLOs; "latency" takes the lowest TTFT
+among the placements that meet both SLOs (or the least violating one).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from hetmesh.costmodel import (
+    CostModel,
+    Efficiency,
+    accelerator,
+    link_bandwidth,
+    load_efficiencies,
+    model_spec,
+)
+from hetmesh.costmodel.model import transfer_time
+from hetmesh.placement.state import Decision, RequestInfo, WorkerView
+from hetmesh.protocol import Role
+
+_INF = float("inf")
+
+
+class _Book:
+    """What this policy placed on one worker: prefill seconds queued and a decaying prefill share."""
+
+    __slots__ = ("acc", "busy_until", "last")
+
+    def __init__(self) -> None:
+        self.busy_until = 0.0
+        self.acc = 0.0  # prefill seconds placed, exponentially decayed over the share window
+        self.last = 0.0
+
+
+class CostPolicy:
+    name = "cost"
+
+    def __init__(
+        self,
+        models: Mapping[str, str] | None = None,
+        objective: str = "throughput",
+        ttft_slo_s: float = 2.0,
+        tpot_slo_s: float = 0.1,
+        efficiencies: Mapping[str, Efficiency] | str | os.PathLike[str] | None = None,
+        dtypes: Mapping[str, str] | None = None,
+        chunk_tokens: int = 8192,
+        share_window_s: float = 30.0,
+        top_k: int = 4,
+        **_: Any,
+    ) -> None:
+        if objective not in ("throughput", "latency"):
+            raise ValueError("objective must be 'throughput' or 'latency'")
+        self.models = dict(models or {})
+        self.dtypes = dict(dtypes or {})
+        self.objective = objective
+        self.ttft_slo = ttft_slo_s
+        self.tpot_slo = tpot_slo_s
+        if isinstance(efficiencies, str | os.PathLike):
+            efficiencies = load_efficiencies(efficiencies)
+        self.effs: Mapping[str, Efficiency] = dict(efficiencies or {})
+        self.chunk = chunk_tokens
+        self.window = share_window_s
+        self.top_k = top_k
+        self._cms: dict[tuple[str, str, int], CostModel] = {}
+        self._books: dict[str, _Book] = {}
+        self._links: dict[tuple[str, int, str, int], float] = {}
+
+    # ---- helpers ----
+    def _cm(self, w: WorkerView) -> CostModel:
+        key = (w.accelerator, w.model, w.devices)
+        cm = self._cms.get(key)
+        if cm is None:
+            spec = self.models.get(w.model, w.model)
+            cm = CostModel(accelerator(w.accelerator), model_spec(spec), devices=w.devices,
+                           dtype=self.dtypes.get(w.model), efficiency=self.effs.get(w.accelerator))
+            self._cms[key] = cm
+        return cm
+
+    def _book(self, wid: str) -> _Book:
+        b = self._books.get(wid)
+        if b is None:
+            b = self._books[wid] = _Book()
+        return b
+
+    def _share(self, wid: str, now: float) -> float:
+        b = self._books.get(wid)
+        if b is None:
+            return 0.0
+        return min(b.acc * math.exp(-max(now - b.last, 0.0) / self.window) / self.window, 0.9)
+
+    def _link(self, p: WorkerView, d: WorkerView) -> float:
+        key = (p.accelerator, p.devices, d.accelerator, d.devices)
+        bw = self._links.get(key)
+        if bw is None:
+            bw = self._links[key] = link_bandwidth(accelerator(p.accelerator), p.devices,
+                                                   accelerator(d.accelerator), d.devices)
+        return bw
+
+    def _prefill(self, req: RequestInfo, w: WorkerView, now: float) -> tuple[float, float, int]:
+        """(TTFT on w, prefill seconds, cached tokens)."""
+        cm = self._cm(w)
+        cached = req.cached_tokens(w.worker_id)
+        new = max(req.prompt_len - cached, 1)
+        ctx = req.prompt_len + req.max_tokens // 2
+        riding = w.running  # decodes sharing the prefill steps
+        steps = max(math.ceil(new / self.chunk), 1)
+        pf = cm.step_time_totals(new, 1, new * cached + new * (new + 1) / 2, cached, riding, riding * ctx)
+        if steps > 1:
+            pf += (steps - 1) * cm.step_time_totals(0, 0, 0, 0, riding, riding * ctx)
+        backlog = max(self._book(w.worker_id).busy_until - now, 0.0)
+        return backlog + pf, pf, cached
+
+    def _tpot(self, req: RequestInfo, w: WorkerView, now: float) -> tuple[float, float]:
+        """(TPOT on w, seconds of delay this sequence adds to the others decoding there)."""
+        cm = self._cm(w)
+        b = w.running + w.queue_depth + 1
+        ctx = req.prompt_len + req.max_tokens // 2
+        bb = min(b, w.max_batch)
+        step = cm.step_time_totals(0, 0, 0, 0, bb, bb * ctx)
+        if b > w.max_batch:  # waits for a slot: roughly b / max_batch rounds of the batch
+            step *= b / w.max_batch
+        slow = 1.0 - self._share(w.worker_id, now)
+        marginal = step - cm.step_time_totals(0, 0, 0, 0, bb - 1, (bb - 1) * ctx) if bb > 1 else 0.0
+        return step / slow, (bb - 1) * max(req.max_tokens - 1, 0) * marginal / slow
+
+    @staticmethod
+    def _fits(req: RequestInfo, w: WorkerView) -> bool:
+        if w.kv_blocks_total <= 0:
+            return True
+        need = -(-(req.prompt_len + req.max_tokens) // max(w.block_size, 1))
+        return need <= w.kv_blocks_total - w.kv_blocks_used or w.running == 0
+
+    # ---- the decision ----
+    def place(self, req: RequestInfo, workers: Sequence[WorkerView]) -> Decision | None:
+        cands = [w for w in workers if w.model == req.model and w.worker_id not in req.exclude]
+        pre = [w for w in cands if w.serves(Role.PREFILL)]
+        dec = [w for w in cands if w.serves(Role.DECODE)]
+        if not pre or not dec:
+            return None
+        now = req.arrival
+        n_out = max(req.max_tokens, 1)
+        pf_of = {w.worker_id: self._prefill(req, w, now) for w in pre}
+        tpot_ext = {w.worker_id: self._tpot(req, w, now) for w in dec}
+        tpot_of = {k: v[0] for k, v in tpot_ext.items()}
+        fits = {w.worker_id: self._fits(req, w) for w in dec}
+        # (e2e, ttft, tpot, P, D, delay imposed on others: decodes stalled behind the prefill on P
+        # plus the slower steps of D's batch)
+        options: list[tuple[float, float, float, WorkerView, WorkerView, float]] = []
+        for w in pre:
+            if w.role == Role.BOTH and w.worker_id in tpot_of:
+                ttft = pf_of[w.worker_id][0]
+                tpot = tpot_of[w.worker_id]
+                ext = pf_of[w.worker_id][1] * w.running + tpot_ext[w.worker_id][1]
+                options.append((ttft + (n_out - 1) * tpot, ttft, tpot, w, w, ext))
+        if n_out > 1 or not options:
+            kv_bytes = req.prompt_len * self._cm(pre[0]).kv_bytes_per_token()
+            best_p = sorted(pre, key=lambda w: pf_of[w.worker_id][0])[: self.top_k]
+            best_d = sorted(dec, key=lambda w: tpot_of[w.worker_id])[: self.top_k]
+            for p in best_p:
+                for d in best_d:
+                    if p.worker_id == d.worker_id:
+                        continue
+                    ttft = pf_of[p.worker_id][0]
+                    tpot = tpot_of[d.worker_id]
+                    xfer = transfer_time(kv_bytes, self._link(p, d))
+                    ext = pf_of[p.worker_id][1] * p.running + tpot_ext[d.worker_id][1]
+                    options.append((ttft + xfer + (n_out - 1) * tpot, ttft, tpot, p, d, ext))
+        if not options:
+            return None
+        choice = min(options, key=lambda o: self._score(o, fits, n_out))
+        e2e, ttft, tpot, p, d, _ = choice
+        self._commit(p.worker_id, pf_of[p.worker_id][1], now)
+        agg = p.worker_id == d.worker_id
+        return Decision(
+            mode="aggregated" if agg else "disaggregated",
+            decode_worker=d.worker_id,
+            prefill_worker=None if agg else p.worker_id,
+            expected_cached_tokens=pf_of[p.worker_id][2],
+            reason=f"cost/{self.objective}: e2e {e2e:.3f}s",
+            predicted_ttft_s=ttft,
+            predicted_tpot_s=tpot if n_out > 1 else 0.0,
+        )
+
+    def _score(self, o: tuple[float, float, float, WorkerView, WorkerView, float], fits: Mapping[str, bool],
+               n_out: int) -> tuple[float, ...]:
+        e2e, ttft, tpot, _, d, ext = o
+        miss = 0 if fits.get(d.worker_id, True) else 1
+        over = max(ttft / self.ttft_slo, (tpot / self.tpot_slo) if n_out > 1 else 0.0)
+        if self.objective == "latency":
+            return (miss, max(over, 1.0), ttft, e2e)
+        # throughput: the cluster-seconds this request costs, its own time plus the delay it puts on others
+        return (miss, 0.0 if over <= 1.0 else 1.0, e2e + ext)
+
+    def _commit(self, wid: str, pf: float, now: float) -> None:
+        b = self._book(wid)
+        b.busy_until = max(b.busy_until, now) + pf
+        b.acc = b.acc * math.exp(-max(now - b.last, 0.0) / self.window) + pf
+        b.last = now

@@ -1,0 +1,80 @@
+"""The cost policy on hand-made WorkerViews: feasible placements, predictions, objectives."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetmesh.costmodel import CostModel, accelerator, model_spec
+from hetmesh.placement import RequestInfo, WorkerView, make_policy
+from hetmesh.protocol import Role
+
+
+def view(wid: str, acc: str, role: Role = Role.BOTH, running: int = 0, queue: int = 0, model: str = "llama-3.1-70b",
+         max_batch: int = 64) -> WorkerView:
+    return WorkerView(worker_id=wid, model=model, accelerator=acc, vendor=acc.split("-")[0], devices=8, role=role,
+                      queue_depth=queue, running=running, max_batch=max_batch, kv_blocks_total=100_000,
+                      kv_blocks_used=0, block_size=16)
+
+
+def req(prompt: int, out: int = 256, model: str = "llama-3.1-70b", cached: dict | None = None,
+        t: float = 0.0) -> RequestInfo:
+    return RequestInfo(request_id="r", model=model, prompt_len=prompt, max_tokens=out, cached_blocks=cached or {},
+                       block_size=16, arrival=t)
+
+
+RUBIN = [view("cpx-0", "nvidia-rubin-cpx"), view("vr-0", "nvidia-rubin-vr200", running=40)]
+
+
+def test_long_prompts_go_disaggregated_short_ones_stay() -> None:
+    pol = make_policy("cost")  # no models mapping: WorkerView.model is the spec id
+    long = pol.place(req(32_000, 64), RUBIN)
+    assert long is not None and long.mode == "disaggregated"
+    # the VR200 has more compute than the CPX too; what it must not do is stall its 40 decodes
+    assert long.prefill_worker != long.decode_worker
+    short = make_policy("cost").place(req(50, 512), RUBIN)
+    assert short is not None and short.mode == "aggregated"
+
+
+def test_predictions_come_from_the_cost_model() -> None:
+    pol = make_policy("cost", models={"svc": "llama-3.1-8b"})
+    w = view("h-0", "nvidia-h100", model="svc")
+    d = pol.place(req(2048, 100, model="svc"), [w])
+    assert d is not None and d.mode == "aggregated"
+    cm = CostModel(accelerator("nvidia-h100"), model_spec("llama-3.1-8b"), devices=8)
+    assert d.predicted_ttft_s == pytest.approx(cm.prefill_time(2048), rel=1e-6)
+    assert d.predicted_tpot_s == pytest.approx(cm.decode_step_time(1, 2048 + 50), rel=1e-6)
+
+
+def test_prefix_hits_lower_the_predicted_ttft_and_attract_the_request() -> None:
+    ws = [view("a-0", "nvidia-h100"), view("a-1", "nvidia-h100")]
+    d = make_policy("cost").place(req(8192, 16, cached={"a-1": 500}), ws)
+    assert d is not None and d.decode_worker == "a-1" and d.expected_cached_tokens == 8000
+    cold = make_policy("cost").place(req(8192, 16), ws)
+    assert cold is not None and d.predicted_ttft_s < cold.predicted_ttft_s / 4
+
+
+def test_backlog_it_placed_spreads_later_requests() -> None:
+    pol = make_policy("cost")
+    ws = [view("a-0", "nvidia-h100"), view("a-1", "nvidia-h100")]
+    first = pol.place(req(16_000, 8), ws)
+    second = pol.place(req(16_000, 8), ws)  # same instant: a-0's queue is now the first prefill
+    assert first is not None and second is not None
+    assert {first.decode_worker, second.decode_worker} == {"a-0", "a-1"}
+
+
+def test_latency_objective_keeps_tpot_inside_the_slo() -> None:
+    busy = view("vr-0", "nvidia-rubin-vr200", running=60, max_batch=64)
+    idle_slow = view("n300-0", "tenstorrent-wormhole-n300", model="llama-3.1-8b")
+    ws = [view("vr-0", "nvidia-rubin-vr200", model="llama-3.1-8b", running=60), idle_slow]
+    del busy
+    pol = make_policy("cost", objective="latency", ttft_slo_s=5.0, tpot_slo_s=0.05)
+    d = pol.place(req(1000, 200, model="llama-3.1-8b"), ws)
+    assert d is not None and d.predicted_tpot_s is not None and d.predicted_tpot_s <= 0.05
+
+
+def test_no_candidates_means_no_placement() -> None:
+    pol = make_policy("cost")
+    assert pol.place(req(100, model="other"), RUBIN) is None
+    assert pol.place(req(100), [view("p-0", "nvidia-rubin-cpx", Role.PREFILL)]) is None
+    with pytest.raises(ValueError):
+        make_policy("cost", objective="cheapest")
