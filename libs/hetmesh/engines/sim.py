@@ -41,7 +41,13 @@ class SimConfig(Struct, kw_only=True):
     max_batched_tokens: int = 2048  # per-step token budget; longer prompts are prefilled in chunks
     # Below this much owed simulated time the loop keeps stepping instead of sleeping (timer granularity).
     min_sleep_s: float = 0.0005
-    max_burst_s: float = 0.002  # wall time the loop may run steps back to back before yielding
+    max_burst_s: float = 0.0001  # wall time the loop may run steps back to back before yielding
+    # After a first token, yield this many times in a row: the token crosses several tasks (consumer,
+    # NATS flusher) before it leaves the process, and each would otherwise wait for a whole burst.
+    first_token_yields: int = 3
+    # Tokens of consecutive steps are merged and handed to stream consumers at most this often
+    # (first tokens and final outputs go at once), so a fast accelerator costs few messages per token.
+    stream_interval_s: float = 0.002
 
 
 # ---------------------------------------------------------------- deterministic generation
@@ -54,18 +60,28 @@ class Sampler:
         if sampling.temperature > 0:
             h.update(b"seed:%d" % (sampling.seed or 0))
         self._rng = random.Random(int.from_bytes(h.digest(), "little"))
-        self._vocab = tokenizer.generation_vocab()
+        self._vocab = _vocab(tokenizer)
         self._eos = tokenizer.eos_id
         self._ignore_eos = sampling.ignore_eos
 
     def next(self) -> int:
         # Always draw both numbers so ignore_eos does not shift the rest of the stream.
-        r = self._rng.random()
-        tok = self._vocab[self._rng.randrange(len(self._vocab))]
+        rand = self._rng.random
+        r = rand()
+        tok = self._vocab[int(rand() * len(self._vocab))]
         return self._eos if r < EOS_PROB and not self._ignore_eos else tok
 
 
 _piece_cache: dict[tuple[int, int], str] = {}
+_vocab_cache: dict[int, tuple[Tokenizer, Sequence[int]]] = {}
+
+
+def _vocab(tokenizer: Tokenizer) -> Sequence[int]:
+    # Keyed by id() but holding the tokenizer, so a key is never reused by another object.
+    hit = _vocab_cache.get(id(tokenizer))
+    if hit is None or hit[0] is not tokenizer:
+        hit = _vocab_cache[id(tokenizer)] = (tokenizer, tuple(tokenizer.generation_vocab()))
+    return hit[1]
 
 
 def _piece(tokenizer: Tokenizer, tok: int) -> str:
@@ -88,9 +104,14 @@ class Completion:
         self.sampling = sampling
         self.stops = [s for s in sampling.stop if s]
         self.token_ids: list[int] = []
-        self.text = ""
+        self.text = ""  # the full text so far (with stop strings; without them see `output_text`)
+        self._parts: list[str] = []  # the text as pieces (no stop strings)
         self.emitted = 0  # len of text already handed out
         self.finish_reason: str | None = None
+
+    @property
+    def output_text(self) -> str:
+        return self.text if self.stops else "".join(self._parts)
 
     def _holdback(self) -> int:
         best = 0
@@ -104,6 +125,16 @@ class Completion:
     def append(self, tok: int) -> str:
         """Add a token; return the newly emittable text."""
         self.token_ids.append(tok)
+        if not self.stops:  # fast path: no hold-back, nothing to search
+            piece = ""
+            if tok == self.tok.eos_id and not self.sampling.ignore_eos:
+                self.finish_reason = "stop"
+            else:
+                piece = _piece(self.tok, tok)
+                self._parts.append(piece)
+            if self.finish_reason is None and len(self.token_ids) >= self.sampling.max_tokens:
+                self.finish_reason = "length"
+            return piece
         if tok == self.tok.eos_id and not self.sampling.ignore_eos:
             self.finish_reason = "stop"
         else:
@@ -132,7 +163,7 @@ def expected_completion(
     comp = Completion(tokenizer, sampling)
     while comp.finish_reason is None:
         comp.append(sampler.next())
-    return comp.token_ids, comp.text, comp.finish_reason
+    return comp.token_ids, comp.output_text, comp.finish_reason
 
 
 # ---------------------------------------------------------------- the prefix cache
@@ -219,24 +250,27 @@ class PrefixCache:
 # ---------------------------------------------------------------- the engine
 
 class _Stream:
-    """Per-request output buffer: outputs that the consumer has not taken yet are merged."""
+    """Per-request output buffer: tokens the consumer has not taken yet are merged into one output."""
 
-    __slots__ = ("event", "pending")
+    __slots__ = ("event", "finish_reason", "finished", "ids", "index", "parts")
 
     def __init__(self) -> None:
         self.event = asyncio.Event()
-        self.pending: EngineOutput | None = None
+        self.index = 0  # completion position of ids[0]
+        self.ids: list[int] = []
+        self.parts: list[str] = []
+        self.finished = False
+        self.finish_reason: str | None = None
 
-    def push(self, out: EngineOutput) -> None:
-        p = self.pending
-        if p is None:
-            self.pending = out
-        else:
-            p.token_ids += out.token_ids
-            p.text += out.text
-            p.finished, p.finish_reason = out.finished, out.finish_reason
-            p.cached_tokens, p.completion_tokens = out.cached_tokens, out.completion_tokens
-        self.event.set()
+    def take(self, r: _Req) -> EngineOutput:
+        out = EngineOutput(request_id=r.req.request_id, index=self.index, token_ids=self.ids,
+                           text="".join(self.parts), finished=self.finished, finish_reason=self.finish_reason,
+                           prompt_tokens=r.prompt_len, cached_tokens=r.cached_tokens,
+                           completion_tokens=len(r.comp.token_ids))
+        self.index += len(self.ids)
+        self.ids = []
+        self.parts = []
+        return out
 
 
 class _Req:
@@ -273,8 +307,9 @@ class SimEngine:
         self.cache = PrefixCache(self.cfg.kv_blocks)
         self._waiting: deque[_Req] = deque()
         self._running: dict[str, _Req] = {}
-        self._streams: dict[str, _Stream] = {}
-        self._reqs: dict[str, _Req] = {}
+        self._streams: dict[str, _Req] = {}  # until the consumer has taken the last output
+        self._reqs: dict[str, _Req] = {}  # waiting or running
+        self._dirty: set[_Req] = set()  # have output the consumer has not been woken for
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stats = EngineStats(waiting=0, running=0, max_batch=self.cfg.max_batch,
@@ -311,29 +346,32 @@ class SimEngine:
         if need > self.cfg.kv_blocks:
             raise EngineError(f"request needs {need} KV blocks; this engine has {self.cfg.kv_blocks}")
         stream = _Stream()
+        if request.phase == Phase.DECODE:
+            stream.index = len(request.first_token_ids)
         r = _Req(request, Sampler(self.tok, request.prompt_tokens, request.sampling),
                  Completion(self.tok, request.sampling), stream)
-        self._streams[rid] = stream
+        self._streams[rid] = r
         self._reqs[rid] = r
         self._waiting.append(r)
         self._wake.set()
 
     async def stream(self, request_id: str) -> AsyncIterator[EngineOutput]:
-        s = self._streams.get(request_id)
-        if s is None:
+        r = self._streams.get(request_id)
+        if r is None:
             raise EngineError(f"unknown request {request_id!r}")
+        s = r.stream
         try:
             while True:
                 await s.event.wait()
                 s.event.clear()
-                out, s.pending = s.pending, None
-                if out is None:
+                if not s.ids and not s.finished:
                     continue
+                out = s.take(r)
                 yield out
                 if out.finished:
                     return
         finally:
-            if self._streams.get(request_id) is s and request_id not in self._reqs:
+            if self._streams.get(request_id) is r and request_id not in self._reqs:
                 del self._streams[request_id]
 
     async def abort(self, request_id: str) -> bool:
@@ -346,7 +384,7 @@ class SimEngine:
             self._waiting.remove(r)
             del self._reqs[request_id]
         self._stats.aborted += 1
-        r.stream.push(self._output(r, [], "", finished=True, reason="abort"))
+        self._emit(r, None, "", "abort", True)
         return True
 
     def stats(self) -> EngineStats:
@@ -409,10 +447,26 @@ class SimEngine:
         self._running.pop(r.req.request_id, None)
         self._reqs.pop(r.req.request_id, None)
 
-    def _output(self, r: _Req, ids: list[int], text: str, finished: bool, reason: str | None) -> EngineOutput:
-        return EngineOutput(request_id=r.req.request_id, index=len(r.comp.token_ids) - len(ids), token_ids=ids,
-                            text=text, finished=finished, finish_reason=reason, prompt_tokens=r.prompt_len,
-                            cached_tokens=r.cached_tokens, completion_tokens=len(r.comp.token_ids))
+    def _emit(self, r: _Req, tok: int | None, text: str, reason: str | None, finished: bool) -> None:
+        """Append to r's stream buffer; wake its consumer now for first tokens and ends, else at the next flush."""
+        s = r.stream
+        urgent = finished or (not s.index and not s.ids)
+        if tok is not None:
+            s.ids.append(tok)
+        if text:
+            s.parts.append(text)
+        if finished:
+            s.finished, s.finish_reason = True, reason
+        if urgent:
+            s.event.set()
+            self._dirty.discard(r)
+        else:
+            self._dirty.add(r)
+
+    def _flush(self) -> None:
+        for r in self._dirty:
+            r.stream.event.set()
+        self._dirty.clear()
 
     def _plan(self) -> tuple[list[tuple[_Req, int]], list[_Req]]:
         """One continuous-batching step: every decoding request plus prefill chunks within the token budget."""
@@ -436,7 +490,7 @@ class SimEngine:
             self._waiting.popleft()
             if r.computed >= r.prompt_len:
                 if r.comp.finish_reason is not None:  # DECODE whose first tokens already ended it
-                    self._finish(r, [], "")
+                    self._finish(r, None, "")
                 else:
                     decodes.append(r)
                     budget -= 1
@@ -446,10 +500,9 @@ class SimEngine:
                 budget -= n
         return prefills, decodes
 
-    def _finish(self, r: _Req, ids: list[int], text: str) -> None:
-        reason = r.comp.finish_reason
+    def _finish(self, r: _Req, tok: int | None, text: str) -> None:
         self._release(r)
-        r.stream.push(self._output(r, ids, text, finished=True, reason=reason))
+        self._emit(r, tok, text, r.comp.finish_reason, True)
 
     def _sample(self, r: _Req) -> bool:
         """Generate one token for r and emit it; True if r produced its first token."""
@@ -458,13 +511,13 @@ class SimEngine:
         text = r.comp.append(tok)
         self._stats.tokens_generated += 1
         if r.comp.finish_reason is not None:
-            self._finish(r, [tok], text)
+            self._finish(r, tok, text)
         elif r.req.phase == Phase.PREFILL:
             # Hand off: the decode worker continues once the KV has landed there.
             self._release(r)
-            r.stream.push(self._output(r, [tok], text, finished=True, reason=None))
+            self._emit(r, tok, text, None, True)
         else:
-            r.stream.push(self._output(r, [tok], text, finished=False, reason=None))
+            self._emit(r, tok, text, None, False)
         return first
 
     def _apply(self, prefills: list[tuple[_Req, int]], decodes: list[_Req]) -> bool:
@@ -486,9 +539,10 @@ class SimEngine:
         loop = asyncio.get_running_loop()
         cfg = self.cfg
         target = loop.time()  # simulated clock, in wall time
-        last_yield = target
+        last_yield = last_flush = target
         while True:
             if not self._running and not self._waiting:
+                self._flush()
                 self._wake.clear()
                 await self._wake.wait()
                 target = last_yield = loop.time()
@@ -505,12 +559,22 @@ class SimEngine:
             target = max(target, now) + dt
             owed = target - now
             if owed > cfg.min_sleep_s:
+                if now - last_flush >= cfg.stream_interval_s:
+                    self._flush()
+                    last_flush = now
                 await asyncio.sleep(owed)
                 last_yield = loop.time()
             first = self._apply(prefills, decodes)
-            # Yield promptly after a first token (TTFT) and at least every max_burst_s; otherwise keep
-            # stepping so that a fast simulated accelerator's tokens are merged into fewer messages.
             now = loop.time()
-            if first or now - last_yield > cfg.max_burst_s:
+            if now - last_flush >= cfg.stream_interval_s:
+                self._flush()
+                last_flush = now
+            # Yield promptly after a first token (TTFT) and at least every max_burst_s so that new work
+            # and the consumers get the loop; consumers are only woken by first tokens, ends and flushes.
+            if first:
+                for _ in range(cfg.first_token_yields):
+                    await asyncio.sleep(0)
+                last_yield = loop.time()
+            elif now - last_yield > cfg.max_burst_s:
                 await asyncio.sleep(0)
                 last_yield = loop.time()

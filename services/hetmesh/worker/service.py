@@ -84,6 +84,8 @@ class Worker:
         self.work_subject = subjects.work_direct(self.role.value, vendor, accel, worker_id)
         self.pool_subject = subjects.work_pool(self.role.value, vendor, accel)
         self.tracer = telemetry.setup("worker", worker_id)
+        # Spans cost tens of microseconds each; make them only when someone collects them.
+        self.tracing = bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
         self.bus: Bus
         self.tasks: dict[str, asyncio.Task[None]] = {}  # request id -> the task serving it
         self.decodes: dict[str, _Decode] = {}  # waiting for KvLanded
@@ -147,12 +149,13 @@ class Worker:
     # ------------------------------------------------------------------ helpers
     async def _event(self, request_id: str, kind: str, **detail: str | int | float | bool | None) -> None:
         detail["worker_id"] = self.worker_id
-        await self.bus.publish(subjects.event("worker"), ServiceEvent(
+        await self._send(subjects.event("worker"), ServiceEvent(
             service="worker", instance=self.worker_id, request_id=request_id, kind=kind, ts=time.time(),
-            detail=detail), request_id)
+            detail=detail))
 
     async def _send(self, subject: str, msg: msgspec.Struct) -> None:
-        # Token traffic goes without headers: the request id is in the body and header encoding costs CPU.
+        # Per-request traffic goes without headers: the request id is in every body, and header
+        # encoding plus trace-context injection would cost more CPU than the message itself.
         await self.bus.nc.publish(subject, _enc.encode(msg))
 
     async def _error(self, item: WorkItem, message: str, *, retryable: bool, status: int = 500,
@@ -164,9 +167,8 @@ class Worker:
         await self._event(rid, "error", phase=item.phase.value, message=message, retryable=retryable)
 
     async def _finished(self, rid: str, reason: str, completion_tokens: int) -> None:
-        await self.bus.publish(subjects.FINISHED, Finished(request_id=rid, worker_id=self.worker_id,
-                                                           finish_reason=reason,
-                                                           completion_tokens=completion_tokens), rid)
+        await self._send(subjects.FINISHED, Finished(request_id=rid, worker_id=self.worker_id,
+                                                     finish_reason=reason, completion_tokens=completion_tokens))
 
     # ------------------------------------------------------------------ work intake
     async def on_work(self, item: WorkItem, m: Msg) -> None:
@@ -177,7 +179,7 @@ class Worker:
         if rid in self.tasks:
             log.warning("duplicate work item for %s ignored", rid)
             return
-        ctx = telemetry.extract(m.headers)
+        ctx = telemetry.extract(m.headers) if self.tracing else Context()
         serve = self._serve_decode if item.phase == Phase.DECODE else self._serve_compute
         if item.phase == Phase.DECODE:
             # Register before yielding: the KvLanded may already be on its way.
@@ -186,6 +188,9 @@ class Worker:
             early = self.early_landed.pop(rid, None)
             if early is not None:
                 fut.set_result(early[0])
+        elif not await self._submit(item, self._engine_request(item)):
+            # Submitted here rather than in the task: one event-loop hop less before the prefill starts.
+            return
         task = asyncio.create_task(self._traced(serve, item, ctx), name=f"req-{rid}")
         self.tasks[rid] = task
         task.add_done_callback(lambda _t, rid=rid: self._done(rid))
@@ -198,6 +203,15 @@ class Worker:
         self.cancelled.discard(rid)
 
     async def _traced(self, serve: Any, item: WorkItem, ctx: Context) -> None:
+        if not self.tracing:
+            try:
+                await serve(item)
+            except Exception as exc:
+                log.exception("serving %s failed", item.request.request_id)
+                with contextlib.suppress(Exception):
+                    await self._error(item, f"worker {self.worker_id} failed: {exc}", retryable=False)
+                    await self._finished(item.request.request_id, "error", 0)
+            return
         span = self.tracer.start_span(f"worker.{item.phase.value}", context=ctx, attributes={
             "hetmesh.request_id": item.request.request_id, "hetmesh.worker_id": self.worker_id,
             "hetmesh.prompt_tokens": len(item.request.prompt_tokens)})
@@ -237,11 +251,9 @@ class Worker:
     async def _serve_compute(self, item: WorkItem) -> None:
         req = item.request
         rid = req.request_id
-        if not await self._submit(item, self._engine_request(item)):
-            return
         streamed = 0
         last: EngineOutput | None = None
-        async for out in self.engine.stream(rid):
+        async for out in self.engine.stream(rid):  # submitted by on_work
             last = out
             if out.finish_reason == "abort":
                 await self._on_abort(item, out, streamed)
