@@ -52,9 +52,6 @@ CLUSTER = f"""
 time_scale = 1.0
 heartbeat_interval_s = 0.2
 
-[kv_transfer]
-chunk_bytes = 65536
-
 [[models]]
 name = "{MODEL}"
 spec = "tiny-llama"
@@ -317,7 +314,8 @@ async def test_cancel_stops_the_engine(tap: tuple[Tap, nats.NATS]) -> None:
 
 async def test_disaggregated_prefill_kv_transfer_decode(tap: tuple[Tap, nats.NATS]) -> None:
     t, nc = tap
-    prompt = "a disaggregated request travels across two accelerators " * 3
+    # ~1.3k tokens: 1.3 MB of tiny-llama KV, more than one NATS message (max_payload 1 MiB) can carry.
+    prompt = "a disaggregated request travels across two accelerators " * 23
     pre = make_item(prompt, 30, Phase.PREFILL, decode_worker="dec-0", prefill_worker="pre-0", seed=5)
     dec = WorkItem(request=pre.request, phase=Phase.DECODE, placement=pre.placement)
     rid = pre.request.request_id
@@ -344,7 +342,8 @@ async def test_disaggregated_prefill_kv_transfer_decode(tap: tuple[Tap, nats.NAT
     assert sent.detail["worker_id"] == "pre-0" and sent.detail["nbytes"] == nbytes
     assert moved.service == "kv-transfer" and moved.detail["src"] == "pre-0" and moved.detail["dst"] == "dec-0"
     assert moved.detail["nbytes"] == nbytes and moved.detail["ok"] is True
-    assert moved.detail["chunks"] == -(-nbytes // 65536)
+    chunk = int(sent.detail["chunk_bytes"])  # type: ignore[arg-type]
+    assert nbytes > chunk and moved.detail["chunks"] == sent.detail["chunks"] == -(-nbytes // chunk)
     assert landed.detail["worker_id"] == "dec-0" and landed.detail["bytes_received"] == nbytes
     assert t.kv_recv_bytes[str(moved.detail["transfer_id"])] == nbytes  # the bytes really crossed the wire
     assert done.detail["worker_id"] == "dec-0" and done.detail["completion_tokens"] == len(ids)

@@ -49,6 +49,7 @@ log = logging.getLogger("hetmesh.worker")
 
 KV_EVENT_PERIOD_S = 0.05  # coalescing window for KvEvent batches
 KV_ACCEPT_TIMEOUT_S = 5.0
+KV_HEADER_ROOM = 1024  # bytes kept free in each KV chunk message for its headers (and the relay's)
 KV_FLUSH_EVERY = 16 << 20  # flush the connection every this many KV bytes: bounded client buffer
 EARLY_LANDED_MAX = 10_000
 STALE_S = 120.0
@@ -301,7 +302,8 @@ class Worker:
         nbytes = self.cost.kv_bytes_per_token() * len(req.prompt_tokens)
         if kvc.max_wire_bytes > 0:
             nbytes = min(nbytes, kvc.max_wire_bytes)
-        chunk = max(1, kvc.chunk_bytes)
+        # NATS refuses messages over the server's max_payload (1 MiB by default), headers included.
+        chunk = max(1, min(kvc.chunk_bytes, self.bus.nc.max_payload - KV_HEADER_ROOM))
         treq = KvTransferRequest(
             transfer_id=f"{rid}.{uuid.uuid4().hex[:8]}", request_id=rid, model=req.model, src_worker=self.worker_id,
             dst_worker=dst, num_tokens=len(req.prompt_tokens), nbytes=nbytes, chunk_bytes=chunk,
@@ -322,7 +324,7 @@ class Worker:
             return
         self.kv_bytes_sent += nbytes
         await self._event(rid, "kv_sent", phase="prefill", transfer_id=treq.transfer_id, dst=dst, nbytes=nbytes,
-                          chunks=chunks, duration_s=time.perf_counter() - t0)
+                          chunks=chunks, chunk_bytes=chunk, duration_s=time.perf_counter() - t0)
 
     async def _send_kv(self, subject: str, nbytes: int, chunk: int) -> int:
         """Put nbytes of (simulated) KV on the wire in chunks; the size is real, the content is not."""
