@@ -312,6 +312,18 @@ async def test_cancel_stops_the_engine(tap: tuple[Tap, nats.NATS]) -> None:
     assert len(counts) == 1
 
 
+async def test_cancel_that_beats_its_work_item(tap: tuple[Tap, nats.NATS]) -> None:
+    t, nc = tap
+    item = make_item("cancelled before it arrived", 50)
+    rid = item.request.request_id
+    await nc.publish(subjects.CANCEL, encode(Cancel(request_id=rid)))
+    await nc.publish(direct("agg-0"), encode(item))
+    aborted = await t.until(lambda: t.event(rid, "aborted"))
+    assert aborted.detail["before_start"] is True and aborted.detail["worker_id"] == "agg-0"
+    done = await t.until(lambda: next((f for f in t.finished if f.request_id == rid), None))
+    assert done.finish_reason == "abort" and final(t, item) is None
+
+
 async def test_disaggregated_prefill_kv_transfer_decode(tap: tuple[Tap, nats.NATS]) -> None:
     t, nc = tap
     # ~1.3k tokens: 1.3 MB of tiny-llama KV, more than one NATS message (max_payload 1 MiB) can carry.

@@ -93,6 +93,7 @@ class Worker:
         self.early_landed: dict[str, tuple[KvLanded, float]] = {}  # KvLanded that beat its WorkItem
         self.recv: dict[str, list[float]] = {}  # transfer id -> [bytes, chunks, last seen]
         self.cancelled: set[str] = set()
+        self.early_cancels: dict[str, float] = {}  # Cancels that beat their WorkItem (client gave up at once)
         self.draining = False
         self._subs: list[Any] = []
         self._work_subs: list[Any] = []
@@ -179,6 +180,10 @@ class Worker:
             return
         if rid in self.tasks:
             log.warning("duplicate work item for %s ignored", rid)
+            return
+        if self.early_cancels.pop(rid, None) is not None:
+            await self._event(rid, "aborted", phase=item.phase.value, completion_tokens=0, before_start=True)
+            await self._finished(rid, "abort", 0)
             return
         ctx = telemetry.extract(m.headers) if self.tracing else Context()
         serve = self._serve_decode if item.phase == Phase.DECODE else self._serve_compute
@@ -445,6 +450,10 @@ class Worker:
         rid = c.request_id
         task = self.tasks.get(rid)
         if task is None:
+            # Every worker sees every Cancel; remember a few in case this one's WorkItem is still in flight.
+            if len(self.early_cancels) >= EARLY_LANDED_MAX:
+                self.early_cancels.pop(next(iter(self.early_cancels)))
+            self.early_cancels[rid] = time.monotonic()
             return
         self.cancelled.add(rid)
         d = self.decodes.get(rid)
@@ -480,6 +489,8 @@ class Worker:
             del self.recv[tid]
         for rid in [r for r, (_, ts) in self.early_landed.items() if now - ts > STALE_S]:
             del self.early_landed[rid]
+        for rid in [r for r, ts in self.early_cancels.items() if now - ts > STALE_S]:
+            del self.early_cancels[rid]
 
     async def _publish_kv_events(self, force_cleared: bool = False) -> None:
         b = self.engine.kv_events()
