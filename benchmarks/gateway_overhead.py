@@ -1,4 +1,4 @@
-"""Gateway overhead benchmark: `python -m hetmesh.gateway.bench [--rates 50,500] [--out FILE]`.
+"""Gateway overhead benchmark: `python benchmarks/gateway_overhead.py [--rates 50,500] [--out FILE]`.
 
 A real nats-server and a real gateway process; behind them an instant peer (scheduler +
 worker stand-in in its own process) that places every request at once and streams its tokens
@@ -23,6 +23,7 @@ from pathlib import Path
 
 from hetmesh import servers, subjects
 from hetmesh.bus import Bus
+from hetmesh.loadgen import SSEClient, cpu_seconds, open_loop, percentile
 from hetmesh.protocol import Heartbeat, InferenceRequest, Placement, Role, SubmitReply, TokenChunk, Usage
 
 CLUSTER = """
@@ -67,113 +68,31 @@ async def peer(nats_url: str, chunk_tokens: int) -> None:
         await asyncio.sleep(0.5)
 
 
-# --- a minimal HTTP/1.1 client ------------------------------------------------------------------
-class Conn:
-    def __init__(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        self.r, self.w = r, w
+def load_body(i: int, max_tokens: int, prompt_len: int) -> bytes:
+    return json.dumps({"model": "bench", "prompt": f"{i:08d}" + "x" * (prompt_len - 8), "max_tokens": max_tokens,
+                       "stream": True}).encode()
 
 
-class Client:
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
-        self.idle: list[Conn] = []
-        self.failures: list[str] = []
-
-    async def stream(self, body: bytes) -> tuple[float, float, bool]:
-        """POST one streaming request; (seconds to first token, seconds to [DONE], ok)."""
-        request = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                   b"content-length: %d\r\n\r\n%s" % (len(body), body))
-        conn = self.idle.pop() if self.idle else Conn(*await asyncio.open_connection(self.host, self.port))
-        t0 = time.perf_counter()
-        conn.w.write(request)
-        buf = b""
-        ttft = 0.0
-        while True:
-            data = await conn.r.read(65536)
-            if not data:
-                if buf:
-                    self.failures.append(f"connection closed mid-response: {buf[-200:]!r}")
-                    return ttft, time.perf_counter() - t0, False
-                # The server closed an idle keep-alive connection just as we reused it: a fresh one.
-                conn = Conn(*await asyncio.open_connection(self.host, self.port))
-                conn.w.write(request)
-                continue
-            buf += data
-            if not ttft and b"data: {" in buf:
-                ttft = time.perf_counter() - t0
-            if buf.endswith(b"\r\n0\r\n\r\n") or (not buf.startswith(b"HTTP/1.1 200") and b"}" in buf):
-                break
-        ok = buf.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in buf
-        if ok:
-            self.idle.append(conn)
-        else:
-            self.failures.append(buf[-300:].decode(errors="replace"))
-            conn.w.close()
-        return ttft, time.perf_counter() - t0, ok
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
-
-
-async def load(client: Client, rate: float, duration_s: float, max_tokens: int, prompt_len: int) -> dict[str, float]:
-    n = int(rate * duration_s)
-    ttfts: list[float] = []
-    errors = 0
+async def load(client: SSEClient, rate: float, duration_s: float, max_tokens: int, prompt_len: int) -> dict[str, float]:
     t_start = time.perf_counter()
-
-    async def one(i: int) -> None:
-        nonlocal errors
-        body = json.dumps({"model": "bench", "prompt": f"{i:08d}" + "x" * (prompt_len - 8), "max_tokens": max_tokens,
-                           "stream": True}).encode()
-        ttft, _total, ok = await client.stream(body)
-        if ok:
-            ttfts.append(ttft)
-        else:
-            errors += 1
-
-    tasks = []
-    for i in range(n):
-        delay = t_start + i / rate - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(i)))
-    await asyncio.gather(*tasks)
+    res = await open_loop(client, "/v1/completions", rate, duration_s,
+                          lambda i: load_body(i, max_tokens, prompt_len), poisson=False)
     elapsed = time.perf_counter() - t_start
-    return {"requests": n, "errors": errors, "achieved_rps": n / elapsed,
-            "ttft_p50_ms": pct(ttfts, 50) * 1e3 if ttfts else float("nan"),
-            "ttft_p99_ms": pct(ttfts, 99) * 1e3 if ttfts else float("nan"),
+    ttfts = [r.ttft_s for r in res if r.ok]
+    return {"requests": len(res), "errors": len(res) - len(ttfts), "achieved_rps": len(res) / elapsed,
+            "ttft_p50_ms": percentile(ttfts, 0.5) * 1e3, "ttft_p99_ms": percentile(ttfts, 0.99) * 1e3,
             "ttft_mean_ms": statistics.fmean(ttfts) * 1e3 if ttfts else float("nan")}
 
 
 async def drive(args: argparse.Namespace, port: int, gw_pid: int, peer_pid: int) -> list[dict[str, float]]:
-    client = Client("127.0.0.1", port)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            r, w = await asyncio.open_connection("127.0.0.1", port)
-            w.write(b"GET /ready HTTP/1.1\r\nhost: x\r\n\r\n")
-            ready = (await r.read(100)).startswith(b"HTTP/1.1 200")
-            w.close()
-            if ready:
-                break
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError("gateway not ready")
-        await asyncio.sleep(0.2)
+    client = SSEClient("127.0.0.1", port)
+    await client.wait_ready()
     await load(client, 100, 2, args.max_tokens, args.prompt_len)  # warm-up: connections, caches
     rows: list[dict[str, float]] = []
     for rate in args.rates:
-        g0, p0 = cpu_seconds(gw_pid), cpu_seconds(peer_pid)
+        g0, p0 = cpu_seconds([gw_pid]), cpu_seconds([peer_pid])
         row = await load(client, rate, args.duration, args.max_tokens, args.prompt_len)
-        g1, p1 = cpu_seconds(gw_pid), cpu_seconds(peer_pid)
+        g1, p1 = cpu_seconds([gw_pid]), cpu_seconds([peer_pid])
         ok = row["requests"] - row["errors"]
         tokens = ok * args.max_tokens
         row.update(rate=rate, max_tokens=args.max_tokens, chunk_tokens=args.chunk_tokens,
@@ -198,7 +117,7 @@ def bench(args: argparse.Namespace) -> list[dict[str, float]]:
     gw_env = servers.env_with(HETMESH_NATS_URL=nats.url, HETMESH_GATEWAY_PROFILE=args.profile or "")
     gw = subprocess.Popen([sys.executable, "-m", "hetmesh.gateway", "--cluster", str(cluster), "--port",
                            str(port)], env=gw_env)
-    pr = subprocess.Popen([sys.executable, "-m", "hetmesh.gateway.bench", "--peer", nats.url,
+    pr = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--peer", nats.url,
                            "--chunk-tokens", str(args.chunk_tokens)], env=env)
     try:
         return asyncio.run(drive(args, port, gw.pid, pr.pid))
@@ -210,13 +129,13 @@ def bench(args: argparse.Namespace) -> list[dict[str, float]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m hetmesh.gateway.bench", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python benchmarks/gateway_overhead.py", description=__doc__)
     ap.add_argument("--rates", default="50,500", help="request rates to run, comma-separated")
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per rate")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--chunk-tokens", type=int, default=1, help="tokens per TokenChunk the peer sends")
     ap.add_argument("--prompt-len", type=int, default=200)
-    ap.add_argument("--out", default="gateway-bench.json")
+    ap.add_argument("--out", default="results/gateway_overhead.json")
     ap.add_argument("--profile", metavar="FILE", help="run the gateway under cProfile, stats to FILE")
     ap.add_argument("--peer", metavar="NATS_URL", help=argparse.SUPPRESS)
     args = ap.parse_args()

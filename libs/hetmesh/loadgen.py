@@ -1,0 +1,136 @@
+"""Load generation for the benchmarks: a minimal HTTP/1.1 SSE client and open/closed loops.
+
+A raw-socket client on a keep-alive pool, because on a 2-core machine the client's own CPU
+competes with the mesh it measures; httpx or the openai client would cost several times more
+per request than the gateway does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_USAGE = re.compile(rb'"completion_tokens":\s*(\d+)')
+
+
+@dataclass(slots=True)
+class Result:
+    ttft_s: float
+    total_s: float
+    ok: bool
+    completion_tokens: int = 0
+
+
+@dataclass
+class SSEClient:
+    host: str
+    port: int
+    idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    async def stream(self, path: str, body: bytes) -> Result:
+        """POST one streaming request and read it to the end."""
+        request = (b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                   % (path.encode(), len(body), body))
+        r, w = self.idle.pop() if self.idle else await asyncio.open_connection(self.host, self.port)
+        t0 = time.perf_counter()
+        w.write(request)
+        buf = b""
+        ttft = 0.0
+        while True:
+            data = await r.read(65536)
+            if not data:
+                if buf:
+                    self.failures.append(f"connection closed mid-response: {buf[-200:]!r}")
+                    return Result(ttft, time.perf_counter() - t0, False)
+                # The server closed an idle keep-alive connection just as we reused it: a fresh one.
+                r, w = await asyncio.open_connection(self.host, self.port)
+                w.write(request)
+                continue
+            buf += data
+            if not ttft and b"data: {" in buf:
+                ttft = time.perf_counter() - t0
+            if buf.endswith(b"\r\n0\r\n\r\n") or (not buf.startswith(b"HTTP/1.1 200") and b"}" in buf):
+                break
+        total = time.perf_counter() - t0
+        ok = buf.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in buf
+        if ok:
+            self.idle.append((r, w))
+        else:
+            self.failures.append(buf[-300:].decode(errors="replace"))
+            w.close()
+        m = _USAGE.search(buf, max(len(buf) - 600, 0))
+        return Result(ttft, total, ok, int(m.group(1)) if m else 0)
+
+    async def wait_ready(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                r, w = await asyncio.open_connection(self.host, self.port)
+                w.write(b"GET /ready HTTP/1.1\r\nhost: x\r\n\r\n")
+                ready = (await r.read(100)).startswith(b"HTTP/1.1 200")
+                w.close()
+                if ready:
+                    return
+            except OSError:
+                pass
+            await asyncio.sleep(0.2)
+        raise TimeoutError("gateway not ready")
+
+
+async def open_loop(client: SSEClient, path: str, rate: float, seconds: float,
+                    body: Callable[[int], bytes], poisson: bool = True, seed: int = 1) -> list[Result]:
+    """Requests at fixed arrival times (Poisson or evenly spaced) regardless of how fast they finish."""
+    rng = random.Random(seed)
+    tasks: list[asyncio.Task[Result]] = []
+    start = time.perf_counter()
+    t_next, i = 0.0, 0
+    while t_next < seconds:
+        delay = start + t_next - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(client.stream(path, body(i))))
+        i += 1
+        t_next += rng.expovariate(rate) if poisson else 1.0 / rate
+    return list(await asyncio.gather(*tasks))
+
+
+async def closed_loop(client: SSEClient, path: str, concurrency: int, seconds: float,
+                      body: Callable[[int, int], bytes]) -> list[Result]:
+    """`concurrency` clients, each sending its next request when the previous one ends."""
+    deadline = time.perf_counter() + seconds
+    out: list[Result] = []
+
+    async def user(k: int) -> None:
+        n = 0
+        while time.perf_counter() < deadline:
+            out.append(await client.stream(path, body(k, n)))
+            n += 1
+
+    await asyncio.gather(*(user(k) for k in range(concurrency)))
+    return out
+
+
+def cpu_seconds(pids: Iterable[int]) -> float:
+    """User + system CPU seconds of these processes so far (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def percentile(xs: Iterable[float], q: float) -> float:
+    """q in [0, 1]; nan when empty."""
+    s = sorted(xs)
+    return s[min(int(q * len(s)), len(s) - 1)] if s else float("nan")
