@@ -253,3 +253,35 @@ async def test_prefill_then_decode_equals_full(make, max_tokens: int, stop: list
     assert dec[-1].completion_tokens == len(ids)
     assert all(not p for p, _ in timer_d.steps)  # decode never recomputes the prompt
     assert base.prompt_tokens == full.prompt_tokens
+
+
+class FailingTimer(RecordingTimer):
+    """The real cost model until step `fail_at`, then an exception: a broken engine step."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.fail_at = fail_at
+
+    def step_time(self, prefills: Sequence[tuple[int, int]], decode_contexts: Sequence[int]) -> float:
+        if len(self.steps) >= self.fail_at:
+            raise RuntimeError("accelerator fell off the bus")
+        return super().step_time(prefills, decode_contexts)
+
+
+async def test_a_failing_engine_ends_every_stream_with_error() -> None:
+    e = SimEngine(TOK, FailingTimer(fail_at=5), SimConfig(time_scale=1e6))
+    await e.start()
+    try:
+        await e.submit(req("a", "one", 100, ignore_eos=True))
+        await e.submit(req("b", "two", 100, ignore_eos=True))
+        outs = await asyncio.wait_for(asyncio.gather(*(_collect(e, rid) for rid in ("a", "b"))), 10)
+        for o in outs:
+            assert o[-1].finished and o[-1].finish_reason == "error" and o[-1].completion_tokens < 100
+        with pytest.raises(EngineError, match="accelerator fell off"):
+            await e.submit(req("c", "three", 5))
+    finally:
+        await e.close()
+
+
+async def _collect(e: SimEngine, rid: str) -> list[EngineOutput]:
+    return [o async for o in e.stream(rid)]

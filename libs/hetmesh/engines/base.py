@@ -37,7 +37,8 @@ class EngineOutput(Struct, kw_only=True):
     token_ids: list[int]
     text: str  # new text; stop strings and text that may still become one are held back
     finished: bool = False  # the last output of this stream
-    # "stop" | "length" | "abort"; None on a finished PREFILL stream that handed off to decode
+    # "stop" | "length" | "abort" | "error" (the engine failed); None on a finished PREFILL stream
+    # that handed off to decode
     finish_reason: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from this engine's prefix cache

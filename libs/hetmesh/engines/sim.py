@@ -9,6 +9,7 @@ function of (prompt tokens, seed), defined once by `Sampler` + `Completion`;
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from array import array
 from collections import OrderedDict, deque
@@ -22,6 +23,8 @@ from hetmesh.engines.base import EngineError, EngineOutput, EngineRequest, Engin
 from hetmesh.kvindex.blocks import cached_prefix_blocks
 from hetmesh.protocol import Phase, SamplingParams
 from hetmesh.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 # Chance that a sampled token is EOS (unless ignore_eos): mean natural length ~ 1/EOS_PROB.
 EOS_PROB = 1.0 / 512
@@ -312,6 +315,7 @@ class SimEngine:
         self._dirty: set[_Req] = set()  # have output the consumer has not been woken for
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self.failed: str | None = None
         self._stats = EngineStats(waiting=0, running=0, max_batch=self.cfg.max_batch,
                                   kv_blocks_total=self.cfg.kv_blocks, kv_blocks_used=0, kv_blocks_cached=0,
                                   block_size=self.cfg.block_size)
@@ -338,6 +342,8 @@ class SimEngine:
 
     async def submit(self, request: EngineRequest) -> None:
         rid = request.request_id
+        if self.failed:
+            raise EngineError(self.failed)
         if rid in self._reqs:
             raise EngineError(f"request {rid!r} is already in this engine")
         if not request.prompt_tokens:
@@ -536,6 +542,23 @@ class SimEngine:
         return first
 
     async def _loop(self) -> None:
+        try:
+            await self._steps()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # Never leave a consumer waiting: every request ends with "error" and the engine refuses new work.
+            log.exception("sim engine loop failed")
+            self.failed = f"engine failed: {exc!r}"
+            for r in list(self._reqs.values()):
+                if r.req.request_id in self._running:
+                    self._release(r)
+                else:
+                    self._reqs.pop(r.req.request_id, None)
+                self._emit(r, None, "", "error", True)
+            self._waiting.clear()
+
+    async def _steps(self) -> None:
         loop = asyncio.get_running_loop()
         cfg = self.cfg
         target = loop.time()  # simulated clock, in wall time

@@ -247,6 +247,10 @@ class Worker:
 
     async def _on_abort(self, item: WorkItem, out: EngineOutput, streamed: int) -> None:
         rid = item.request.request_id
+        if out.finish_reason == "error":
+            await self._error(item, f"engine on {self.worker_id} failed", retryable=streamed == 0)
+            await self._finished(rid, "error", out.completion_tokens)
+            return
         if rid in self.cancelled:
             await self._event(rid, "aborted", phase=item.phase.value, completion_tokens=out.completion_tokens)
         else:  # aborted by shutdown, not by the client
@@ -261,7 +265,7 @@ class Worker:
         last: EngineOutput | None = None
         async for out in self.engine.stream(rid):  # submitted by on_work
             last = out
-            if out.finish_reason == "abort":
+            if out.finish_reason in ("abort", "error"):
                 await self._on_abort(item, out, streamed)
                 return
             if out.finished and item.phase == Phase.PREFILL:
@@ -397,7 +401,7 @@ class Worker:
         last: EngineOutput | None = None
         async for out in self.engine.stream(rid):
             last = out
-            if out.finish_reason == "abort":
+            if out.finish_reason in ("abort", "error"):
                 await self._on_abort(item, out, streamed)
                 return
             if out.finished and not out.token_ids and out.completion_tokens == len(first):
