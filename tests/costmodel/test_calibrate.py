@@ -77,3 +77,17 @@ def test_bad_samples_are_refused() -> None:
         calibrate(cm, [])
     with pytest.raises(ValueError):
         calibrate(cm, [Sample.prefill(10, 0.0)])
+
+
+def test_shipped_seed_factors_are_model_specific_and_match_a_fresh_calibration() -> None:
+    from hetmesh.costmodel.calibrate import default_efficiency
+    from hetmesh.sim.casestudy import calibrate_seed
+
+    fresh = calibrate_seed()
+    for acc in ("amd-mi300x", "amd-mi308x"):
+        shipped = default_efficiency(acc, "deepseek-r1")
+        assert shipped.compute == pytest.approx(fresh[acc].compute, rel=0.01)
+        assert shipped.memory == fresh[acc].memory and shipped.overhead_s == fresh[acc].overhead_s
+        # what a cost model builds by default for that model on that chip; other models keep the chip's
+        assert CostModel(accelerator(acc), model_spec("deepseek-r1"), devices=8).eff == shipped
+        assert default_efficiency(acc, "llama-3.1-70b") == default_efficiency(acc)

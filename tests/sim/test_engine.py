@@ -64,7 +64,7 @@ def test_every_request_finishes_and_every_token_is_counted() -> None:
 
 def test_prefix_hits_skip_prefill_on_the_worker_that_holds_them() -> None:
     shared = tuple(range(8))  # 8 blocks of 512 tokens
-    reqs = [TraceRequest(float(i), 4096 + 100, 8, shared) for i in range(6)]
+    reqs = [TraceRequest(2.0 * i, 4096 + 100, 8, shared) for i in range(6)]  # each one alone on its worker
     summary, res = simulate(pool("a", 3, "amd-mi300x"), "prefix_aware", Trace(reqs))
     assert summary["prefix_hit_rate"] > 0.8 * 5 / 6
     later = res.records[1:]

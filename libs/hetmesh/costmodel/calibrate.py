@@ -57,11 +57,16 @@ def _shipped() -> dict[str, Efficiency]:
     return load_efficiencies(_SHIPPED)
 
 
-def default_efficiency(accel_id: str) -> Efficiency:
-    """The shipped factors for an accelerator ($HETMESH_EFFICIENCY may point to another file)."""
+def default_efficiency(accel_id: str, model: str | None = None) -> Efficiency:
+    """The shipped factors for an accelerator ($HETMESH_EFFICIENCY may point to another file).
+
+    A key "<accelerator>/<model>" (factors fitted for one model on one chip) wins over the
+    accelerator's own key, which wins over "default".
+    """
     env = os.environ.get("HETMESH_EFFICIENCY")
     table = load_efficiencies(env) if env else _shipped()
-    return table.get(accel_id) or table.get("default") or Efficiency()
+    return ((table.get(f"{accel_id}/{model}") if model else None) or table.get(accel_id) or table.get("default")
+            or Efficiency())
 
 
 def calibrate(cm: CostModel, samples: Sequence[Sample], fit_per_seq: bool = False,

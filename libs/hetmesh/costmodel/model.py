@@ -93,7 +93,7 @@ class CostModel:
         if efficiency is None:
             from hetmesh.costmodel.calibrate import default_efficiency
 
-            efficiency = default_efficiency(accel.id)
+            efficiency = default_efficiency(accel.id, model.name)
         self.eff = efficiency
         self.memory_utilization = memory_utilization
 

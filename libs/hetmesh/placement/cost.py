@@ -41,12 +41,13 @@ _INF = float("inf")
 class _Book:
     """What this policy placed on one worker: prefill seconds queued and a decaying prefill share."""
 
-    __slots__ = ("acc", "busy_until", "last")
+    __slots__ = ("acc", "busy_until", "first", "last")
 
     def __init__(self) -> None:
         self.busy_until = 0.0
         self.acc = 0.0  # prefill seconds placed, exponentially decayed over the share window
         self.last = 0.0
+        self.first = -1.0  # first placement anywhere: the share's warm-up starts there
 
 
 class CostPolicy:
@@ -81,6 +82,7 @@ class CostPolicy:
         self._cms: dict[tuple[str, str, int], CostModel] = {}
         self._books: dict[str, _Book] = {}
         self._links: dict[tuple[str, int, str, int], float] = {}
+        self._t0 = -1.0  # time of the first placement (the share estimator's warm-up)
 
     # ---- helpers ----
     def _cm(self, w: WorkerView) -> CostModel:
@@ -100,10 +102,13 @@ class CostPolicy:
         return b
 
     def _share(self, wid: str, now: float) -> float:
+        """Fraction of wall time `wid` spends in prefill steps: the decayed prefill seconds placed
+        there over the decayed window (bias-corrected while less than a window has passed)."""
         b = self._books.get(wid)
-        if b is None:
+        if b is None or self._t0 < 0:
             return 0.0
-        return min(b.acc * math.exp(-max(now - b.last, 0.0) / self.window) / self.window, 0.9)
+        span = self.window * (1.0 - math.exp(-max(now - self._t0, 1e-3) / self.window))
+        return min(b.acc * math.exp(-max(now - b.last, 0.0) / self.window) / max(span, 1.0), 0.95)
 
     def _link(self, p: WorkerView, d: WorkerView) -> float:
         key = (p.accelerator, p.devices, d.accelerator, d.devices)
@@ -155,6 +160,8 @@ class CostPolicy:
         if not pre or not dec:
             return None
         now = req.arrival
+        if self._t0 < 0:
+            self._t0 = now
         n_out = max(req.max_tokens, 1)
         pf_of = {w.worker_id: self._prefill(req, w, now) for w in pre}
         tpot_ext = {w.worker_id: self._tpot(req, w, now) for w in dec}
