@@ -24,9 +24,13 @@ class RecordingTimer:
     def __init__(self) -> None:
         self.cm = CostModel(accelerator("nvidia-h100"), model_spec("tiny-llama"))
         self.steps: list[tuple[list[tuple[int, int]], list[int]]] = []
+        self.engine: SimEngine | None = None
+        self.free_blocks: list[int] = []  # the engine's free KV blocks at each step
 
     def step_time(self, prefills: Sequence[tuple[int, int]], decode_contexts: Sequence[int]) -> float:
         self.steps.append((list(prefills), list(decode_contexts)))
+        if self.engine is not None:
+            self.free_blocks.append(self.engine.cache.free)
         return self.cm.step_time(prefills, decode_contexts)
 
 
@@ -37,6 +41,7 @@ async def make() -> AsyncIterator:  # type: ignore[type-arg]
     async def _make(**cfg: object) -> tuple[SimEngine, RecordingTimer]:
         timer = RecordingTimer()
         e = SimEngine(TOK, timer, SimConfig(**{"time_scale": 1e6, **cfg}))  # type: ignore[arg-type]
+        timer.engine = e
         await e.start()
         engines.append(e)
         return e, timer
@@ -154,15 +159,23 @@ async def test_long_prompt_prefills_in_chunks(make) -> None:  # type: ignore[no-
     assert [d for _, d in timer.steps if d] == [[5001], [5002]]
 
 
-async def test_kv_capacity_bounds_admission(make) -> None:  # type: ignore[no-untyped-def]
-    # Each request reserves ceil((40 + 40) / 16) = 5 blocks; 12 blocks admit two at a time.
+async def test_kv_capacity_bounds_the_batch_and_preempts(make) -> None:  # type: ignore[no-untyped-def]
+    # A 40-token prompt is admitted with ceil(41 / 16) = 3 blocks and grows to 5 by its 80th token:
+    # 12 blocks admit four, then growth preempts the newest, which later recomputes and continues.
     e, timer = await make(kv_blocks=12, max_batch=64)
     rs = [req(f"k{i}", str(i) + "x" * 39, 40, ignore_eos=True) for i in range(5)]  # no shared blocks
     outs = await asyncio.gather(*(run(e, r) for r in rs))
-    assert all(o[-1].finish_reason == "length" for o in outs)
-    assert max(len(p) + len(d) for p, d in timer.steps) == 2
+    for r, o in zip(rs, outs, strict=True):
+        assert joined(o) == expect(r)[:2]  # preemption changes the timing, never the text
+        assert [x.index for x in o] == [sum(len(y.token_ids) for y in o[:k]) for k in range(len(o))]
+    assert max(len(p) + len(d) for p, d in timer.steps) == 4
+    assert min(timer.free_blocks) >= 0
+    assert e.stats().preempted > 0
+    # A preempted request recomputes its prompt *and* the tokens it had generated.
+    assert any(new + cached > 41 for p, _ in timer.steps for new, cached in p)
+    assert e.stats().kv_blocks_used == 0
     with pytest.raises(EngineError):
-        await e.submit(req("huge", "y" * 200, 10))  # can never fit in 12 blocks
+        await e.submit(req("huge", "y" * 200, 10))  # could never finish alone in 12 blocks
 
 
 # ------------------------------------------------------------------ prefix cache
@@ -201,6 +214,17 @@ async def test_lru_eviction_emits_removed_events(make) -> None:  # type: ignore[
     assert (await run(e, req("a3", pa, 1)))[-1].cached_tokens == 8 * BS - 1
     # B's leading blocks were the first evicted: nothing of B is a usable prefix any more.
     assert (await run(e, req("b2", pb, 1)))[-1].cached_tokens == 0
+
+
+async def test_making_room_never_evicts_the_prefix_being_hit(make) -> None:  # type: ignore[no-untyped-def]
+    e, _ = await make(kv_blocks=12)
+    pa, pb = "A" * (BS * 8), "B" * (BS * 3)
+    await run(e, req("a", pa, 1))
+    await run(e, req("b", pb, 1))  # 11 cached blocks, 1 free; A's are the least recently used
+    e.kv_events()
+    out = await run(e, req("a2", pa + "z" * 40, 1))  # hits A's 8 blocks, needs 3 more: evicts B's, not A's
+    assert out[-1].cached_tokens == 8 * BS
+    assert set(e.kv_events().removed) <= set(block_hashes("m", TOK.encode(pb), BS))
 
 
 # ------------------------------------------------------------------ abort

@@ -57,6 +57,7 @@ class EngineStats(Struct, kw_only=True):
     prompt_tokens_computed: int = 0
     prompt_tokens_cached: int = 0
     aborted: int = 0
+    preempted: int = 0  # requests whose KV was dropped to make room (they recompute it later)
     steps: int = 0
     busy_s: float = 0.0  # simulated accelerator time spent in steps
 

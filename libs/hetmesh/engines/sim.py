@@ -277,8 +277,8 @@ class _Stream:
 
 
 class _Req:
-    __slots__ = ("blocks_reserved", "cached_tokens", "comp", "computed", "pinned", "prompt_len", "req",
-                 "sampler", "stream")
+    __slots__ = ("admitted", "blocks_reserved", "cached_tokens", "comp", "computed", "pinned", "prompt_len",
+                 "req", "sampler", "stream", "target")
 
     def __init__(self, req: EngineRequest, sampler: Sampler, comp: Completion, stream: _Stream) -> None:
         self.req = req
@@ -286,8 +286,10 @@ class _Req:
         self.comp = comp
         self.stream = stream
         self.prompt_len = len(req.prompt_tokens)
-        self.computed = 0  # prompt tokens whose KV is present
+        self.target = self.prompt_len  # tokens whose KV must be present before the next sample
+        self.computed = 0  # of those, the ones whose KV is present
         self.cached_tokens = 0
+        self.admitted = False
         self.pinned: list[int] = []  # cached block hashes this request holds a pin on
         self.blocks_reserved = 0  # private blocks
 
@@ -407,42 +409,87 @@ class SimEngine:
     # -- scheduling
 
     def _blocks_needed(self, req: EngineRequest) -> int:
-        # Reserve the whole sequence up front: no preemption, at the price of some admission headroom.
+        """Blocks for the whole sequence: a request that could never finish alone is refused at submit."""
         gen = 1 if req.phase == Phase.PREFILL else req.sampling.max_tokens
         return _blocks_for(len(req.prompt_tokens) + max(gen, 1), self.cfg.block_size)
 
+    def _held(self, r: _Req) -> int:
+        return len(r.pinned) + r.blocks_reserved
+
     def _admit(self, r: _Req) -> bool:
+        """Take r into the batch with blocks for what it must compute now plus one token; later blocks
+        are allocated as it grows (`_grow`), preempting the newest request when the cache is full."""
         bs = self.cfg.block_size
         req = r.req
         hashes = req.block_hashes[: r.prompt_len // bs]
         hit = self.cache.hit_blocks(hashes)
-        if not self.cache.reserve(self._blocks_needed(req) - hit):
-            return False
+        if not r.admitted and req.phase == Phase.DECODE:
+            r.target = r.prompt_len + len(req.first_token_ids)
+        need = _blocks_for(r.target + 1, bs) - hit
         for h in hashes[:hit]:
-            self.cache.pin(h)
+            self.cache.pin(h)  # before reserving, so that making room cannot evict the very prefix we hit
+        if not self.cache.reserve(need):
+            for h in hashes[:hit]:
+                self.cache.unpin(h)
+            return False
         r.pinned = list(hashes[:hit])
-        r.blocks_reserved = self._blocks_needed(req) - hit
-        if req.phase == Phase.DECODE:
-            # The prompt's KV landed from the prefill worker: nothing to compute; it is a cached prefix here too.
-            r.computed = r.prompt_len
+        r.blocks_reserved = need
+        if not r.admitted and req.phase == Phase.DECODE:
+            # The KV of the prompt and first tokens landed from the prefill worker: nothing to compute,
+            # and the prompt is a cached prefix here too.
+            r.computed = r.target
             self._store_prompt_blocks(r)
             for t in req.first_token_ids:
                 r.sampler.next()  # keep the stream aligned with an aggregated run
                 r.comp.append(t)
         else:
-            # At least the last prompt token is computed: its logits give the first token.
-            r.cached_tokens = min(hit * bs, r.prompt_len - 1)
-            r.computed = r.cached_tokens
-            self._stats.prompt_tokens_cached += r.cached_tokens
+            # At least the last token is computed: its logits give the next token.
+            r.computed = min(hit * bs, r.target - 1)
+            if not r.admitted:
+                r.cached_tokens = r.computed
+                self._stats.prompt_tokens_cached += r.computed
+        r.admitted = True
         self._running[req.request_id] = r
         return True
+
+    def _grow(self) -> bool:
+        """Give every decoding request room for its next token; False if someone had to be preempted."""
+        bs = self.cfg.block_size
+        clean = True
+        for r in list(self._running.values()):
+            if r.computed < r.target or r.req.request_id not in self._running:
+                continue
+            need = _blocks_for(r.context + 1, bs) - self._held(r)
+            while need > 0 and not self.cache.reserve(need):
+                victim = next(reversed(self._running.values()))  # the newest, as vLLM does
+                self._preempt(victim)
+                clean = False
+                if victim is r:
+                    break
+            else:
+                if need > 0:
+                    r.blocks_reserved += need
+        return clean
+
+    def _preempt(self, r: _Req) -> None:
+        """Drop r's KV; it goes back to the front of the queue and recomputes prompt + generated tokens."""
+        for h in r.pinned:
+            self.cache.unpin(h)
+        r.pinned = []
+        self.cache.release(r.blocks_reserved)
+        r.blocks_reserved = 0
+        del self._running[r.req.request_id]
+        r.target = r.context
+        r.computed = 0
+        self._waiting.appendleft(r)
+        self._stats.preempted += 1
 
     def _store_prompt_blocks(self, r: _Req) -> None:
         hashes = r.req.block_hashes[: r.prompt_len // self.cfg.block_size]
         for h in hashes[len(r.pinned):]:
             self.cache.store(h)
             r.pinned.append(h)
-            r.blocks_reserved -= 1
+            r.blocks_reserved -= 1  # that block is now keyed by its hash (pinned) instead of private
 
     def _release(self, r: _Req) -> None:
         for h in r.pinned:
@@ -479,29 +526,31 @@ class SimEngine:
         prefills: list[tuple[_Req, int]] = []
         decodes: list[_Req] = []
         budget = self.cfg.max_batched_tokens
+        clean = self._grow()
         for r in self._running.values():
-            if r.computed >= r.prompt_len:
+            if r.computed >= r.target:
                 decodes.append(r)
         budget -= len(decodes)
         for r in self._running.values():
-            if r.computed < r.prompt_len and budget > 0:
-                n = min(r.prompt_len - r.computed, budget)
+            if r.computed < r.target and budget > 0:
+                n = min(r.target - r.computed, budget)
                 prefills.append((r, n))
                 budget -= n
         # Admit in arrival order; a head that does not fit blocks the rest (no starvation of long prompts).
-        while self._waiting and len(self._running) < self.cfg.max_batch:
+        # Not in a step that had to preempt: the cache is full, admitting now would only thrash.
+        while clean and self._waiting and len(self._running) < self.cfg.max_batch:
             r = self._waiting[0]
             if not self._admit(r):
                 break
             self._waiting.popleft()
-            if r.computed >= r.prompt_len:
+            if r.computed >= r.target:
                 if r.comp.finish_reason is not None:  # DECODE whose first tokens already ended it
                     self._finish(r, None, "")
                 else:
                     decodes.append(r)
                     budget -= 1
             elif budget > 0:
-                n = min(r.prompt_len - r.computed, budget)
+                n = min(r.target - r.computed, budget)
                 prefills.append((r, n))
                 budget -= n
         return prefills, decodes
@@ -533,7 +582,7 @@ class SimEngine:
                 continue
             r.computed += n
             self._stats.prompt_tokens_computed += n
-            if r.computed >= r.prompt_len:
+            if r.computed >= r.target:
                 self._store_prompt_blocks(r)
                 first |= self._sample(r)
         for r in decodes:
