@@ -312,6 +312,15 @@ async def test_cancel_stops_the_engine(tap: tuple[Tap, nats.NATS]) -> None:
     assert len(counts) == 1
 
 
+async def test_misrouted_work_item_gets_a_retryable_error(tap: tuple[Tap, nats.NATS]) -> None:
+    t, nc = tap
+    item = make_item("wrong model", 5)
+    item.request.model = "some-other-model"
+    await nc.publish(direct("agg-0"), encode(item))
+    err = await t.until(lambda: final(t, item))
+    assert isinstance(err, RequestError) and err.retryable and err.error.code == "misrouted"
+
+
 async def test_cancel_that_beats_its_work_item(tap: tuple[Tap, nats.NATS]) -> None:
     t, nc = tap
     item = make_item("cancelled before it arrived", 50)

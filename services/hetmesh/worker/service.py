@@ -181,6 +181,11 @@ class Worker:
         if rid in self.tasks:
             log.warning("duplicate work item for %s ignored", rid)
             return
+        if item.request.model != self.group.model:
+            await self._error(item, f"worker {self.worker_id} serves {self.group.model!r}, not "
+                              f"{item.request.model!r}", retryable=True, status=500, code="misrouted")
+            await self._finished(rid, "error", 0)
+            return
         if self.early_cancels.pop(rid, None) is not None:
             await self._event(rid, "aborted", phase=item.phase.value, completion_tokens=0, before_start=True)
             await self._finished(rid, "abort", 0)
