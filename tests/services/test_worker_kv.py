@@ -390,6 +390,26 @@ async def test_disaggregated_max_tokens_one_ends_cleanly_on_both_sides(tap: tupl
     assert len([c for c in chunks_of(t, pre) if isinstance(c, TokenChunk)]) == 1  # no duplicate final chunk
 
 
+async def test_newer_attempt_supersedes_a_decode_still_waiting(tap: tuple[Tap, nats.NATS]) -> None:
+    """Attempt 0's prefill worker died before sending KV; the gateway resubmits (attempt 1) and the
+    scheduler picks the same decode worker: the new attempt must take over, not be ignored."""
+    t, nc = tap
+    old = make_item("resubmitted after a prefill crash", 12, Phase.DECODE, decode_worker="dec-0",
+                    prefill_worker="pre-0", seed=8)
+    rid = old.request.request_id
+    await nc.publish(direct("dec-0"), encode(old))
+    await t.until(lambda: t.event(rid, "accepted"))
+    new_req = msgspec.structs.replace(old.request, attempt=1, reply_subject=subjects.reply(f"{rid}-1"))
+    pre = WorkItem(request=new_req, phase=Phase.PREFILL, placement=old.placement)
+    await nc.publish(direct("dec-0"), encode(WorkItem(request=new_req, phase=Phase.DECODE,
+                                                      placement=old.placement)))
+    await nc.publish(direct("pre-0"), encode(pre))
+    last = await t.until(lambda: final(t, pre))
+    assert isinstance(last, TokenChunk) and last.worker_id == "dec-0"
+    assert text_of(t, pre)[1] == expected(pre)[1]
+    assert chunks_of(t, old) == []  # the old attempt ended quietly: its client had moved on
+
+
 async def test_decode_whose_kv_never_lands_errors(tap: tuple[Tap, nats.NATS]) -> None:
     t, nc = tap
     item = make_item("orphan decode", 10, Phase.DECODE, decode_worker="dec-0", prefill_worker="pre-0")

@@ -93,6 +93,8 @@ class Worker:
         self.early_landed: dict[str, tuple[KvLanded, float]] = {}  # KvLanded that beat its WorkItem
         self.recv: dict[str, list[float]] = {}  # transfer id -> [bytes, chunks, last seen]
         self.cancelled: set[str] = set()
+        self.attempts: dict[str, int] = {}  # request id -> attempt being served
+        self.superseded: set[str] = set()  # old attempts being dropped for a newer one
         self.early_cancels: dict[str, float] = {}  # Cancels that beat their WorkItem (client gave up at once)
         self.draining = False
         self._subs: list[Any] = []
@@ -178,7 +180,7 @@ class Worker:
         if self.draining:
             await self._error(item, f"worker {self.worker_id} is shutting down", retryable=True, status=503)
             return
-        if rid in self.tasks:
+        if rid in self.tasks and not await self._supersede(item):
             log.warning("duplicate work item for %s ignored", rid)
             return
         if item.request.model != self.group.model:
@@ -204,14 +206,35 @@ class Worker:
             return
         task = asyncio.create_task(self._traced(serve, item, ctx), name=f"req-{rid}")
         self.tasks[rid] = task
-        task.add_done_callback(lambda _t, rid=rid: self._done(rid))
+        self.attempts[rid] = item.request.attempt
+        task.add_done_callback(lambda t, rid=rid: self._done(rid, t))
         await self._event(rid, "accepted", phase=item.phase.value, role=self.role.value,
                           prompt_tokens=len(item.request.prompt_tokens), attempt=item.request.attempt)
 
-    def _done(self, rid: str) -> None:
-        self.tasks.pop(rid, None)
+    def _done(self, rid: str, task: asyncio.Task[None]) -> None:
+        if self.tasks.get(rid) is not task:  # a newer attempt already took the id over
+            return
+        del self.tasks[rid]
+        self.attempts.pop(rid, None)
         self.decodes.pop(rid, None)
         self.cancelled.discard(rid)
+        self.superseded.discard(rid)
+
+    async def _supersede(self, item: WorkItem) -> bool:
+        """A newer attempt of a request this worker still holds (e.g. its other half's worker died and
+        the gateway resubmitted): drop the old one quietly so that the new one can take the id."""
+        rid = item.request.request_id
+        if item.request.attempt <= self.attempts.get(rid, 0):
+            return False
+        task = self.tasks[rid]
+        self.superseded.add(rid)
+        d = self.decodes.get(rid)
+        if d is not None and not d.future.done():
+            task.cancel()
+        else:
+            await self.engine.abort(rid)
+        await asyncio.wait([task], timeout=5.0)
+        return rid not in self.tasks
 
     async def _traced(self, serve: Any, item: WorkItem, ctx: Context) -> None:
         if not self.tracing:
@@ -252,6 +275,9 @@ class Worker:
 
     async def _on_abort(self, item: WorkItem, out: EngineOutput, streamed: int) -> None:
         rid = item.request.request_id
+        if rid in self.superseded:
+            await self._event(rid, "superseded", phase=item.phase.value, attempt=item.request.attempt)
+            return
         if out.finish_reason == "error":
             await self._error(item, f"engine on {self.worker_id} failed", retryable=streamed == 0)
             await self._finished(rid, "error", out.completion_tokens)
@@ -375,6 +401,8 @@ class Worker:
             await self._finished(rid, "error", 0)
             return
         except asyncio.CancelledError:
+            if rid in self.superseded:
+                return
             if rid not in self.cancelled:
                 raise
             await self._event(rid, "aborted", phase="decode", completion_tokens=0, waiting_for_kv=True)
