@@ -277,8 +277,8 @@ class _Stream:
 
 
 class _Req:
-    __slots__ = ("admitted", "blocks_reserved", "cached_tokens", "comp", "computed", "pinned", "prompt_len",
-                 "req", "sampler", "stream", "target")
+    __slots__ = ("admitted", "blocks_reserved", "cached_tokens", "capacity", "comp", "computed", "pinned",
+                 "prompt_len", "req", "sampler", "stream", "target")
 
     def __init__(self, req: EngineRequest, sampler: Sampler, comp: Completion, stream: _Stream) -> None:
         self.req = req
@@ -290,6 +290,7 @@ class _Req:
         self.computed = 0  # of those, the ones whose KV is present
         self.cached_tokens = 0
         self.admitted = False
+        self.capacity = 0  # tokens the blocks it holds can store
         self.pinned: list[int] = []  # cached block hashes this request holds a pin on
         self.blocks_reserved = 0  # private blocks
 
@@ -413,9 +414,6 @@ class SimEngine:
         gen = 1 if req.phase == Phase.PREFILL else req.sampling.max_tokens
         return _blocks_for(len(req.prompt_tokens) + max(gen, 1), self.cfg.block_size)
 
-    def _held(self, r: _Req) -> int:
-        return len(r.pinned) + r.blocks_reserved
-
     def _admit(self, r: _Req) -> bool:
         """Take r into the batch with blocks for what it must compute now plus one token; later blocks
         are allocated as it grows (`_grow`), preempting the newest request when the cache is full."""
@@ -434,6 +432,7 @@ class SimEngine:
             return False
         r.pinned = list(hashes[:hit])
         r.blocks_reserved = need
+        r.capacity = (hit + need) * bs
         if not r.admitted and req.phase == Phase.DECODE:
             # The KV of the prompt and first tokens landed from the prefill worker: nothing to compute,
             # and the prompt is a cached prefix here too.
@@ -452,24 +451,16 @@ class SimEngine:
         self._running[req.request_id] = r
         return True
 
-    def _grow(self) -> bool:
-        """Give every decoding request room for its next token; False if someone had to be preempted."""
-        bs = self.cfg.block_size
-        clean = True
-        for r in list(self._running.values()):
-            if r.computed < r.target or r.req.request_id not in self._running:
-                continue
-            need = _blocks_for(r.context + 1, bs) - self._held(r)
-            while need > 0 and not self.cache.reserve(need):
-                victim = next(reversed(self._running.values()))  # the newest, as vLLM does
-                self._preempt(victim)
-                clean = False
-                if victim is r:
-                    break
-            else:
-                if need > 0:
-                    r.blocks_reserved += need
-        return clean
+    def _grow(self, r: _Req) -> bool:
+        """Room for r's next token, preempting the newest requests if needed; False if r itself was."""
+        while not self.cache.reserve(1):
+            victim = next(reversed(self._running.values()))  # the newest, as vLLM does
+            self._preempt(victim)
+            if victim is r:
+                return False
+        r.blocks_reserved += 1
+        r.capacity += self.cfg.block_size
+        return True
 
     def _preempt(self, r: _Req) -> None:
         """Drop r's KV; it goes back to the front of the queue and recomputes prompt + generated tokens."""
@@ -526,16 +517,23 @@ class SimEngine:
         prefills: list[tuple[_Req, int]] = []
         decodes: list[_Req] = []
         budget = self.cfg.max_batched_tokens
-        clean = self._grow()
-        for r in self._running.values():
-            if r.computed >= r.target:
-                decodes.append(r)
+        running = self._running
+        preempted_before = self._stats.preempted
+        # Oldest first; a victim is always the newest, so it is never already in `decodes`.
+        for r in list(running.values()):
+            if r.computed < r.target or r.req.request_id not in running:
+                continue
+            # This step writes the KV of r's last token: grow by a block when that does not fit.
+            if r.context > r.capacity and not self._grow(r):
+                continue
+            decodes.append(r)
         budget -= len(decodes)
-        for r in self._running.values():
+        for r in running.values():
             if r.computed < r.target and budget > 0:
                 n = min(r.target - r.computed, budget)
                 prefills.append((r, n))
                 budget -= n
+        clean = self._stats.preempted == preempted_before
         # Admit in arrival order; a head that does not fit blocks the rest (no starvation of long prompts).
         # Not in a step that had to preempt: the cache is full, admitting now would only thrash.
         while clean and self._waiting and len(self._running) < self.cfg.max_batch:
