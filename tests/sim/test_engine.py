@@ -140,3 +140,23 @@ def test_cli_writes_results_and_plots(tmp_path: Path) -> None:
     assert [r["policy"] for r in data["runs"]] == ["round_robin", "least_loaded"]
     assert all(r["requests"] == 200 for r in data["runs"])
     assert (tmp_path / "p_latency_cdf.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("order", ["fcfs", "shortest"])
+def test_prefill_order_decides_which_queued_prompt_is_served_first(order: str) -> None:
+    # a 6000-token prompt is mid-prefill (4096-token steps) when a second long one and a short one queue
+    trace = Trace([TraceRequest(0.0, 6000, 2), TraceRequest(0.001, 6000, 2), TraceRequest(0.002, 1000, 2)])
+    _, res = simulate(pool("x", 1, "amd-mi300x"), "round_robin", trace,
+                      SimConfig(chunk_tokens=4096, prefill_order=order))
+    first, long2, short = sorted(res.records, key=lambda r: r.arrival)
+    # a started prompt keeps going (with `shortest` the short one finishes in the same step)
+    assert first.first_token < long2.first_token and first.first_token <= short.first_token
+    if order == "fcfs":
+        assert long2.first_token < short.first_token
+    else:
+        assert short.first_token < long2.first_token
+
+
+def test_an_unknown_prefill_order_is_refused() -> None:
+    with pytest.raises(ValueError, match="prefill_order"):
+        Simulator(pool("x", 1, "amd-mi300x"), RoundRobin(), SimConfig(prefill_order="random"))

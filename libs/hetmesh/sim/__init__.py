@@ -41,6 +41,8 @@ def simulate(workers: Sequence[WorkerSpec], policy: str | Policy, trace: Trace |
              ) -> tuple[dict[str, Any], SimResult]:
     if policy == "cost" and config is not None and config.efficiencies:
         policy_kwargs.setdefault("efficiencies", config.efficiencies)  # predict with the factors it runs on
+    if policy == "cost" and config is not None:
+        policy_kwargs.setdefault("chunk_tokens", config.chunk_tokens)  # and with the workers' step budget
     pol = policy_for(policy, workers, slo, **policy_kwargs) if isinstance(policy, str) else policy
     if isinstance(trace, ClosedLoop):  # a closed loop is stateful: give each run a fresh one
         trace = ClosedLoop(**{k: getattr(trace, k) for k in ("concurrency", "total", "input_len", "output_len",

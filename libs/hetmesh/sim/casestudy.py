@@ -34,6 +34,8 @@ MODEL = "deepseek-r1"
 # Splitwise H100 fit (hetmesh.costmodel efficiency.json "nvidia-h100"): memory and overheads only
 PRIOR = {"memory": 0.355, "overhead_s": 0.0159, "per_seq_s": 0.00026}
 MAX_BATCH = 128
+CHUNK_TOKENS = 8192  # per-step token budget of every simulated worker (max_num_batched_tokens)
+PREFILL_ORDER = "fcfs"  # which queued prompt every simulated worker starts next
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,10 @@ def servers(layout: str) -> list[WorkerSpec]:
     raise ValueError(f"unknown layout {layout!r}")
 
 
+def _simcfg(effs: Mapping[str, Efficiency]) -> SimConfig:
+    return SimConfig(chunk_tokens=CHUNK_TOKENS, prefill_order=PREFILL_ORDER, efficiencies=effs)
+
+
 def _eff(compute: float) -> Efficiency:
     return Efficiency(compute=compute, **PRIOR)
 
@@ -80,7 +86,7 @@ def _eff(compute: float) -> Efficiency:
 def throughput(layout: str, policy: str, wl: Workload, effs: Mapping[str, Efficiency], slo: Slo = Slo(),
                **policy_kwargs: Any) -> dict[str, Any]:
     ws = servers(layout)
-    summary, _ = simulate(ws, policy, wl.closed_loop(len(ws)), SimConfig(efficiencies=effs), slo, **policy_kwargs)
+    summary, _ = simulate(ws, policy, wl.closed_loop(len(ws)), _simcfg(effs), slo, **policy_kwargs)
     return summary
 
 
@@ -179,8 +185,49 @@ def compare(cluster: str = "case-study", wl: Workload | None = None, slo: Slo | 
     rows = []
     for label, layout, policy in COMPARISON:
         ws = build(layout)
-        s, _ = simulate(ws, policy, wl.closed_loop(len(ws)), SimConfig(efficiencies=effs), slo)
+        s, _ = simulate(ws, policy, wl.closed_loop(len(ws)), _simcfg(effs), slo)
         s["label"] = label
         s["layout"] = layout
         rows.append(s)
+    return rows
+
+
+ENGINE_SETTINGS = [(8192, "fcfs"), (4096, "fcfs"), (2048, "fcfs"), (8192, "shortest"), (4096, "shortest"),
+                   (2048, "shortest")]
+
+
+def engine_sweep(settings: list[tuple[int, str]] = ENGINE_SETTINGS, seeds: tuple[int, ...] = (1, 2, 3),
+                 requests_per_client: int = 40) -> list[dict[str, Any]]:
+    """The workers' step budget and prefill order, set alike for every policy and for the calibration:
+    recalibrate, then x LB of the static split and of cost at the seed workload (mean over trace
+    seeds, longer runs than the pinned one), and whether cost still wins on both clusters."""
+    global CHUNK_TOKENS, PREFILL_ORDER
+    saved = CHUNK_TOKENS, PREFILL_ORDER
+    rows = []
+    try:
+        for chunk, order in settings:
+            CHUNK_TOKENS, PREFILL_ORDER = chunk, order
+            r = reproduce(Workload())
+            effs = {k: Efficiency(**v) for k, v in r["efficiency"].items()}
+            x: dict[str, list[float]] = {"static": [], "cost": []}
+            for seed in seeds:
+                wl = dataclasses.replace(Workload(), requests_per_client=requests_per_client, seed=seed)
+                runs = {s["label"]: s["output_tok_s_steady"] for s in compare("case-study", wl, CASE_SLO, effs)}
+                lb = runs["least_loaded (load balancer)"]
+                x["static"].append(runs["static split (seed)"] / lb)
+                x["cost"].append(runs["cost"] / lb)
+            wins = {}
+            for cluster, kw in (("case-study", {"effs": effs}), ("rubin", {})):
+                rs = compare(cluster, **kw)
+                c = next(s for s in rs if s["label"] == "cost")
+                wins[cluster] = all(c["output_tok_s_steady"] > s["output_tok_s_steady"]
+                                    and c["goodput_tok_s"] > s["goodput_tok_s"] for s in rs if s is not c)
+                wins[f"{cluster} cost tok/s"] = c["output_tok_s_steady"]
+            rows.append({"chunk_tokens": chunk, "prefill_order": order, "reproduction_ratio": r["ratio"],
+                         "load_balanced": r["predicted"]["load_balanced"],
+                         "disaggregated": r["predicted"]["disaggregated"],
+                         "static_x_lb": float(np.mean(x["static"])), "cost_x_lb": float(np.mean(x["cost"])),
+                         "cost_x_lb_min": min(x["cost"]), "cost_x_lb_max": max(x["cost"]), **wins})
+    finally:
+        CHUNK_TOKENS, PREFILL_ORDER = saved
     return rows

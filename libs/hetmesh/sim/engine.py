@@ -69,6 +69,9 @@ def pool(name: str, n: int, accelerator: str, role: Role | str = Role.BOTH, *, m
 @dataclass
 class SimConfig:
     chunk_tokens: int = 8192  # prefill tokens + decode tokens per step (max_num_batched_tokens)
+    # which queued prompt a worker starts next: "fcfs", or "shortest" (fewest uncached prompt tokens;
+    # prompts already started keep going first, they hold memory)
+    prefill_order: str = "fcfs"
     link_latency_s: float = DEFAULT_LINK_LATENCY_S
     efficiencies: Mapping[str, Efficiency] = field(default_factory=dict)  # accelerator id -> factors
     prefix_caching: bool = True
@@ -175,6 +178,9 @@ class SimResult:
 class Simulator:
     def __init__(self, workers: Sequence[WorkerSpec], policy: Policy, config: SimConfig | None = None) -> None:
         self.cfg = config or SimConfig()
+        if self.cfg.prefill_order not in ("fcfs", "shortest"):
+            raise ValueError(f"prefill_order must be 'fcfs' or 'shortest', not {self.cfg.prefill_order!r}")
+        self._shortest = self.cfg.prefill_order == "shortest"
         self.policy = policy
         cms: dict[tuple, CostModel] = {}
         self.workers: list[_Worker] = []
@@ -300,7 +306,10 @@ class Simulator:
         budget = self.cfg.chunk_tokens - n_dec
         parts: list[tuple[_Req, int]] = []
         pf_new = pf_pairs = pf_cached = 0
-        for r in w.waiting:
+        queue: object = w.waiting
+        if self._shortest and len(w.waiting) > 1:
+            queue = sorted(w.waiting, key=lambda r: (r.kv_at_p == 0, r.n_in - r.pdone))
+        for r in queue:  # type: ignore[attr-defined]
             if budget <= 0:
                 break
             if r.kv_at_p == 0:  # not started: admit to memory and batch
