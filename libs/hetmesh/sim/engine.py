@@ -306,10 +306,10 @@ class Simulator:
         budget = self.cfg.chunk_tokens - n_dec
         parts: list[tuple[_Req, int]] = []
         pf_new = pf_pairs = pf_cached = 0
-        queue: object = w.waiting
+        queue: Sequence[_Req] = w.waiting
         if self._shortest and len(w.waiting) > 1:
             queue = sorted(w.waiting, key=lambda r: (r.kv_at_p == 0, r.n_in - r.pdone))
-        for r in queue:  # type: ignore[attr-defined]
+        for r in queue:
             if budget <= 0:
                 break
             if r.kv_at_p == 0:  # not started: admit to memory and batch
