@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -59,6 +60,46 @@ def stream_body(k: int, n: int) -> bytes:
                        "ignore_eos": True, "stream_options": {"include_usage": True}}).encode()
 
 
+ECHO = """
+import asyncio, sys, nats
+async def main():
+    nc = await nats.connect(sys.argv[1])
+    async def echo(m):
+        await m.respond(m.data)
+    await nc.subscribe("bench.echo", cb=echo)
+    await asyncio.Event().wait()
+asyncio.run(main())
+"""
+
+
+async def echo_baseline(nats_url: str, rate: float, seconds: float) -> dict[str, float]:
+    """The floor one mesh hop pays here: a NATS request/reply through a do-nothing Python responder
+    in another process, paced like the open-loop load (the mesh's first token takes ~2 such round trips)."""
+    import nats
+
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", ECHO, nats_url)
+    nc = await nats.connect(nats_url)
+    try:
+        for _ in range(100):
+            try:
+                await nc.request("bench.echo", b"x", timeout=0.5)
+                break
+            except Exception:
+                await asyncio.sleep(0.1)
+        rtts: list[float] = []
+        payload = b"x" * 700  # about an InferenceRequest
+        for _ in range(int(rate * seconds)):
+            t0 = time.perf_counter()
+            await nc.request("bench.echo", payload, timeout=2)
+            rtts.append(time.perf_counter() - t0)
+            await asyncio.sleep(1 / rate)
+    finally:
+        await nc.close()
+        proc.kill()
+        await proc.wait()
+    return {"rate_rps": rate, "rtt_p50_ms": percentile(rtts, 0.5) * 1e3, "rtt_p99_ms": percentile(rtts, 0.99) * 1e3}
+
+
 async def bench(mesh: Mesh, rates: list[float], seconds: float) -> dict[str, object]:
     client = SSEClient(mesh.cfg.gateway.host, mesh.port)
     pids = [s.proc.pid for s in mesh.services.values() if s.proc] + [p.proc.pid for p in mesh.started_servers]
@@ -78,7 +119,10 @@ async def bench(mesh: Mesh, rates: list[float], seconds: float) -> dict[str, obj
     res = await closed_loop(client, PATH, 32, seconds, stream_body)
     wall, cpu = time.perf_counter() - w0, cpu_seconds(pids) - c0
     tokens = sum(r.completion_tokens for r in res)
-    return {"ttft": rows, "stream": {"tokens": tokens, "requests": len(res), "mesh_cpu_s": cpu, "wall_s": wall,
+    baseline = await echo_baseline(mesh.nats_url, 50, min(seconds, 5))
+    for row in rows:
+        row["ttft_p50_over_echo_rtt"] = row["ttft_p50_ms"] / baseline["rtt_p50_ms"]
+    return {"ttft": rows, "echo_baseline": baseline, "stream": {"tokens": tokens, "requests": len(res), "mesh_cpu_s": cpu, "wall_s": wall,
                                      "cpu_us_per_token": cpu / max(tokens, 1) * 1e6, "tokens_per_s": tokens / wall}}
 
 
@@ -110,6 +154,10 @@ def main() -> None:
                       f"{r['mesh_cpu_ms_per_request']:.2f}")
     con = Console()
     con.print(table)
+    b = res["echo_baseline"]
+    con.print(f"Baseline, same machine and nats-server: Python NATS request/reply echo p50 {b['rtt_p50_ms']:.2f} ms, "  # type: ignore[index]
+              f"p99 {b['rtt_p99_ms']:.2f} ms; mesh p50 TTFT = "  # type: ignore[index]
+              + ", ".join(f"{r['ttft_p50_over_echo_rtt']:.1f}x" for r in res["ttft"]) + " that round trip")  # type: ignore[union-attr]
     s = res["stream"]
     con.print(f"CPU per streamed token across the mesh: {s['cpu_us_per_token']:.1f} us "  # type: ignore[index]
               f"({s['tokens']} tokens, {s['tokens_per_s']:.0f} tok/s, {s['mesh_cpu_s']:.2f} CPU-s)")  # type: ignore[index]
