@@ -6,6 +6,7 @@ message body never has to carry transport concerns.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -17,7 +18,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from hetmesh import telemetry
+from hetmesh import subjects, telemetry
+from hetmesh.protocol import ServiceEvent
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,17 @@ def decoder(kind: Any) -> msgspec.json.Decoder[Any]:
 
 def decode(data: bytes, kind: type[T]) -> T:
     return decoder(kind).decode(data)
+
+
+# `hetmesh.event.<service>` bodies: a JSON array of ServiceEvents (batched by EventBatcher) or,
+# from a publisher that does not batch, a single ServiceEvent object.
+EventBody = list[ServiceEvent] | ServiceEvent
+
+
+def decode_events(data: bytes) -> list[ServiceEvent]:
+    """The ServiceEvents in one event message, whichever of the two shapes it has."""
+    body = decoder(EventBody).decode(data)
+    return body if isinstance(body, list) else [body]
 
 
 def headers_for(request_id: str | None) -> dict[str, str]:
@@ -130,3 +143,57 @@ class Bus:
 
 def encode_error(message: str) -> bytes:
     return _encoder.encode({"error": {"message": message, "type": "invalid_request_error"}})
+
+
+EVENT_BATCH_S = 0.005  # how long an event may wait for company before it is published
+EVENT_BATCH_MAX = 512  # events per message: ~150 KiB, far below NATS' 1 MiB max_payload
+
+
+class EventBatcher:
+    """One service's ServiceEvents, published as a JSON array per `window_s` on `hetmesh.event.<service>`.
+
+    A record per request phase from every service was ~40% of the mesh's NATS messages; batching
+    makes that a few messages per window for the whole load, and `add` costs the request path no
+    await and no task.
+    """
+
+    def __init__(self, bus: Bus, service: str, window_s: float = EVENT_BATCH_S) -> None:
+        self.bus = bus
+        self.subject = subjects.event(service)
+        self.window_s = window_s
+        self._batch: list[ServiceEvent] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._flushes: set[asyncio.Task[None]] = set()
+
+    def add(self, ev: ServiceEvent) -> None:
+        self._batch.append(ev)
+        if len(self._batch) >= EVENT_BATCH_MAX:
+            self._spawn_flush()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.window_s, self._spawn_flush)
+
+    def _spawn_flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        t = asyncio.get_running_loop().create_task(self.flush())
+        self._flushes.add(t)
+        t.add_done_callback(self._flushes.discard)
+
+    async def flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        batch, self._batch = self._batch, []
+        if not batch:
+            return
+        try:
+            await self.bus.nc.publish(self.subject, _encoder.encode(batch))
+        except Exception:
+            log.warning("dropping %d events: NATS publish failed", len(batch), exc_info=True)
+
+    async def close(self) -> None:
+        """Publish what is left (call before the bus closes)."""
+        await self.flush()
+        if self._flushes:
+            await asyncio.wait(list(self._flushes), timeout=1.0)

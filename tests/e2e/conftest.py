@@ -12,12 +12,12 @@ import contextlib
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import msgspec
 import nats
 import openai
 import pytest
 
 from hetmesh import subjects
+from hetmesh.bus import decode_events
 from hetmesh.launcher import Mesh
 from hetmesh.protocol import ServiceEvent
 
@@ -103,10 +103,9 @@ class EventLog:
 
     def __init__(self) -> None:
         self.events: list[ServiceEvent] = []
-        self._dec = msgspec.json.Decoder(ServiceEvent)
 
     async def on_msg(self, m: object) -> None:
-        self.events.append(self._dec.decode(m.data))  # type: ignore[attr-defined]
+        self.events.extend(decode_events(m.data))  # type: ignore[attr-defined]
 
     def for_request(self, rid: str) -> list[ServiceEvent]:
         """Events of one request ("" matches any request's)."""

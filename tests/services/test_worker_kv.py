@@ -21,7 +21,7 @@ import nats
 import pytest
 
 from hetmesh import servers, subjects
-from hetmesh.bus import encode
+from hetmesh.bus import decode_events, encode
 from hetmesh.costmodel import CostModel, accelerator, model_spec
 from hetmesh.engines.sim import expected_completion
 from hetmesh.kvindex.blocks import block_hashes
@@ -167,7 +167,10 @@ async def tap(mesh: Mesh) -> AsyncIterator[tuple[Tap, nats.NATS]]:
 
     def sink(lst: list[Any], kind: Any) -> Callable[[Any], Any]:
         async def cb(m: Any) -> None:
-            lst.append(dec[kind].decode(m.data))
+            if kind is ServiceEvent:  # event messages carry a batch
+                lst.extend(decode_events(m.data))
+            else:
+                lst.append(dec[kind].decode(m.data))
         return cb
 
     async def on_resp(m: Any) -> None:

@@ -29,7 +29,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from hetmesh import config, subjects, telemetry, tokenizer
-from hetmesh.bus import REQUEST_ID, Bus, decode, encode
+from hetmesh.bus import REQUEST_ID, Bus, EventBatcher, decode, encode
 from hetmesh.kvindex.blocks import block_hashes
 from hetmesh.protocol import (
     Cancel,
@@ -61,8 +61,6 @@ def error_response(info: ErrorInfo) -> Response:
 # How often a waiting request asks the server whether its client is still there. A poll, not a
 # watcher task per request: requests shorter than this never pay for the check at all.
 DISCONNECT_POLL_S = 0.2
-# Gateway ServiceEvents go out in batches this far apart: one NATS write for many requests' events.
-EVENT_BATCH_S = 0.005
 
 
 class ClientGone(Exception):
@@ -114,8 +112,7 @@ class Gateway:
         self.tracer = telemetry.setup("gateway", self.instance)
         # Spans cost tens of microseconds each; without an exporter nobody sees them.
         self.tracing = bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
-        self._events: deque[bytes] = deque()
-        self._events_wake: asyncio.Event | None = None
+        self.events: EventBatcher | None = None
         self.bus: Bus | None = None
         self._ids = itertools.count(1)
         self._bg: set[asyncio.Task[None]] = set()
@@ -129,17 +126,16 @@ class Gateway:
         await self.bus.subscribe(subjects.reply_inbox(self.instance), ResponseEvent, self._on_reply)
         await self.bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self._on_heartbeat)
         await self.bus.nc.flush()
-        self._events_wake = asyncio.Event()
-        self.spawn(self._event_pump())
+        self.events = EventBatcher(self.bus, "gateway")
         log.info("gateway %s connected to %s", self.instance, self.cfg.mesh.nats_url)
 
     async def stop(self) -> None:
         self.closing = True
-        if self._events_wake is not None:
-            self._events_wake.set()
         for t in list(self._bg):
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(t, 1.0)
+        if self.events is not None:
+            await self.events.close()
         if self.bus is not None:
             await self.bus.close()
 
@@ -174,31 +170,10 @@ class Gateway:
         return len(workers)
 
     def event(self, rid: str, kind: str, **detail: str | int | float | bool | None) -> None:
-        """Queue a ServiceEvent; one pump publishes them, so the request path pays no task or await."""
-        ev = ServiceEvent(service="gateway", instance=self.instance, request_id=rid, kind=kind, ts=time.time(),
-                          detail=detail)
-        self._events.append(encode(ev))
-        wake = self._events_wake
-        if wake is not None and not wake.is_set():
-            wake.set()
-
-    async def _event_pump(self) -> None:
-        assert self.bus is not None and self._events_wake is not None
-        subject = subjects.event("gateway")
-        q, wake = self._events, self._events_wake
-        while True:
-            await wake.wait()
-            await asyncio.sleep(EVENT_BATCH_S)
-            wake.clear()
-            while q:
-                data = q.popleft()
-                try:
-                    await self.bus.publish_raw(subject, data)
-                except Exception:
-                    log.warning("dropping gateway events: NATS publish failed", exc_info=True)
-                    q.clear()
-            if self.closing:
-                return
+        """Queue a ServiceEvent; the batcher publishes them, so the request path pays no task or await."""
+        if self.events is not None:
+            self.events.add(ServiceEvent(service="gateway", instance=self.instance, request_id=rid, kind=kind,
+                                         ts=time.time(), detail=detail))
 
     def cancel(self, rid: str, reason: str) -> None:
         if self.bus is not None:

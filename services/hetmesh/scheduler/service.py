@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import time
 import uuid
@@ -20,7 +21,7 @@ from collections import defaultdict
 from nats.aio.msg import Msg
 
 from hetmesh import config, subjects, telemetry
-from hetmesh.bus import Bus
+from hetmesh.bus import REQUEST_ID, Bus, EventBatcher, encode
 from hetmesh.kvindex.index import PrefixIndex
 from hetmesh.placement import ClusterState, Decision, RequestInfo, make_policy
 from hetmesh.protocol import (
@@ -41,6 +42,7 @@ from hetmesh.protocol import (
 log = logging.getLogger("hetmesh.scheduler")
 
 PREFIX_POLICIES = {"prefix_aware", "cost"}  # policies that read the prefix index
+TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, passed on untouched when not tracing
 
 
 class _InFlight:
@@ -68,6 +70,10 @@ class Scheduler:
         self.by_worker: dict[str, set[str]] = defaultdict(set)
         self.kv_queue: asyncio.Queue[KvEvent] = asyncio.Queue(maxsize=100_000)
         self.tracer = telemetry.setup("scheduler", instance)
+        # Spans, context extraction and injection cost more than the rest of a placement; without an
+        # exporter nobody sees them, so then the scheduler only passes the caller's trace headers on.
+        self.tracing = bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+        self.events: EventBatcher
         self.bus: Bus
         self.index: PrefixIndex
         self.placed = 0
@@ -76,6 +82,7 @@ class Scheduler:
         self.bus = await Bus.connect(self.cfg.mesh.nats_url, f"scheduler-{self.instance}")
         self.index = PrefixIndex.from_url(self.cfg.mesh.redis_url, self.cfg.scheduler.prefix_ttl_s)
         await self.index.r.ping()
+        self.events = EventBatcher(self.bus, "scheduler")
         await self.bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
         await self.bus.subscribe(subjects.KV_EVENTS_ALL, KvEvent, self.on_kv_event)
         await self.bus.subscribe(subjects.FINISHED, Finished, self.on_finished)
@@ -87,6 +94,7 @@ class Scheduler:
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
+        await self.events.close()
         await self.bus.close()
         await self.index.close()
 
@@ -134,6 +142,15 @@ class Scheduler:
 
     # --- placement ----------------------------------------------------------------------
     async def on_submit(self, req: InferenceRequest, m: Msg) -> None:
+        if not self.tracing:
+            headers = {REQUEST_ID: req.request_id}
+            if m.headers:
+                for h in TRACE_HEADERS:
+                    if h in m.headers:
+                        headers[h] = m.headers[h]
+            reply = await self.place(req, headers)
+            await m.respond(encode(reply))
+            return
         ctx = telemetry.extract(m.headers)
         with self.tracer.start_as_current_span("schedule", context=ctx) as span:
             span.set_attribute("hetmesh.request_id", req.request_id)
@@ -143,7 +160,9 @@ class Scheduler:
                 span.set_attribute("hetmesh.decode_worker", reply.placement.decode_worker)
         await self.bus.respond(m, reply)
 
-    async def place(self, req: InferenceRequest) -> SubmitReply:
+    async def place(self, req: InferenceRequest, headers: dict[str, str] | None = None) -> SubmitReply:
+        """Place `req` and dispatch its WorkItems. `headers`: what they carry (default: the request id
+        and the current span's trace context)."""
         views = self.state.views()
         cached: dict[str, int] = {}
         if self.uses_prefix and req.block_hashes:
@@ -166,10 +185,11 @@ class Scheduler:
                               prefill_worker=decision.prefill_worker,
                               expected_cached_tokens=decision.expected_cached_tokens,
                               policy=self.policy.name, reason=decision.reason)
-        await self._dispatch(req, decision, placement)
+        await self._dispatch(req, decision, placement, headers)
         return SubmitReply(request_id=req.request_id, placement=placement)
 
-    async def _dispatch(self, req: InferenceRequest, d: Decision, placement: Placement) -> None:
+    async def _dispatch(self, req: InferenceRequest, d: Decision, placement: Placement,
+                        headers: dict[str, str] | None) -> None:
         self.state.assigned(d)
         workers = set(d.workers)
         self.inflight[req.request_id] = _InFlight(req.reply_subject, workers)
@@ -177,20 +197,24 @@ class Scheduler:
             self.by_worker[w].add(req.request_id)
         rid = req.request_id
         if d.prefill_worker is None:
-            await self._send(d.decode_worker, WorkItem(request=req, phase=Phase.FULL, placement=placement))
+            await self._send(d.decode_worker, WorkItem(request=req, phase=Phase.FULL, placement=placement), headers)
         else:
             # Decode first: it can reserve KV space before the prefill side starts shipping.
-            await self._send(d.decode_worker, WorkItem(request=req, phase=Phase.DECODE, placement=placement))
-            await self._send(d.prefill_worker, WorkItem(request=req, phase=Phase.PREFILL, placement=placement))
+            await self._send(d.decode_worker, WorkItem(request=req, phase=Phase.DECODE, placement=placement), headers)
+            await self._send(d.prefill_worker, WorkItem(request=req, phase=Phase.PREFILL, placement=placement),
+                             headers)
         self.placed += 1
         await self._event(rid, "placed", mode=d.mode, prefill_worker=d.prefill_worker,
                           decode_worker=d.decode_worker, cached_tokens=d.expected_cached_tokens,
                           policy=self.policy.name, attempt=req.attempt)
 
-    async def _send(self, worker_id: str, item: WorkItem) -> None:
+    async def _send(self, worker_id: str, item: WorkItem, headers: dict[str, str] | None) -> None:
         hb = self.state.heartbeat(worker_id)
         assert hb is not None, "policies only pick workers from the view"
-        await self.bus.publish(hb.work_subject, item, item.request.request_id)
+        if headers is None:
+            await self.bus.publish(hb.work_subject, item, item.request.request_id)
+        else:
+            await self.bus.nc.publish(hb.work_subject, encode(item), headers=headers)
 
     # --- bookkeeping --------------------------------------------------------------------
     async def on_finished(self, f: Finished, _m: Msg) -> None:
@@ -209,9 +233,8 @@ class Scheduler:
                 self.by_worker.get(w, set()).discard(c.request_id)
 
     async def _event(self, request_id: str, kind: str, **detail: str | int | float | bool | None) -> None:
-        await self.bus.publish(subjects.event("scheduler"), ServiceEvent(
-            service="scheduler", instance=self.instance, request_id=request_id, kind=kind,
-            ts=time.time(), detail=detail), request_id or None)
+        self.events.add(ServiceEvent(service="scheduler", instance=self.instance, request_id=request_id, kind=kind,
+                                     ts=time.time(), detail=detail))
 
 
 async def run(cfg: config.ClusterConfig, instance: str) -> None:

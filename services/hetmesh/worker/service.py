@@ -24,7 +24,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from hetmesh import config, engines, subjects, telemetry
-from hetmesh.bus import Bus
+from hetmesh.bus import Bus, EventBatcher
 from hetmesh.costmodel import CostModel, accelerator, model_spec
 from hetmesh.engines.base import Engine, EngineError, EngineOutput, EngineRequest
 from hetmesh.protocol import (
@@ -88,6 +88,7 @@ class Worker:
         # Spans cost tens of microseconds each; make them only when someone collects them.
         self.tracing = bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
         self.bus: Bus
+        self.events: EventBatcher
         self.tasks: dict[str, asyncio.Task[None]] = {}  # request id -> the task serving it
         self.decodes: dict[str, _Decode] = {}  # waiting for KvLanded
         self.early_landed: dict[str, tuple[KvLanded, float]] = {}  # KvLanded that beat its WorkItem
@@ -107,6 +108,7 @@ class Worker:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         self.bus = await Bus.connect(self.cfg.mesh.nats_url, f"worker-{self.worker_id}")
+        self.events = EventBatcher(self.bus, "worker")
         await self.engine.start()
         nc = self.bus.nc
         self._subs += [
@@ -148,14 +150,14 @@ class Worker:
             await asyncio.wait(rest, timeout=5.0)
         with contextlib.suppress(Exception):
             await self._publish_kv_events()
+        await self.events.close()
         await self.bus.close()
 
     # ------------------------------------------------------------------ helpers
     async def _event(self, request_id: str, kind: str, **detail: str | int | float | bool | None) -> None:
         detail["worker_id"] = self.worker_id
-        await self._send(subjects.event("worker"), ServiceEvent(
-            service="worker", instance=self.worker_id, request_id=request_id, kind=kind, ts=time.time(),
-            detail=detail))
+        self.events.add(ServiceEvent(service="worker", instance=self.worker_id, request_id=request_id, kind=kind,
+                                     ts=time.time(), detail=detail))
 
     async def _send(self, subject: str, msg: msgspec.Struct) -> None:
         # Per-request traffic goes without headers: the request id is in every body, and header
