@@ -102,19 +102,23 @@ async def echo_baseline(nats_url: str, rate: float, seconds: float) -> dict[str,
 
 async def bench(mesh: Mesh, rates: list[float], seconds: float) -> dict[str, object]:
     client = SSEClient(mesh.cfg.gateway.host, mesh.port)
-    pids = [s.proc.pid for s in mesh.services.values() if s.proc] + [p.proc.pid for p in mesh.started_servers]
+    procs = {name: s.proc.pid for name, s in mesh.services.items() if s.proc}
+    procs.update({p.name: p.proc.pid for p in mesh.started_servers})
+    pids = list(procs.values())
     await open_loop(client, PATH, 50, 2, body)  # warm-up: imports, connections, caches
     rows = []
     for rate in rates:
+        each0 = {name: cpu_seconds([pid]) for name, pid in procs.items()}
         c0, w0 = cpu_seconds(pids), time.perf_counter()
         res = await open_loop(client, PATH, rate, seconds, body)
         cpu, wall = cpu_seconds(pids) - c0, time.perf_counter() - w0
         t = [r.ttft_s for r in res if r.ok]
+        per_process = {name: (cpu_seconds([pid]) - each0[name]) / max(len(t), 1) * 1e3 for name, pid in procs.items()}
         rows.append({"rate_rps": rate, "requests": len(res), "errors": len(res) - len(t),
                      "achieved_rps": len(res) / wall, "ttft_p50_ms": percentile(t, 0.5) * 1e3,
                      "ttft_p90_ms": percentile(t, 0.9) * 1e3, "ttft_p99_ms": percentile(t, 0.99) * 1e3,
                      "ttft_mean_ms": statistics.fmean(t) * 1e3, "mesh_cpu_ms_per_request": cpu / max(len(t), 1) * 1e3,
-                     "mesh_cpu_cores": cpu / wall})
+                     "mesh_cpu_cores": cpu / wall, "cpu_ms_per_request_by_process": per_process})
     c0, w0 = cpu_seconds(pids), time.perf_counter()
     res = await closed_loop(client, PATH, 32, seconds, stream_body)
     wall, cpu = time.perf_counter() - w0, cpu_seconds(pids) - c0
@@ -154,6 +158,13 @@ def main() -> None:
                       f"{r['mesh_cpu_ms_per_request']:.2f}")
     con = Console()
     con.print(table)
+    ptable = Table(title="Mesh CPU per request by process (ms)")
+    ptable.add_column("process")
+    for r in res["ttft"]:  # type: ignore[union-attr]
+        ptable.add_column(f"{r['rate_rps']:.0f} req/s", justify="right")
+    for name in res["ttft"][0]["cpu_ms_per_request_by_process"]:  # type: ignore[index]
+        ptable.add_row(name, *(f"{r['cpu_ms_per_request_by_process'][name]:.3f}" for r in res["ttft"]))  # type: ignore[union-attr]
+    con.print(ptable)
     b = res["echo_baseline"]
     con.print(f"Baseline, same machine and nats-server: Python NATS request/reply echo p50 {b['rtt_p50_ms']:.2f} ms, "  # type: ignore[index]
               f"p99 {b['rtt_p99_ms']:.2f} ms; mesh p50 TTFT = "  # type: ignore[index]

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Sequence
+from functools import lru_cache
 from hashlib import blake2b
 
 _MASK63 = (1 << 63) - 1  # keep hashes positive and inside a signed 64-bit int (JSON, Redis)
 
 
+@lru_cache(maxsize=256)
 def _seed(model: str) -> bytes:
     return blake2b(model.encode(), digest_size=8).digest()
 
@@ -23,12 +25,16 @@ def block_hashes(model: str, tokens: Sequence[int], block_size: int) -> list[int
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     out: list[int] = []
-    prev = _seed(model)
     full = len(tokens) - len(tokens) % block_size
-    for start in range(0, full, block_size):
-        h = blake2b(prev, digest_size=8)
-        h.update(array("q", tokens[start : start + block_size]).tobytes())
-        prev = h.digest()
+    if not full:
+        return out
+    prev = _seed(model)
+    # One conversion for the whole prompt, then zero-copy slices: same bytes per block as
+    # array("q", block).tobytes(), a fraction of the gateway's per-request cost.
+    raw = memoryview(array("q", tokens[:full]).tobytes())
+    step = block_size * 8
+    for start in range(0, full * 8, step):
+        prev = blake2b(prev + raw[start : start + step], digest_size=8).digest()
         out.append(int.from_bytes(prev, "little") & _MASK63)
     return out
 

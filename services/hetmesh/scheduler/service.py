@@ -149,7 +149,8 @@ class Scheduler:
                     if h in m.headers:
                         headers[h] = m.headers[h]
             reply = await self.place(req, headers)
-            await m.respond(encode(reply))
+            # Not m.respond(): that echoes the request's headers back, for the gateway to parse for nothing.
+            await self.bus.nc.publish(m.reply, encode(reply))
             return
         ctx = telemetry.extract(m.headers)
         with self.tracer.start_as_current_span("schedule", context=ctx) as span:
