@@ -19,7 +19,7 @@ from nats.aio.subscription import Subscription
 from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from hetmesh import subjects, telemetry
-from hetmesh.protocol import ServiceEvent
+from hetmesh.protocol import Finished, ServiceEvent
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,8 @@ def decode(data: bytes, kind: type[T]) -> T:
 # `hetmesh.event.<service>` bodies: a JSON array of ServiceEvents (batched by EventBatcher) or,
 # from a publisher that does not batch, a single ServiceEvent object.
 EventBody = list[ServiceEvent] | ServiceEvent
+# `hetmesh.sched.finished` bodies likewise: the workers batch them.
+FinishedBody = list[Finished] | Finished
 
 
 def decode_events(data: bytes) -> list[ServiceEvent]:
@@ -147,28 +149,28 @@ def encode_error(message: str) -> bytes:
     return _encoder.encode({"error": {"message": message, "type": "invalid_request_error"}})
 
 
-EVENT_BATCH_S = 0.02  # how long an event may wait for company before it is published
-EVENT_BATCH_MAX = 512  # events per message: ~150 KiB, far below NATS' 1 MiB max_payload
+EVENT_BATCH_S = 0.02  # how long a batched message may wait for company before it is published
+EVENT_BATCH_MAX = 512  # items per message: ~150 KiB of events, far below NATS' 1 MiB max_payload
 
 
-class EventBatcher:
-    """One service's ServiceEvents, published as a JSON array per `window_s` on `hetmesh.event.<service>`.
+class Batcher:
+    """Structs for one subject, published as one JSON array per `window_s`.
 
-    A record per request phase from every service was ~40% of the mesh's NATS messages; batching
-    makes that a few messages per window for the whole load, and `add` costs the request path no
-    await and no task.
+    For per-request records nobody waits on (ServiceEvents, Finished): one message per request
+    phase from every service was over half of the mesh's NATS messages; batched, they are a few
+    messages per window for the whole load, and `add` costs the request path no await and no task.
     """
 
-    def __init__(self, bus: Bus, service: str, window_s: float = EVENT_BATCH_S) -> None:
+    def __init__(self, bus: Bus, subject: str, window_s: float = EVENT_BATCH_S) -> None:
         self.bus = bus
-        self.subject = subjects.event(service)
+        self.subject = subject
         self.window_s = window_s
-        self._batch: list[ServiceEvent] = []
+        self._batch: list[msgspec.Struct] = []
         self._timer: asyncio.TimerHandle | None = None
         self._flushes: set[asyncio.Task[None]] = set()
 
-    def add(self, ev: ServiceEvent) -> None:
-        self._batch.append(ev)
+    def add(self, item: msgspec.Struct) -> None:
+        self._batch.append(item)
         if len(self._batch) >= EVENT_BATCH_MAX:
             self._spawn_flush()
         elif self._timer is None:
@@ -192,10 +194,17 @@ class EventBatcher:
         try:
             await self.bus.nc.publish(self.subject, _encoder.encode(batch))
         except Exception:
-            log.warning("dropping %d events: NATS publish failed", len(batch), exc_info=True)
+            log.warning("dropping %d messages for %s: NATS publish failed", len(batch), self.subject, exc_info=True)
 
     async def close(self) -> None:
         """Publish what is left (call before the bus closes)."""
         await self.flush()
         if self._flushes:
             await asyncio.wait(list(self._flushes), timeout=1.0)
+
+
+class EventBatcher(Batcher):
+    """One service's ServiceEvents on `hetmesh.event.<service>`."""
+
+    def __init__(self, bus: Bus, service: str, window_s: float = EVENT_BATCH_S) -> None:
+        super().__init__(bus, subjects.event(service), window_s)

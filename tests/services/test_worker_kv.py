@@ -164,11 +164,14 @@ async def tap(mesh: Mesh) -> AsyncIterator[tuple[Tap, nats.NATS]]:
     t = Tap()
     dec = {k: msgspec.json.Decoder(k) for k in (Heartbeat, KvEvent, ServiceEvent, Finished)}
     resp = msgspec.json.Decoder(ResponseEvent)
+    finished_dec = msgspec.json.Decoder(list[Finished])
 
     def sink(lst: list[Any], kind: Any) -> Callable[[Any], Any]:
         async def cb(m: Any) -> None:
             if kind is ServiceEvent:  # event messages carry a batch
                 lst.extend(decode_events(m.data))
+            elif kind is Finished:  # so do Finished messages
+                lst.extend(finished_dec.decode(m.data))
             else:
                 lst.append(dec[kind].decode(m.data))
         return cb

@@ -24,7 +24,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from hetmesh import config, engines, subjects, telemetry
-from hetmesh.bus import Bus, EventBatcher
+from hetmesh.bus import Batcher, Bus, EventBatcher
 from hetmesh.costmodel import CostModel, accelerator, model_spec
 from hetmesh.engines.base import Engine, EngineError, EngineOutput, EngineRequest
 from hetmesh.protocol import (
@@ -89,6 +89,7 @@ class Worker:
         self.tracing = bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
         self.bus: Bus
         self.events: EventBatcher
+        self.finished_out: Batcher  # Finished records, batched: only the scheduler's bookkeeping reads them
         self.tasks: dict[str, asyncio.Task[None]] = {}  # request id -> the task serving it
         self.decodes: dict[str, _Decode] = {}  # waiting for KvLanded
         self.early_landed: dict[str, tuple[KvLanded, float]] = {}  # KvLanded that beat its WorkItem
@@ -109,6 +110,7 @@ class Worker:
     async def start(self) -> None:
         self.bus = await Bus.connect(self.cfg.mesh.nats_url, f"worker-{self.worker_id}")
         self.events = EventBatcher(self.bus, "worker")
+        self.finished_out = Batcher(self.bus, subjects.FINISHED)
         await self.engine.start()
         nc = self.bus.nc
         self._subs += [
@@ -151,6 +153,7 @@ class Worker:
         with contextlib.suppress(Exception):
             await self._publish_kv_events()
         await self.events.close()
+        await self.finished_out.close()
         await self.bus.close()
 
     # ------------------------------------------------------------------ helpers
@@ -173,8 +176,8 @@ class Worker:
         await self._event(rid, "error", phase=item.phase.value, message=message, retryable=retryable)
 
     async def _finished(self, rid: str, reason: str, completion_tokens: int) -> None:
-        await self._send(subjects.FINISHED, Finished(request_id=rid, worker_id=self.worker_id,
-                                                     finish_reason=reason, completion_tokens=completion_tokens))
+        self.finished_out.add(Finished(request_id=rid, worker_id=self.worker_id, finish_reason=reason,
+                                       completion_tokens=completion_tokens))
 
     # ------------------------------------------------------------------ work intake
     async def on_work(self, item: WorkItem, m: Msg) -> None:
