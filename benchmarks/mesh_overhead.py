@@ -51,6 +51,18 @@ max_batch = 256
 """
 
 
+def cpu_ticks() -> list[int]:
+    """The machine's CPU time split (/proc/stat: user nice system idle iowait irq softirq steal ...)."""
+    return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+
+
+def steal_fraction(t0: list[int], t1: list[int]) -> float:
+    """Share of the machine's CPU time the hypervisor gave to others meanwhile: on a shared VM it
+    varies from run to run and drags the tail with it."""
+    d = [b - a for a, b in zip(t0, t1, strict=True)]
+    return d[7] / max(sum(d[:8]), 1) if len(d) > 7 else 0.0
+
+
 def body(i: int) -> bytes:
     return json.dumps({"model": "tiny-sim", "prompt": f"request {i} " * 8, "max_tokens": 8, "stream": True}).encode()
 
@@ -109,16 +121,18 @@ async def bench(mesh: Mesh, rates: list[float], seconds: float) -> dict[str, obj
     rows = []
     for rate in rates:
         each0 = {name: cpu_seconds([pid]) for name, pid in procs.items()}
-        c0, w0 = cpu_seconds(pids), time.perf_counter()
+        c0, w0, k0 = cpu_seconds(pids), time.perf_counter(), cpu_ticks()
         res = await open_loop(client, PATH, rate, seconds, body)
         cpu, wall = cpu_seconds(pids) - c0, time.perf_counter() - w0
+        steal = steal_fraction(k0, cpu_ticks())
         t = [r.ttft_s for r in res if r.ok]
         per_process = {name: (cpu_seconds([pid]) - each0[name]) / max(len(t), 1) * 1e3 for name, pid in procs.items()}
         rows.append({"rate_rps": rate, "requests": len(res), "errors": len(res) - len(t),
                      "achieved_rps": len(res) / wall, "ttft_p50_ms": percentile(t, 0.5) * 1e3,
                      "ttft_p90_ms": percentile(t, 0.9) * 1e3, "ttft_p99_ms": percentile(t, 0.99) * 1e3,
                      "ttft_mean_ms": statistics.fmean(t) * 1e3, "mesh_cpu_ms_per_request": cpu / max(len(t), 1) * 1e3,
-                     "mesh_cpu_cores": cpu / wall, "cpu_ms_per_request_by_process": per_process})
+                     "mesh_cpu_cores": cpu / wall, "cpu_ms_per_request_by_process": per_process,
+                     "host_steal_fraction": steal})
     c0, w0 = cpu_seconds(pids), time.perf_counter()
     res = await closed_loop(client, PATH, 32, seconds, stream_body)
     wall, cpu = time.perf_counter() - w0, cpu_seconds(pids) - c0
@@ -150,13 +164,14 @@ def main() -> None:
                       "processor": platform.processor() or platform.machine()}
     res["config"] = vars(args)
     table = Table(title=f"Mesh-added TTFT (sim engine at 1e6x, {args.workers} workers, policy {args.policy})")
-    for col in ("offered req/s", "achieved", "requests", "errors", "p50 ms", "p90 ms", "p99 ms", "mesh CPU ms/req"):
+    for col in ("offered req/s", "achieved", "requests", "errors", "p50 ms", "p90 ms", "p99 ms", "mesh CPU ms/req",
+                "steal %"):
         table.add_column(col, justify="right")
     for r in res["ttft"]:  # type: ignore[union-attr]
         table.add_row(f"{r['rate_rps']:.0f}", f"{r['achieved_rps']:.0f}", str(r["requests"]), str(r["errors"]),
                       f"{r['ttft_p50_ms']:.2f}", f"{r['ttft_p90_ms']:.2f}", f"{r['ttft_p99_ms']:.2f}",
-                      f"{r['mesh_cpu_ms_per_request']:.2f}")
-    con = Console()
+                      f"{r['mesh_cpu_ms_per_request']:.2f}", f"{r['host_steal_fraction'] * 100:.0f}")
+    con = Console(width=120)
     con.print(table)
     ptable = Table(title="Mesh CPU per request by process (ms)")
     ptable.add_column("process")
