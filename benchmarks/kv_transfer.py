@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hetmesh import servers, subjects
-from hetmesh.bus import encode
+from hetmesh.bus import decode_events, encode
 from hetmesh.costmodel import CostModel, accelerator, model_spec
 from hetmesh.kvindex.blocks import block_hashes
 from hetmesh.protocol import (
@@ -80,16 +80,16 @@ async def bench(nats_url: str, tokens: list[int], concurrency: list[int], repeat
     seen: set[str] = set()
     events: dict[str, ServiceEvent] = {}
     done: dict[str, asyncio.Event] = {}
-    hb_dec, ev_dec, resp_dec = (msgspec.json.Decoder(Heartbeat), msgspec.json.Decoder(ServiceEvent),
+    hb_dec, resp_dec = (msgspec.json.Decoder(Heartbeat),
                                 msgspec.json.Decoder(ResponseEvent))
 
     async def on_hb(m: Any) -> None:
         seen.add(hb_dec.decode(m.data).worker_id)
 
     async def on_event(m: Any) -> None:
-        e = ev_dec.decode(m.data)
-        if e.kind == "kv_transferred":
-            events[e.request_id] = e
+        for e in decode_events(m.data):
+            if e.kind == "kv_transferred":
+                events[e.request_id] = e
 
     async def on_resp(m: Any) -> None:
         ev = resp_dec.decode(m.data)

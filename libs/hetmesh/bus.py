@@ -19,7 +19,7 @@ from nats.aio.subscription import Subscription
 from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from hetmesh import subjects, telemetry
-from hetmesh.protocol import Finished, ServiceEvent
+from hetmesh.protocol import EventBatch, ServiceEvent
 
 log = logging.getLogger(__name__)
 
@@ -45,17 +45,10 @@ def decode(data: bytes, kind: type[T]) -> T:
     return decoder(kind).decode(data)
 
 
-# `hetmesh.event.<service>` bodies: a JSON array of ServiceEvents (batched by EventBatcher) or,
-# from a publisher that does not batch, a single ServiceEvent object.
-EventBody = list[ServiceEvent] | ServiceEvent
-# `hetmesh.sched.finished` bodies likewise: the workers batch them.
-FinishedBody = list[Finished] | Finished
-
 
 def decode_events(data: bytes) -> list[ServiceEvent]:
-    """The ServiceEvents in one event message, whichever of the two shapes it has."""
-    body = decoder(EventBody).decode(data)
-    return body if isinstance(body, list) else [body]
+    """The ServiceEvents in one `hetmesh.event.<service>` message."""
+    return decoder(EventBatch).decode(data)
 
 
 def headers_for(request_id: str | None) -> dict[str, str] | None:

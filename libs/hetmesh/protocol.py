@@ -127,6 +127,10 @@ class Finished(Struct, kw_only=True):
     completion_tokens: int = 0
 
 
+# Per-request records nobody waits on travel batched: one JSON array per few ms per service.
+FinishedBatch = list[Finished]
+
+
 class Heartbeat(Struct, kw_only=True):
     worker_id: str
     model: str
@@ -207,3 +211,5 @@ class ServiceEvent(Struct, kw_only=True):
     ts: float
     detail: dict[str, str | int | float | bool | None] = field(default_factory=dict)
 
+
+EventBatch = list[ServiceEvent]  # the body of every `hetmesh.event.<service>` message

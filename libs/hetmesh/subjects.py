@@ -89,14 +89,14 @@ TABLE: tuple[SubjectRow, ...] = (
     SubjectRow(f"{PREFIX}.work.<role>.<vendor>.<accelerator>", "scheduler", "the pool (queue group)", "WorkItem", "any worker of the pool"),
     SubjectRow(f"{PREFIX}.resp.<gateway>.<request_id>-<attempt>", "workers, scheduler", "gateway", "TokenChunk | RequestError | WorkerLost", "per-request stream"),
     SubjectRow(CANCEL, "gateway", "workers, scheduler, kv-transfer", "Cancel", "broadcast"),
-    SubjectRow(FINISHED, "workers", "scheduler", "Finished", "in-flight bookkeeping"),
+    SubjectRow(FINISHED, "workers", "scheduler", "FinishedBatch (JSON array of Finished)", "in-flight bookkeeping, batched"),
     SubjectRow(f"{PREFIX}.heartbeat.<worker_id>", "workers", "scheduler", "Heartbeat", "liveness + load"),
     SubjectRow(f"{PREFIX}.kv.events.<worker_id>", "workers", "scheduler (-> Redis index)", "KvEvent", "prefix blocks stored/removed"),
     SubjectRow(KV_TRANSFER, "prefill worker", "kv-transfer (queue group)", "KvTransferRequest -> KvTransferAccept", "request/reply"),
     SubjectRow(f"{PREFIX}.kv.data.<transfer_id>", "prefill worker", "kv-transfer", "raw KV bytes", "chunked; headers Kv-Seq, Kv-Last"),
     SubjectRow(f"{PREFIX}.kv.recv.<worker_id>", "kv-transfer", "decode worker", "raw KV bytes", "chunked; headers Kv-Transfer, Kv-Seq"),
     SubjectRow(f"{PREFIX}.kv.landed.<worker_id>", "kv-transfer", "decode worker", "KvLanded", "decode may start"),
-    SubjectRow(f"{PREFIX}.event.<service>", "every service", "operators, tests", "ServiceEvent", "the services' own records"),
+    SubjectRow(f"{PREFIX}.event.<service>", "every service", "operators, tests", "EventBatch (JSON array of ServiceEvent)", "the services' own records, batched"),
 )
 
 

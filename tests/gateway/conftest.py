@@ -22,10 +22,11 @@ import msgspec
 import pytest
 
 from hetmesh import servers, subjects
-from hetmesh.bus import Bus, EventBody
+from hetmesh.bus import Bus
 from hetmesh.protocol import (
     Cancel,
     ErrorInfo,
+    EventBatch,
     Heartbeat,
     InferenceRequest,
     Placement,
@@ -110,7 +111,7 @@ class FakePeer:
             await self.bus.subscribe(subjects.SUBMIT, InferenceRequest, self._on_submit,
                                      queue=subjects.SCHEDULER_QUEUE)
         await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel)
-        await self.bus.subscribe(subjects.EVENTS_ALL, EventBody, self._on_event)
+        await self.bus.subscribe(subjects.EVENTS_ALL, EventBatch, self._on_event)
         await self.bus.nc.flush()
         self._hb = asyncio.ensure_future(self._heartbeats())
 
@@ -125,8 +126,8 @@ class FakePeer:
     async def _on_cancel(self, c: Cancel, _m: object) -> None:
         self.cancels.append(c)
 
-    async def _on_event(self, e: list[ServiceEvent] | ServiceEvent, _m: object) -> None:
-        self.events.extend(e if isinstance(e, list) else [e])  # event messages carry a batch
+    async def _on_event(self, batch: EventBatch, _m: object) -> None:
+        self.events.extend(batch)
 
     async def _on_submit(self, req: InferenceRequest, m: object) -> None:
         self.submits.append(req)

@@ -20,7 +20,7 @@ from msgspec import Struct
 from nats.aio.msg import Msg
 
 from hetmesh import config, subjects, telemetry
-from hetmesh.bus import Bus, encode_error
+from hetmesh.bus import Bus, EventBatcher, encode_error
 from hetmesh.protocol import Cancel, KvLanded, KvTransferAccept, KvTransferRequest, ServiceEvent
 
 log = logging.getLogger("hetmesh.kv_transfer")
@@ -70,12 +70,14 @@ class KvTransferService:
         await self.bus.subscribe(subjects.KV_TRANSFER, KvTransferRequest, self.on_request,
                                  queue=subjects.KV_TRANSFER_QUEUE)
         await self.bus.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
+        self.events = EventBatcher(self.bus, "kv-transfer")
         await self.bus.nc.flush()
         log.info("kv-transfer %s up", self.instance)
 
     async def stop(self) -> None:
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=self.idle_timeout_s)
+        await self.events.close()
         await self.bus.close()
 
     async def on_request(self, req: KvTransferRequest, m: Msg) -> None:
@@ -152,14 +154,13 @@ class KvTransferService:
             self.total_bytes += t.bytes
             if not ok:
                 log.warning("transfer %s failed: %s", req.transfer_id, t.error)
-            await self.bus.publish(subjects.event("kv-transfer"), ServiceEvent(
+            self.events.add(ServiceEvent(
                 service="kv-transfer", instance=self.instance, request_id=req.request_id, kind="kv_transferred",
                 ts=time.time(), detail={"transfer_id": req.transfer_id, "src": req.src_worker, "dst": req.dst_worker,
                                         "nbytes": t.bytes, "expected_nbytes": req.nbytes, "chunks": t.chunks,
                                         "duration_s": duration, "num_tokens": req.num_tokens, "ok": ok,
                                         "error": t.error,
-                                        "bytes_per_s": t.bytes / duration if duration > 0 else 0.0}),
-                req.request_id)
+                                        "bytes_per_s": t.bytes / duration if duration > 0 else 0.0}))
             span.set_attribute("hetmesh.ok", ok)
         finally:
             span.end()

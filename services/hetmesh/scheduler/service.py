@@ -21,13 +21,13 @@ from collections import defaultdict
 from nats.aio.msg import Msg
 
 from hetmesh import config, subjects, telemetry
-from hetmesh.bus import REQUEST_ID, Bus, EventBatcher, FinishedBody, encode
+from hetmesh.bus import REQUEST_ID, Bus, EventBatcher, encode
 from hetmesh.kvindex.index import PrefixIndex
 from hetmesh.placement import ClusterState, Decision, RequestInfo, make_policy
 from hetmesh.protocol import (
     Cancel,
     ErrorInfo,
-    Finished,
+    FinishedBatch,
     Heartbeat,
     InferenceRequest,
     KvEvent,
@@ -85,7 +85,7 @@ class Scheduler:
         self.events = EventBatcher(self.bus, "scheduler")
         await self.bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
         await self.bus.subscribe(subjects.KV_EVENTS_ALL, KvEvent, self.on_kv_event)
-        await self.bus.subscribe(subjects.FINISHED, FinishedBody, self.on_finished)
+        await self.bus.subscribe(subjects.FINISHED, FinishedBatch, self.on_finished)
         await self.bus.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
         await self.bus.subscribe(subjects.SUBMIT, InferenceRequest, self.on_submit, queue=subjects.SCHEDULER_QUEUE)
         self._tasks = [asyncio.create_task(self._expire_loop()), asyncio.create_task(self._kv_writer())]
@@ -218,8 +218,8 @@ class Scheduler:
             await self.bus.nc.publish(hb.work_subject, encode(item), headers=headers)
 
     # --- bookkeeping --------------------------------------------------------------------
-    async def on_finished(self, body: list[Finished] | Finished, _m: Msg) -> None:
-        for f in body if isinstance(body, list) else (body,):  # workers batch them
+    async def on_finished(self, batch: FinishedBatch, _m: Msg) -> None:
+        for f in batch:
             fl = self.inflight.get(f.request_id)
             if fl is None:
                 continue
