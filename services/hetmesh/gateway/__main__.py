@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
 
 import uvicorn
 
 from hetmesh import config
+from hetmesh.runtime import setup_process
 
 from .service import Gateway, asgi_app, default_instance
 
@@ -19,7 +19,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=None, help="listen port (default: the cluster file's gateway.port)")
     ap.add_argument("--instance", default=None, help="instance id (names this gateway's reply subjects)")
     args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_process()
     cfg = config.load(args.cluster)
     if not cfg.mesh.nats_url:
         ap.error("no NATS URL: set mesh.nats_url in the cluster file or HETMESH_NATS_URL")

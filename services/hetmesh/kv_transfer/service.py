@@ -22,6 +22,7 @@ from nats.aio.msg import Msg
 from hetmesh import config, subjects, telemetry
 from hetmesh.bus import Bus, EventBatcher, encode_error
 from hetmesh.protocol import Cancel, KvLanded, KvTransferAccept, KvTransferRequest, ServiceEvent
+from hetmesh.runtime import run_service
 
 log = logging.getLogger("hetmesh.kv_transfer")
 
@@ -173,19 +174,6 @@ class KvTransferService:
                 t.done.set()
 
 
-async def run(cfg: config.ClusterConfig, instance: str, idle_timeout_s: float) -> None:
-    import signal
-
-    svc = KvTransferService(cfg, instance, idle_timeout_s)
-    await svc.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await svc.stop()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m hetmesh.kv_transfer", description=__doc__)
     ap.add_argument("--cluster", help="cluster file (TOML)")
@@ -193,12 +181,5 @@ def main() -> None:
     ap.add_argument("--idle-timeout-s", type=float, default=10.0,
                     help="a transfer with no chunk for this long fails (KvLanded ok=False)")
     args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = config.load(args.cluster)
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    asyncio.run(run(cfg, args.instance, args.idle_timeout_s))
+    run_service(lambda: KvTransferService(cfg, args.instance, args.idle_timeout_s))

@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import time
 import uuid
 from collections import defaultdict
@@ -38,6 +37,7 @@ from hetmesh.protocol import (
     WorkerLost,
     WorkItem,
 )
+from hetmesh.runtime import run_service
 
 log = logging.getLogger("hetmesh.scheduler")
 
@@ -239,28 +239,10 @@ class Scheduler:
                                      ts=time.time(), detail=detail))
 
 
-async def run(cfg: config.ClusterConfig, instance: str) -> None:
-    sched = Scheduler(cfg, instance)
-    await sched.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await sched.stop()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m hetmesh.scheduler", description=__doc__)
     ap.add_argument("--cluster", help="cluster file (TOML)")
     ap.add_argument("--instance", default=f"sched-{uuid.uuid4().hex[:6]}")
     args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = config.load(args.cluster)
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    asyncio.run(run(cfg, args.instance))
+    run_service(lambda: Scheduler(cfg, args.instance))

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import time
 import uuid
 from typing import Any
@@ -44,6 +43,7 @@ from hetmesh.protocol import (
     Usage,
     WorkItem,
 )
+from hetmesh.runtime import run_service
 
 log = logging.getLogger("hetmesh.worker")
 
@@ -550,19 +550,6 @@ class Worker:
                 log.exception("publishing KV events failed")
 
 
-async def run(cfg: config.ClusterConfig, worker_id: str, role: Role | None, kv_landed_timeout_s: float,
-              drain_timeout_s: float) -> None:
-    w = Worker(cfg, worker_id, role, kv_landed_timeout_s, drain_timeout_s)
-    await w.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("worker %s stopping", worker_id)
-    await w.stop()
-
-
 def main(default_role: Role | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m hetmesh.worker", description=__doc__)
     ap.add_argument("--cluster", help="cluster file (TOML)")
@@ -574,13 +561,6 @@ def main(default_role: Role | None = None) -> None:
                     help="a DECODE item whose KV has not landed by then ends with an error")
     ap.add_argument("--drain-timeout-s", type=float, default=10.0)
     args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = config.load(args.cluster)
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    asyncio.run(run(cfg, args.worker_id, Role(args.role) if args.role else None, args.kv_landed_timeout_s,
-                    args.drain_timeout_s))
+    run_service(lambda: Worker(cfg, args.worker_id, Role(args.role) if args.role else None,
+                               args.kv_landed_timeout_s, args.drain_timeout_s))
