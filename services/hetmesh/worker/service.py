@@ -162,6 +162,15 @@ class Worker:
         self.events.add(ServiceEvent(service="worker", instance=self.worker_id, request_id=request_id, kind=kind,
                                      ts=time.time(), detail=detail))
 
+    def _chunk(self, rid: str, out: EngineOutput, cached_tokens: int) -> TokenChunk:
+        """An engine output as a TokenChunk; the last one carries the request's usage."""
+        usage = None
+        if out.finished:
+            usage = Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                          cached_tokens=cached_tokens)
+        return TokenChunk(request_id=rid, worker_id=self.worker_id, index=out.index, token_ids=out.token_ids,
+                          text=out.text, finish_reason=out.finish_reason, usage=usage)
+
     async def _send(self, subject: str, msg: msgspec.Struct) -> None:
         # Per-request traffic goes without headers: the request id is in every body, and header
         # encoding plus trace-context injection would cost more CPU than the message itself.
@@ -306,13 +315,7 @@ class Worker:
                 return
             if out.finished and item.phase == Phase.PREFILL:
                 break
-            usage = None
-            if out.finished:
-                usage = Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-                              cached_tokens=out.cached_tokens)
-            await self._send(req.reply_subject, TokenChunk(
-                request_id=rid, worker_id=self.worker_id, index=out.index, token_ids=out.token_ids, text=out.text,
-                finish_reason=out.finish_reason, usage=usage))
+            await self._send(req.reply_subject, self._chunk(rid, out, out.cached_tokens))
             streamed += len(out.token_ids)
         assert last is not None and last.finished
         if item.phase == Phase.FULL:
@@ -444,13 +447,8 @@ class Worker:
                 return
             if out.finished and not out.token_ids and out.completion_tokens == len(first):
                 break  # the first tokens already ended it and the prefill worker told the client
-            usage = None
-            if out.finished:
-                usage = Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-                              cached_tokens=landed.cached_tokens)
-            await self._send(req.reply_subject, TokenChunk(
-                request_id=rid, worker_id=self.worker_id, index=out.index, token_ids=out.token_ids, text=out.text,
-                finish_reason=out.finish_reason, usage=usage))
+            # The prefix hit happened on the prefill side; the decode engine saw the KV land instead.
+            await self._send(req.reply_subject, self._chunk(rid, out, landed.cached_tokens))
             streamed += len(out.token_ids)
         assert last is not None and last.finished
         await self._event(rid, "decode_done", phase="decode", completion_tokens=last.completion_tokens,
