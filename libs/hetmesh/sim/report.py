@@ -48,6 +48,7 @@ def plot_cdfs(path: str | os.PathLike[str], results: Mapping[str, SimResult]) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for label, res in results.items():
@@ -61,6 +62,10 @@ def plot_cdfs(path: str | os.PathLike[str], results: Mapping[str, SimResult]) ->
     for ax in axes:
         ax.set_ylabel("fraction of requests")
         ax.set_xscale("log")
+        # Labels at 1-2-5 steps: a CDF often spans less than a decade, and minor labels would overlap.
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
