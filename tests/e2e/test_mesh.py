@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
+import nats
 import openai
 import pytest
 
+from hetmesh import subjects
 from hetmesh.engines.sim import expected_completion
 from hetmesh.launcher import Mesh
 from hetmesh.protocol import SamplingParams
@@ -135,7 +138,7 @@ async def test_client_disconnect_aborts_engine_work(mesh: Mesh, events: EventLog
             n = 0
             async for line in resp.aiter_lines():
                 if line.startswith("data: {"):
-                    rid = rid or rid_of(__import__("json").loads(line[6:])["id"])
+                    rid = rid or rid_of(json.loads(line[6:])["id"])
                     n += 1
                     if n >= 3:
                         break
@@ -189,3 +192,25 @@ async def test_killed_worker_request_is_retried_not_hung(mesh: Mesh, aclient: op
     # Bring the worker back for any later test.
     mesh.spawn(f"worker:{victim}")
     mesh.wait_ready(60)
+
+
+async def test_garbage_on_every_subject_kills_nothing(mesh: Mesh, aclient: openai.AsyncOpenAI) -> None:
+    """What an operator can type with `nats pub` must not take a service down."""
+    nc = await nats.connect(mesh.nats_url)
+    try:
+        reply = await nc.request(subjects.SUBMIT, b"{not json", timeout=5)
+        assert "error" in json.loads(reply.data)
+        for subject in (subjects.CANCEL, subjects.FINISHED, subjects.heartbeat("h100-0"), subjects.kv_events("h100-0"),
+                        subjects.KV_TRANSFER, subjects.kv_landed("vr200-0"), subjects.kv_recv("vr200-0"),
+                        subjects.work_direct("both", "nvidia", "nvidia-h100", "h100-0"),
+                        subjects.work_pool("decode", "nvidia", "nvidia-rubin-vr200")):
+            for body in (b"", b"null", b"[]", b'{"request_id": 5}', b"\xff\xfe"):
+                await nc.publish(subject, body)
+        await nc.flush()
+    finally:
+        await nc.close()
+    await asyncio.sleep(0.5)
+    assert all(s.alive for s in mesh.services.values())
+    r = await aclient.completions.create(model="tiny-agg", prompt="still here", max_tokens=3,
+                                         extra_body={"ignore_eos": True})
+    assert r.usage is not None and r.usage.completion_tokens == 3
