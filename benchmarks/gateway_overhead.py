@@ -21,10 +21,21 @@ import tempfile
 import time
 from pathlib import Path
 
+from nats.aio.msg import Msg
+
 from hetmesh import servers, subjects
 from hetmesh.bus import Bus
 from hetmesh.loadgen import SSEClient, cpu_seconds, open_loop, percentile
-from hetmesh.protocol import Heartbeat, InferenceRequest, Placement, Role, SubmitReply, TokenChunk, Usage
+from hetmesh.protocol import (
+    Heartbeat,
+    InferenceRequest,
+    Placement,
+    Role,
+    SchedulerStatus,
+    SubmitReply,
+    TokenChunk,
+    Usage,
+)
 
 CLUSTER = """
 [mesh]
@@ -59,7 +70,11 @@ async def peer(nats_url: str, chunk_tokens: int) -> None:
                 finish_reason="length" if last else None,
                 usage=Usage(prompt_tokens=len(req.prompt_tokens), completion_tokens=n) if last else None))
 
+    async def on_status(m: Msg) -> None:
+        await bus.respond(m, SchedulerStatus(instance="bench-peer", policy="instant", workers=["peer-0"]))
+
     await bus.subscribe(subjects.SUBMIT, InferenceRequest, on_submit, queue=subjects.SCHEDULER_QUEUE)
+    await bus.nc.subscribe(subjects.SCHED_STATUS, queue=subjects.SCHEDULER_QUEUE, cb=on_status)
     while True:
         await bus.publish(subjects.heartbeat("peer-0"), Heartbeat(
             worker_id="peer-0", model="bench", accelerator="nvidia-h100", vendor="nvidia", devices=1, role=Role.BOTH,

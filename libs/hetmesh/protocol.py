@@ -56,6 +56,14 @@ class Placement(Struct, frozen=True, kw_only=True):
     reason: str = ""
 
 
+class SchedulerStatus(Struct, kw_only=True):
+    """Scheduler -> gateway's /ready: it is subscribed and these workers are in its view."""
+
+    instance: str
+    policy: str
+    workers: list[str]
+
+
 class ErrorInfo(Struct, frozen=True, kw_only=True):
     """OpenAI-shaped error body parts; `status` is the HTTP status the gateway returns."""
 

@@ -12,6 +12,7 @@ from typing import NamedTuple
 PREFIX = "hetmesh"
 
 SUBMIT = f"{PREFIX}.sched.submit"  # request/reply: InferenceRequest -> SubmitReply
+SCHED_STATUS = f"{PREFIX}.sched.status"  # request/reply, empty -> SchedulerStatus
 FINISHED = f"{PREFIX}.sched.finished"
 CANCEL = f"{PREFIX}.cancel"
 HEARTBEAT_ALL = f"{PREFIX}.heartbeat.*"
@@ -85,6 +86,7 @@ class SubjectRow(NamedTuple):
 
 TABLE: tuple[SubjectRow, ...] = (
     SubjectRow(SUBMIT, "gateway", "scheduler (queue group)", "InferenceRequest -> SubmitReply", "request/reply"),
+    SubjectRow(SCHED_STATUS, "gateway (/ready)", "scheduler (queue group)", "empty -> SchedulerStatus", "request/reply"),
     SubjectRow(f"{PREFIX}.work.<role>.<vendor>.<accelerator>.<worker_id>", "scheduler", "that worker", "WorkItem", "direct placement"),
     SubjectRow(f"{PREFIX}.work.<role>.<vendor>.<accelerator>", "scheduler", "the pool (queue group)", "WorkItem", "any worker of the pool"),
     SubjectRow(f"{PREFIX}.resp.<gateway>.<request_id>-<attempt>", "workers, scheduler", "gateway", "TokenChunk | RequestError | WorkerLost", "per-request stream"),

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
+from nats.aio.msg import Msg
 
 from hetmesh import servers, subjects
 from hetmesh.bus import Bus
@@ -32,6 +33,7 @@ from hetmesh.protocol import (
     Placement,
     RequestError,
     Role,
+    SchedulerStatus,
     ServiceEvent,
     SubmitReply,
     TokenChunk,
@@ -110,6 +112,7 @@ class FakePeer:
         if self.scheduler:
             await self.bus.subscribe(subjects.SUBMIT, InferenceRequest, self._on_submit,
                                      queue=subjects.SCHEDULER_QUEUE)
+            await self.bus.nc.subscribe(subjects.SCHED_STATUS, queue=subjects.SCHEDULER_QUEUE, cb=self._on_status)
         await self.bus.subscribe(subjects.CANCEL, Cancel, self._on_cancel)
         await self.bus.subscribe(subjects.EVENTS_ALL, EventBatch, self._on_event)
         await self.bus.nc.flush()
@@ -122,6 +125,9 @@ class FakePeer:
                 role=Role.BOTH, engine="fake", work_subject="unused", queue_depth=0, running=0, max_batch=8,
                 kv_blocks_total=100, kv_blocks_used=0, block_size=16, ts=time.time()))
             await asyncio.sleep(0.2)
+
+    async def _on_status(self, m: Msg) -> None:
+        await self.bus.respond(m, SchedulerStatus(instance="fake-sched", policy="fake", workers=["fake-0"]))
 
     async def _on_cancel(self, c: Cancel, _m: object) -> None:
         self.cancels.append(c)
@@ -237,7 +243,7 @@ class GatewayProc:
 
 
 @contextlib.contextmanager
-def run_gateway(nats_url: str, workdir: Path, instance: str, **env: str) -> Iterator[GatewayProc]:
+def run_gateway(nats_url: str, workdir: Path, instance: str, ready: str = "/ready", **env: str) -> Iterator[GatewayProc]:
     """A real `python -m hetmesh.gateway` process on a free port, ready (it sees the peer's worker)."""
     cluster = workdir / "cluster.toml"
     cluster.write_text(CLUSTER)
@@ -255,7 +261,7 @@ def run_gateway(nats_url: str, workdir: Path, instance: str, **env: str) -> Iter
             assert proc.poll() is None, f"gateway exited: {log.read_text()[-3000:]}"
             assert time.monotonic() < deadline, f"gateway not ready: {log.read_text()[-3000:]}"
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{gp.url}/ready", timeout=1).status_code == 200:
+                if httpx.get(f"{gp.url}{ready}", timeout=1).status_code == 200:
                     break
             time.sleep(0.1)
         yield gp

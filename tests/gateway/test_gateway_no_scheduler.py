@@ -17,7 +17,8 @@ def lonely_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway
     srv = servers.start_nats(jetstream=False)
     peer = FakePeer(srv.url, scheduler=False).start()
     try:
-        with run_gateway(srv.url, tmp_path_factory.mktemp("lonely"), "gwlonely") as gp:
+        # Not ready without a scheduler, so wait for /health only.
+        with run_gateway(srv.url, tmp_path_factory.mktemp("lonely"), "gwlonely", ready="/health") as gp:
             yield gp
     finally:
         peer.stop()
@@ -31,3 +32,5 @@ def test_no_scheduler_is_503(lonely_gateway: GatewayProc, stream: bool) -> None:
     assert r.status_code == 503
     assert r.json()["error"]["code"] == "scheduler_unavailable"
     assert httpx.get(lonely_gateway.url + "/health").status_code == 200
+    ready = httpx.get(lonely_gateway.url + "/ready")  # workers heartbeat, but nobody would place a request
+    assert ready.status_code == 503 and ready.json()["scheduler"] is None

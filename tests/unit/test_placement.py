@@ -75,3 +75,18 @@ def test_unknown_policy_is_a_clear_error() -> None:
         assert "round_robin" in str(e)
     else:
         raise AssertionError("expected ValueError")
+
+
+def test_finished_requests_stop_counting_before_the_next_heartbeat() -> None:
+    s = cluster(hb("a", running=2), hb("b", running=1))
+    p = LeastLoaded()
+    s.finished("a")
+    s.finished("a")  # both of a's requests ended: a is idle now, b still runs one
+    d = p.place(req(), s.views())
+    assert d is not None and d.decode_worker == "a"
+    s.assigned(d)
+    s.finished("a")  # ... and the one just placed there ended too (more finished than running)
+    view = {v.worker_id: v for v in s.views()}["a"]
+    assert view.running == 0 and view.queue_depth == 0
+    s.observe(hb("a", running=5), now=0.1)  # a new heartbeat is the truth again
+    assert {v.worker_id: v for v in s.views()}["a"].running == 5

@@ -71,6 +71,7 @@ class _Entry(Struct):
     hb: Heartbeat
     seen: float
     assigned_since: int = 0  # placed on it after hb was sent
+    finished_since: int = 0  # left it after hb was sent
 
 
 class ClusterState:
@@ -94,6 +95,14 @@ class ClusterState:
             if e is not None:
                 e.assigned_since += 1
         self._views = None
+
+    def finished(self, worker_id: str) -> None:
+        """A request left the worker (its Finished record): it stops counting before the next heartbeat,
+        so a closed loop's next request is not steered away from the worker that just freed a slot."""
+        e = self._workers.get(worker_id)
+        if e is not None:
+            e.finished_since += 1
+            self._views = None
 
     def remove(self, worker_id: str) -> bool:
         self._views = None
@@ -120,22 +129,27 @@ class ClusterState:
 
     def views(self) -> list[WorkerView]:
         if self._views is None:
-            self._views = [
-                WorkerView(
-                    worker_id=e.hb.worker_id,
-                    model=e.hb.model,
-                    accelerator=e.hb.accelerator,
-                    vendor=e.hb.vendor,
-                    devices=e.hb.devices,
-                    role=e.hb.role,
-                    queue_depth=e.hb.queue_depth + e.assigned_since,
-                    running=e.hb.running,
-                    max_batch=e.hb.max_batch,
-                    kv_blocks_total=e.hb.kv_blocks_total,
-                    kv_blocks_used=e.hb.kv_blocks_used,
-                    block_size=e.hb.block_size,
-                    work_subject=e.hb.work_subject,
-                )
-                for e in self._workers.values()
-            ]
+            self._views = [self._view(e) for e in self._workers.values()]
         return self._views
+
+    @staticmethod
+    def _view(e: _Entry) -> WorkerView:
+        # Finished requests come off the running batch first; any left over were assigned (and
+        # finished) since the heartbeat.
+        running = max(e.hb.running - e.finished_since, 0)
+        leftover = max(e.finished_since - e.hb.running, 0)
+        return WorkerView(
+            worker_id=e.hb.worker_id,
+            model=e.hb.model,
+            accelerator=e.hb.accelerator,
+            vendor=e.hb.vendor,
+            devices=e.hb.devices,
+            role=e.hb.role,
+            queue_depth=max(e.hb.queue_depth + e.assigned_since - leftover, 0),
+            running=running,
+            max_batch=e.hb.max_batch,
+            kv_blocks_total=e.hb.kv_blocks_total,
+            kv_blocks_used=e.hb.kv_blocks_used,
+            block_size=e.hb.block_size,
+            work_subject=e.hb.work_subject,
+        )

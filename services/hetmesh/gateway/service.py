@@ -39,6 +39,7 @@ from hetmesh.protocol import (
     Placement,
     RequestError,
     ResponseEvent,
+    SchedulerStatus,
     ServiceEvent,
     SubmitReply,
     TokenChunk,
@@ -159,6 +160,14 @@ class Gateway:
         workers = self.live.get(hb.model)
         if workers is not None:
             workers[hb.worker_id] = time.monotonic()
+
+    async def scheduler_status(self) -> SchedulerStatus | None:
+        """The scheduler's own view, or None when no scheduler answers (not subscribed yet, or down)."""
+        try:
+            resp = await self.bus.nc.request(subjects.SCHED_STATUS, b"", timeout=0.5)
+            return decode(resp.data, SchedulerStatus)
+        except (nats.errors.Error, TimeoutError, msgspec.DecodeError):
+            return None
 
     def live_workers(self, model: str) -> int:
         workers = self.live.get(model)
@@ -567,11 +576,14 @@ def create_app(gw: Gateway) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> Response:
+        # Ready means a request would be placed now: NATS up, a scheduler subscribed, and workers in
+        # the scheduler's view (the gateway's own heartbeat view can be ahead of the scheduler's).
         per_model = {name: gw.live_workers(name) for name in gw.models}
-        total = sum(per_model.values())
-        ok = gw.connected and total > 0
+        status = await gw.scheduler_status() if gw.connected else None
+        total = len(status.workers) if status is not None else 0
+        ok = gw.connected and total > 0 and sum(per_model.values()) > 0
         body = {"status": "ready" if ok else "not_ready", "nats": gw.connected, "workers": total,
-                "models": per_model}
+                "scheduler": status.instance if status else None, "models": per_model}
         return Response(core._enc.encode(body), status_code=200 if ok else 503, media_type=JSON)
 
     return app

@@ -32,6 +32,7 @@ from hetmesh.protocol import (
     KvEvent,
     Phase,
     Placement,
+    SchedulerStatus,
     ServiceEvent,
     SubmitReply,
     WorkerLost,
@@ -88,6 +89,8 @@ class Scheduler:
         await self.bus.subscribe(subjects.FINISHED, FinishedBatch, self.on_finished)
         await self.bus.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
         await self.bus.subscribe(subjects.SUBMIT, InferenceRequest, self.on_submit, queue=subjects.SCHEDULER_QUEUE)
+        # Last: an answer on the status subject means every subscription above is in place.
+        await self.bus.nc.subscribe(subjects.SCHED_STATUS, queue=subjects.SCHEDULER_QUEUE, cb=self.on_status)
         self._tasks = [asyncio.create_task(self._expire_loop()), asyncio.create_task(self._kv_writer())]
         log.info("scheduler %s up, policy %s", self.instance, self.policy.name)
 
@@ -97,6 +100,10 @@ class Scheduler:
         await self.events.close()
         await self.bus.close()
         await self.index.close()
+
+    async def on_status(self, m: Msg) -> None:
+        await self.bus.respond(m, SchedulerStatus(instance=self.instance, policy=self.policy.name,
+                                                  workers=sorted(self.state.worker_ids())))
 
     # --- cluster view -------------------------------------------------------------------
     async def on_heartbeat(self, hb: Heartbeat, _m: Msg) -> None:
@@ -175,7 +182,8 @@ class Scheduler:
             request_id=req.request_id, model=req.model, prompt_len=len(req.prompt_tokens),
             max_tokens=req.sampling.max_tokens, cached_blocks=cached,
             block_size=self.block_size.get(req.model, 16), exclude=frozenset(req.exclude_workers),
-            arrival=req.arrival_ts,
+            # The policy's clock is the engines' (virtual) time: a sim cluster at time_scale k runs k x wall.
+            arrival=req.arrival_ts * self.cfg.mesh.time_scale,
         )
         decision = self.policy.place(info, views)
         if decision is None:
@@ -220,6 +228,7 @@ class Scheduler:
     # --- bookkeeping --------------------------------------------------------------------
     async def on_finished(self, batch: FinishedBatch, _m: Msg) -> None:
         for f in batch:
+            self.state.finished(f.worker_id)
             fl = self.inflight.get(f.request_id)
             if fl is None:
                 continue
