@@ -99,14 +99,7 @@ def prompt(i: int, n: int, rng: random.Random) -> str:
 async def drive(mesh: Mesh, model: str, work: list[tuple[int, int]], clients: int) -> list[Done]:
     client = SSEClient(mesh.cfg.gateway.host, mesh.port)
     await client.wait_ready()
-    # /ready counts the workers' heartbeats, not the scheduler: the cost policy's scheduler can come up
-    # after the workers, and requests before it subscribes get 503 "no responders". One probe first.
-    probe = json.dumps({"model": model, "prompt": "probe", "max_tokens": 1, "stream": True}).encode()
-    for _ in range(150):
-        if (await client.stream(PATH, probe)).ok:
-            break
-        client.failures.clear()
-        await asyncio.sleep(0.2)
+    # /ready answers 200 once the scheduler has every worker in its view (Mesh.start waited for that).
     rng = random.Random(7)
     bodies = [json.dumps({"model": model, "prompt": prompt(i, n_in, rng), "max_tokens": n_out, "stream": True,
                           "ignore_eos": True, "stream_options": {"include_usage": True}}).encode()

@@ -133,6 +133,7 @@ class Finished(Struct, kw_only=True):
     worker_id: str
     finish_reason: str
     completion_tokens: int = 0
+    ts: float = 0.0  # the worker's clock, comparable with its Heartbeat.ts
 
 
 # Per-request records nobody waits on travel batched: one JSON array per few ms per service.

@@ -80,12 +80,14 @@ def test_unknown_policy_is_a_clear_error() -> None:
 def test_finished_requests_stop_counting_before_the_next_heartbeat() -> None:
     s = cluster(hb("a", running=2), hb("b", running=1))
     p = LeastLoaded()
-    s.finished("a")
-    s.finished("a")  # both of a's requests ended: a is idle now, b still runs one
+    s.finished("a", ts=-1.0)  # ended before the heartbeat was taken: already in its counts
+    assert {v.worker_id: v for v in s.views()}["a"].running == 2
+    s.finished("a", ts=1.0)
+    s.finished("a", ts=1.0)  # both of a's requests ended: a is idle now, b still runs one
     d = p.place(req(), s.views())
     assert d is not None and d.decode_worker == "a"
     s.assigned(d)
-    s.finished("a")  # ... and the one just placed there ended too (more finished than running)
+    s.finished("a", ts=2.0)  # ... and the one just placed there ended too (more finished than running)
     view = {v.worker_id: v for v in s.views()}["a"]
     assert view.running == 0 and view.queue_depth == 0
     s.observe(hb("a", running=5), now=0.1)  # a new heartbeat is the truth again

@@ -96,11 +96,12 @@ class ClusterState:
                 e.assigned_since += 1
         self._views = None
 
-    def finished(self, worker_id: str) -> None:
-        """A request left the worker (its Finished record): it stops counting before the next heartbeat,
-        so a closed loop's next request is not steered away from the worker that just freed a slot."""
+    def finished(self, worker_id: str, ts: float) -> None:
+        """A request left the worker at `ts` (worker clock): it stops counting before the next heartbeat,
+        so a closed loop's next request is not steered away from the worker that just freed a slot.
+        Records older than the heartbeat in hand are already in its counts (records travel batched)."""
         e = self._workers.get(worker_id)
-        if e is not None:
+        if e is not None and ts > e.hb.ts:
             e.finished_since += 1
             self._views = None
 

@@ -228,7 +228,7 @@ class Scheduler:
     # --- bookkeeping --------------------------------------------------------------------
     async def on_finished(self, batch: FinishedBatch, _m: Msg) -> None:
         for f in batch:
-            self.state.finished(f.worker_id)
+            self.state.finished(f.worker_id, f.ts)
             fl = self.inflight.get(f.request_id)
             if fl is None:
                 continue

@@ -185,7 +185,7 @@ class Worker:
         await self._event(rid, "error", phase=item.phase.value, message=message, retryable=retryable)
 
     async def _finished(self, rid: str, reason: str, completion_tokens: int) -> None:
-        self.finished_out.add(Finished(request_id=rid, worker_id=self.worker_id, finish_reason=reason,
+        self.finished_out.add(Finished(request_id=rid, worker_id=self.worker_id, finish_reason=reason, ts=time.time(),
                                        completion_tokens=completion_tokens))
 
     # ------------------------------------------------------------------ work intake
