@@ -68,10 +68,7 @@ def plot_cdfs(path: str | os.PathLike[str], results: Mapping[str, SimResult]) ->
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_lines(path: str | os.PathLike[str], xs: Sequence[float], series: Mapping[str, Sequence[float]],
@@ -90,6 +87,12 @@ def plot_lines(path: str | os.PathLike[str], xs: Sequence[float], series: Mappin
         ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def _save(fig: Any, path: str | os.PathLike[str]) -> None:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
