@@ -114,6 +114,9 @@ DEFAULT_CLUSTER = Path(__file__).resolve().parents[2] / "ops" / "clusters" / "de
 def load(path: str | os.PathLike[str] | None = None) -> ClusterConfig:
     """Read a cluster file (default: $HETMESH_CLUSTER or ops/clusters/default.toml), apply env overrides."""
     p = Path(path or os.environ.get("HETMESH_CLUSTER") or DEFAULT_CLUSTER)
+    if not p.is_file():
+        # DEFAULT_CLUSTER lives in the source tree; an installed wheel has no ops/ folder.
+        raise FileNotFoundError(f"cluster file {p} not found: pass --cluster FILE or set HETMESH_CLUSTER")
     cfg = msgspec.convert(tomllib.loads(p.read_text()), ClusterConfig)
     env = os.environ
     if v := env.get("HETMESH_NATS_URL"):
