@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -19,6 +20,11 @@ def lonely_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway
     try:
         # Not ready without a scheduler, so wait for /health only.
         with run_gateway(srv.url, tmp_path_factory.mktemp("lonely"), "gwlonely", ready="/health") as gp:
+            # ... and until the gateway has seen the workers' heartbeats, so what is missing is the scheduler.
+            deadline = time.monotonic() + 30
+            while httpx.get(gp.url + "/ready").json()["models"]["tiny"] < 1:
+                assert time.monotonic() < deadline, "no worker heartbeats reached the gateway"
+                time.sleep(0.05)
             yield gp
     finally:
         peer.stop()
