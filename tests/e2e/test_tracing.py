@@ -87,13 +87,16 @@ def test_one_trace_spans_gateway_scheduler_workers_and_kv_transfer(traced_mesh: 
                    headers={"traceparent": f"00-{TRACE_ID}-b7ad6b7169203331-01"})
     assert r.status_code == 200
     want = {"hetmesh-gateway", "hetmesh-scheduler", "hetmesh-worker", "hetmesh-kv-transfer"}
+
+    def complete(spans: set[tuple[str, str]]) -> bool:
+        worker = {name for svc, name in spans if svc == "hetmesh-worker"}
+        return (want <= {svc for svc, _ in spans} and any("prefill" in n for n in worker)
+                and any("decode" in n for n in worker))
+
+    # Each process exports on its own schedule: wait for the whole trace, not the first span of each.
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        seen = {svc for svc, tid, _ in col.spans if tid == TRACE_ID}
-        if want <= seen:
-            break
+    in_trace: set[tuple[str, str]] = set()
+    while time.monotonic() < deadline and not complete(in_trace):
         time.sleep(0.1)
-    in_trace = sorted({(svc, name) for svc, tid, name in col.spans if tid == TRACE_ID})
-    assert want <= {svc for svc, _ in in_trace}, in_trace
-    worker_spans = {name for svc, name in in_trace if svc == "hetmesh-worker"}
-    assert any("prefill" in n for n in worker_spans) and any("decode" in n for n in worker_spans), worker_spans
+        in_trace = {(svc, name) for svc, tid, name in col.spans if tid == TRACE_ID}
+    assert complete(in_trace), sorted(in_trace)
