@@ -39,19 +39,18 @@ async def test_stale_entries_are_ignored(index: PrefixIndex) -> None:
     assert await index.lookup("m", [7]) == {}
 
 
-async def test_script_pipe_survives_script_flush_and_killed_connections(index: PrefixIndex) -> None:
-    assert index._pipe is not None  # plain TCP: the hot calls take the pipelined connection
+async def test_index_survives_script_flush_and_killed_connections(index: PrefixIndex) -> None:
     await index.apply(KvEvent(worker_id="a", model="m", stored=[1, 2]))
     await index.r.script_flush()  # e.g. a Redis restart: EVALSHA answers NOSCRIPT
     assert await index.lookup("m", [1, 2, 3]) == {"a": 2}
-    await index.r.client_kill_filter(_type="normal", skipme=True)  # drops the pipe's connection
+    await index.r.client_kill_filter(_type="normal", skipme=True)  # drops the pooled connections
     await asyncio.sleep(0.05)
     await index.apply(KvEvent(worker_id="b", model="m", stored=[1]))
     assert await index.lookup("m", [1, 2], live_workers=["a", "b"]) == {"a": 2, "b": 1}
 
 
 async def test_concurrent_lookups_get_their_own_replies(index: PrefixIndex) -> None:
-    # One pipelined connection: replies must pair with their callers in order.
+    # Concurrent callers share the client's pool: each must get its own reply.
     for w in range(8):
         await index.apply(KvEvent(worker_id=f"w{w}", model="m", stored=list(range(w + 1))))
     got = await asyncio.gather(*(index.lookup("m", list(range(n)), [f"w{n - 1}"]) for n in range(1, 9)))
