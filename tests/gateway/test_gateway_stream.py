@@ -4,6 +4,7 @@ usage, reordering by index, retries, errors after a partial stream, cancel on di
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -194,7 +195,7 @@ async def test_stream_disconnect_cancels(gateway: GatewayProc, peer: FakePeer) -
             n = 0
             async for line in resp.aiter_lines():
                 if line.startswith("data: {"):
-                    cid = cid or __import__("json").loads(line[6:])["id"]
+                    cid = cid or json.loads(line[6:])["id"]
                     n += 1
                     if n >= 3:
                         break

@@ -464,11 +464,7 @@ class SimEngine:
 
     def _preempt(self, r: _Req) -> None:
         """Drop r's KV; it goes back to the front of the queue and recomputes prompt + generated tokens."""
-        for h in r.pinned:
-            self.cache.unpin(h)
-        r.pinned = []
-        self.cache.release(r.blocks_reserved)
-        r.blocks_reserved = 0
+        self._free_kv(r)
         del self._running[r.req.request_id]
         r.target = r.context
         r.computed = 0
@@ -482,12 +478,16 @@ class SimEngine:
             r.pinned.append(h)
             r.blocks_reserved -= 1  # that block is now keyed by its hash (pinned) instead of private
 
-    def _release(self, r: _Req) -> None:
+    def _free_kv(self, r: _Req) -> None:
+        """Unpin r's prefix blocks (they stay cached, evictable) and return its private blocks."""
         for h in r.pinned:
             self.cache.unpin(h)
         r.pinned = []
         self.cache.release(r.blocks_reserved)
         r.blocks_reserved = 0
+
+    def _release(self, r: _Req) -> None:
+        self._free_kv(r)
         self._running.pop(r.req.request_id, None)
         self._reqs.pop(r.req.request_id, None)
 
