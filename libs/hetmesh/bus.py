@@ -19,6 +19,7 @@ from nats.aio.subscription import Subscription
 from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from hetmesh import subjects, telemetry
+from hetmesh.config import MeshConfig, nats_options
 from hetmesh.protocol import EventBatch, ServiceEvent
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,26 @@ class Bus:
         self.nc = nc
 
     @classmethod
-    async def connect(cls, url: str, name: str, connect_timeout_s: float = 30.0) -> Bus:
+    async def for_mesh(cls, mesh: MeshConfig, name: str) -> Bus:
+        """Connect with the cluster file's URL, credentials and TLS."""
+        return await cls.connect(mesh.nats_url, name, **nats_options(mesh))
+
+    @classmethod
+    async def connect(cls, url: str, name: str, connect_timeout_s: float = 30.0, **options: Any) -> Bus:
+        """`options`: more nats.connect() arguments (credentials, TLS)."""
+        last_error: list[BaseException] = []
+
+        async def _error(e: Exception) -> None:
+            if not last_error or type(last_error[-1]) is not type(e):
+                log.warning("NATS %s (%s): %r", url, name, e)
+            last_error[:] = [e]
+
+        async def _disconnected() -> None:
+            log.warning("NATS disconnected (%s); reconnecting", name)
+
+        async def _reconnected() -> None:
+            log.info("NATS reconnected (%s)", name)
+
         @retry(
             wait=wait_exponential(multiplier=0.1, max=2.0),
             stop=stop_after_delay(connect_timeout_s),
@@ -85,9 +105,18 @@ class Bus:
                 connect_timeout=2,
                 pending_size=256 * 1024 * 1024,
                 flusher_queue_size=8192,
+                error_cb=_error,
+                disconnected_cb=_disconnected,
+                reconnected_cb=_reconnected,
+                **options,
             )
 
-        return cls(await _connect())
+        # nats-py retries a refused first connect (e.g. bad credentials) forever on its own: bound it.
+        try:
+            return cls(await asyncio.wait_for(_connect(), connect_timeout_s))
+        except TimeoutError:
+            why = repr(last_error[-1]) if last_error else "no answer"
+            raise ConnectionError(f"could not connect to NATS at {url} within {connect_timeout_s:g}s: {why}") from None
 
     async def publish(self, subject: str, msg: msgspec.Struct, request_id: str | None = None) -> None:
         await self.nc.publish(subject, encode(msg), headers=headers_for(request_id))

@@ -1,11 +1,14 @@
 """The one config loader: a cluster file (TOML) -> typed `ClusterConfig`.
 
 Environment overrides (for containers and tests): HETMESH_NATS_URL, HETMESH_REDIS_URL,
-HETMESH_TIME_SCALE, HETMESH_POLICY, HETMESH_GATEWAY_HOST.
+HETMESH_TIME_SCALE, HETMESH_POLICY, HETMESH_GATEWAY_HOST; secrets: HETMESH_NATS_USER,
+HETMESH_NATS_PASSWORD, HETMESH_NATS_TOKEN, HETMESH_NATS_CREDS, HETMESH_REDIS_USERNAME,
+HETMESH_REDIS_PASSWORD, and HETMESH_API_KEYS (comma-separated keys, hashed as they are read).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tomllib
 from pathlib import Path
@@ -24,12 +27,48 @@ class MeshConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     heartbeat_timeout_s: float = 2.0
     stall_timeout_s: float = 60.0  # gateway: no message for this long ends the request with an error
     max_attempts: int = 2  # gateway resubmits a request whose worker died before it streamed
+    # NATS credentials and TLS, handed to nats-py (a URL's user:password@ works too).
+    nats_user: str = ""
+    nats_password: str = ""
+    nats_token: str = ""
+    nats_creds_file: str = ""  # a .creds file (JWT + nkey seed)
+    nats_nkeys_seed_file: str = ""
+    nats_tls_ca_file: str = ""  # any nats_tls_* set: TLS (a tls:// URL also turns it on)
+    nats_tls_cert_file: str = ""
+    nats_tls_key_file: str = ""
+    # Redis credentials and TLS, handed to redis-py (rediss:// in the URL turns TLS on).
+    redis_username: str = ""
+    redis_password: str = ""
+    redis_tls_ca_file: str = ""
+    redis_tls_cert_file: str = ""
+    redis_tls_key_file: str = ""
 
 
 class GatewayConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: int = 8000
     submit_timeout_s: float = 5.0
+    # Admission: requests past this many in flight get 503 + Retry-After instead of a queue slot.
+    max_inflight: int = 2048
+    max_body_bytes: int = 4 << 20  # a bigger body gets 413 before it is read whole
+    # No scheduler subscribed (restarting): a new request waits this long for one, then gets 503.
+    scheduler_wait_s: float = 15.0
+    retry_after_s: float = 1.0  # what Retry-After says when the mesh is overloaded
+
+
+class ApiKey(Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    sha256: str  # hex SHA-256 of the key; the key itself is never stored (`python -m hetmesh.gateway --hash-key`)
+    rpm: int = 0  # requests per minute, 0: the auth section's default
+    tpm: int = 0  # tokens (prompt + completion) per minute, 0: the auth section's default
+
+
+class AuthConfig(Struct, kw_only=True, forbid_unknown_fields=True):
+    """No keys at all: the API is open. Any key: every /v1 request needs `Authorization: Bearer <key>`."""
+
+    keys: list[ApiKey] = field(default_factory=list)
+    default_rpm: int = 0  # 0: unlimited
+    default_tpm: int = 0
 
 
 class SchedulerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -38,6 +77,10 @@ class SchedulerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     ttft_slo_s: float = 2.0
     tpot_slo_s: float = 0.1
     prefix_ttl_s: float = 600.0
+    # Admission: a model's pool takes at most (max_batch * (1 + queue_factor)) requests per worker;
+    # past that a submit is refused (503 + Retry-After) instead of queueing without bound.
+    queue_factor: float = 4.0
+    retry_after_s: float = 1.0
 
 
 class KvTransferConfig(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -80,6 +123,7 @@ class WorkerGroup(Struct, kw_only=True, forbid_unknown_fields=True):
 class ClusterConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     mesh: MeshConfig = field(default_factory=MeshConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer: KvTransferConfig = field(default_factory=KvTransferConfig)
     models: list[ModelConfig] = field(default_factory=list)
@@ -101,6 +145,9 @@ class ClusterConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise ValueError("model names must be unique")
+        for k in self.auth.keys:
+            if len(k.sha256) != 64 or any(c not in "0123456789abcdef" for c in k.sha256.lower()):
+                raise ValueError(f"auth key {k.name!r}: sha256 must be 64 hex digits (the key's SHA-256)")
         for g in self.workers:
             self.model(g.model)
             if g.count < 0 or g.devices < 1 or g.max_batch < 1:
@@ -129,9 +176,57 @@ def load(path: str | os.PathLike[str] | None = None) -> ClusterConfig:
         cfg.scheduler.policy = v
     if v := env.get("HETMESH_GATEWAY_HOST"):
         cfg.gateway.host = v
+    for var, attr in (("HETMESH_NATS_USER", "nats_user"), ("HETMESH_NATS_PASSWORD", "nats_password"),
+                      ("HETMESH_NATS_TOKEN", "nats_token"), ("HETMESH_NATS_CREDS", "nats_creds_file"),
+                      ("HETMESH_REDIS_USERNAME", "redis_username"), ("HETMESH_REDIS_PASSWORD", "redis_password")):
+        if v := env.get(var):
+            setattr(cfg.mesh, attr, v)
+    if v := env.get("HETMESH_API_KEYS"):
+        keys = [k.strip() for k in v.split(",") if k.strip()]
+        cfg.auth.keys += [ApiKey(name=f"env-{i}", sha256=hash_key(k)) for i, k in enumerate(keys)]
     return cfg.validate()
 
 
-def dumps(cfg: ClusterConfig) -> str:
-    """TOML text of a config (the launcher writes the resolved config for its children)."""
-    return msgspec.toml.encode(cfg).decode()
+def hash_key(key: str) -> str:
+    """How an API key is stored: API keys are long random strings, so a plain SHA-256 suffices."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def nats_options(mesh: MeshConfig) -> dict[str, object]:
+    """nats.connect() keyword arguments for the configured credentials and TLS."""
+    opts: dict[str, object] = {}
+    if mesh.nats_user:
+        opts["user"] = mesh.nats_user
+        opts["password"] = mesh.nats_password
+    if mesh.nats_token:
+        opts["token"] = mesh.nats_token
+    if mesh.nats_creds_file:
+        opts["user_credentials"] = mesh.nats_creds_file
+    if mesh.nats_nkeys_seed_file:
+        opts["nkeys_seed"] = mesh.nats_nkeys_seed_file
+    if mesh.nats_tls_ca_file or mesh.nats_tls_cert_file:
+        import ssl
+
+        ctx = ssl.create_default_context(cafile=mesh.nats_tls_ca_file or None)
+        if mesh.nats_tls_cert_file:
+            ctx.load_cert_chain(mesh.nats_tls_cert_file, mesh.nats_tls_key_file or None)
+        opts["tls"] = ctx
+    return opts
+
+
+def redis_connection(mesh: MeshConfig) -> tuple[str, dict[str, object]]:
+    """The Redis URL and redis.asyncio.from_url() keyword arguments for the configured credentials and
+    TLS (TLS files turn a redis:// URL into rediss://: redis-py takes ssl_* only on TLS connections)."""
+    url = mesh.redis_url
+    opts: dict[str, object] = {}
+    if mesh.redis_username:
+        opts["username"] = mesh.redis_username
+    if mesh.redis_password:
+        opts["password"] = mesh.redis_password
+    for attr, kw in (("redis_tls_ca_file", "ssl_ca_certs"), ("redis_tls_cert_file", "ssl_certfile"),
+                     ("redis_tls_key_file", "ssl_keyfile")):
+        if v := getattr(mesh, attr):
+            opts[kw] = v
+    if any(k.startswith("ssl_") for k in opts) and url.startswith("redis://"):
+        url = "rediss://" + url[len("redis://"):]
+    return url, opts

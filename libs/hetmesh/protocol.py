@@ -72,6 +72,7 @@ class ErrorInfo(Struct, frozen=True, kw_only=True):
     code: str | None = None
     param: str | None = None
     status: int = 500
+    retry_after_s: float | None = None  # overload / rate limit: the gateway's Retry-After
 
 
 class SubmitReply(Struct, kw_only=True):
@@ -171,6 +172,12 @@ class KvEvent(Struct, kw_only=True):
     removed: list[int] = field(default_factory=list)
     cleared: bool = False  # the worker dropped its whole cache (e.g. restart)
     ts: float = 0.0
+
+
+class KvResync(Struct, kw_only=True):
+    """Scheduler -> every worker: republish your whole prefix cache (the index was lost, e.g. Redis restarted)."""
+
+    reason: str = ""
 
 
 class KvTransferRequest(Struct, kw_only=True):

@@ -78,11 +78,14 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], what: str, log: Path, t
     raise TimeoutError(f"{what} did not listen on {url} within {timeout_s}s")
 
 
-def start_nats(port: int | None = None, jetstream: bool = True) -> ServerProcess:
+def start_nats(port: int | None = None, jetstream: bool = True, user: str = "", password: str = "") -> ServerProcess:
+    """`user`/`password`: the server requires them (what a secured deployment looks like)."""
     port = port or free_port()
     work = Path(tempfile.mkdtemp(prefix="hetmesh-nats-"))
     log = work / "nats-server.log"
     args = [find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-l", str(log)]
+    if user:
+        args += ["--user", user, "--pass", password]
     if jetstream:
         args += ["-js", "-sd", str(work / "js")]
     url = f"nats://127.0.0.1:{port}"
@@ -91,12 +94,15 @@ def start_nats(port: int | None = None, jetstream: bool = True) -> ServerProcess
     return ServerProcess("nats-server", url, proc, work)
 
 
-def start_redis(port: int | None = None) -> ServerProcess:
+def start_redis(port: int | None = None, password: str = "") -> ServerProcess:
+    """`password`: the server requires it (requirepass)."""
     port = port or free_port()
     work = Path(tempfile.mkdtemp(prefix="hetmesh-redis-"))
     log = work / "redis-server.log"
     args = [find_binary("redis-server"), "--bind", "127.0.0.1", "--port", str(port), "--save", "",
             "--appendonly", "no", "--dir", str(work), "--logfile", str(log)]
+    if password:
+        args += ["--requirepass", password]
     url = f"redis://127.0.0.1:{port}/0"
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     _wait_ready(url, proc, "redis-server", log)

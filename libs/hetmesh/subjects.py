@@ -18,6 +18,7 @@ CANCEL = f"{PREFIX}.cancel"
 HEARTBEAT_ALL = f"{PREFIX}.heartbeat.*"
 KV_EVENTS_ALL = f"{PREFIX}.kv.events.*"
 KV_TRANSFER = f"{PREFIX}.kv.transfer"
+KV_RESYNC = f"{PREFIX}.kv.resync"  # scheduler -> all workers: republish the whole prefix cache
 EVENTS_ALL = f"{PREFIX}.event.>"
 
 # Queue groups: replicas of a service share work; workers of one pool share pool work.
@@ -94,6 +95,7 @@ TABLE: tuple[SubjectRow, ...] = (
     SubjectRow(FINISHED, "workers", "scheduler", "FinishedBatch (JSON array of Finished)", "in-flight bookkeeping, batched"),
     SubjectRow(f"{PREFIX}.heartbeat.<worker_id>", "workers", "scheduler", "Heartbeat", "liveness + load"),
     SubjectRow(f"{PREFIX}.kv.events.<worker_id>", "workers", "scheduler (-> Redis index)", "KvEvent", "prefix blocks stored/removed"),
+    SubjectRow(KV_RESYNC, "scheduler", "every worker", "KvResync", "Redis back or restarted: republish caches"),
     SubjectRow(KV_TRANSFER, "prefill worker", "kv-transfer (queue group)", "KvTransferRequest -> KvTransferAccept", "request/reply"),
     SubjectRow(f"{PREFIX}.kv.data.<transfer_id>", "prefill worker", "kv-transfer", "raw KV bytes", "chunked; headers Kv-Seq, Kv-Last"),
     SubjectRow(f"{PREFIX}.kv.recv.<worker_id>", "kv-transfer", "decode worker", "raw KV bytes", "chunked; headers Kv-Transfer, Kv-Seq"),

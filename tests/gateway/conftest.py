@@ -51,6 +51,7 @@ max_attempts = 2
 
 [gateway]
 submit_timeout_s = 1.0
+{{gateway_extra}}
 
 [[models]]
 name = "tiny"
@@ -67,7 +68,14 @@ max_context = {MAX_CONTEXT}
 name = "fake"
 model = "tiny"
 accelerator = "nvidia-h100"
+{{extra}}
 """
+
+
+def cluster_text(gateway_extra: str = "", extra: str = "") -> str:
+    """The test cluster file, with more `[gateway]` settings and more tables (e.g. `[auth]`) when given."""
+    return CLUSTER.replace("{gateway_extra}", gateway_extra).replace("{extra}", extra)
+
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 CACHED = 16  # cached_tokens the fake worker reports
@@ -243,10 +251,11 @@ class GatewayProc:
 
 
 @contextlib.contextmanager
-def run_gateway(nats_url: str, workdir: Path, instance: str, ready: str = "/ready", **env: str) -> Iterator[GatewayProc]:
+def run_gateway(nats_url: str, workdir: Path, instance: str, ready: str = "/ready", cluster_toml: str = "",
+                **env: str) -> Iterator[GatewayProc]:
     """A real `python -m hetmesh.gateway` process on a free port, ready (it sees the peer's worker)."""
     cluster = workdir / "cluster.toml"
-    cluster.write_text(CLUSTER)
+    cluster.write_text(cluster_toml or cluster_text())
     port = servers.free_port()
     log = workdir / f"{instance}.log"
     with open(log, "wb") as out:

@@ -151,3 +151,18 @@ def test_response_union_decodes_each_kind() -> None:
     dec = msgspec.json.Decoder(ResponseEvent)
     raw = msgspec.json.encode(WorkerLost(request_id="x", worker_id="w"))
     assert isinstance(dec.decode(raw), WorkerLost)
+
+
+async def test_full_pool_is_refused_with_retry_after(bus: Bus) -> None:
+    """Admission: a pool whose workers hold max_batch * (1 + queue_factor) requests takes no more."""
+    beater = Beater(bus, ["a-0"])
+    beater.load["a-0"] = 8 * (1 + 4)  # max_batch 8, default queue_factor 4
+    await asyncio.sleep(0.4)
+    reply = await submit(bus, request("r-full", [1, 2, 3]))
+    assert reply.placement is None and reply.error is not None
+    assert reply.error.status == 503 and reply.error.code == "overloaded" and reply.error.retry_after_s
+    beater.load["a-0"] = 0
+    await asyncio.sleep(0.4)
+    reply = await submit(bus, request("r-room", [1, 2, 3]))
+    assert reply.placement is not None and reply.placement.decode_worker == "a-0"
+    beater.task.cancel()

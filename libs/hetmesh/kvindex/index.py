@@ -19,6 +19,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from hetmesh.config import MeshConfig, redis_connection
 from hetmesh.protocol import KvEvent
 
 KEY = "hetmesh:kv:"
@@ -92,8 +93,16 @@ class PrefixIndex:
         return await (self._lookup if script is _LOOKUP else self._apply)(keys=[KEY], args=args)
 
     @classmethod
-    def from_url(cls, url: str, ttl_s: float = 600.0) -> PrefixIndex:
-        return cls(aioredis.from_url(url, decode_responses=True), ttl_s)
+    def from_url(cls, url: str, ttl_s: float = 600.0, **options: Any) -> PrefixIndex:
+        """`options`: more redis.asyncio.from_url() arguments (credentials, TLS)."""
+        # Short socket timeouts: a lookup against a dead Redis must fail fast so placement goes on.
+        options = {"socket_connect_timeout": 0.5, "socket_timeout": 1.0, **options}
+        return cls(aioredis.from_url(url, decode_responses=True, **options), ttl_s)
+
+    @classmethod
+    def for_mesh(cls, mesh: MeshConfig, ttl_s: float = 600.0) -> PrefixIndex:
+        url, options = redis_connection(mesh)
+        return cls.from_url(url, ttl_s, **options)
 
     async def apply(self, ev: KvEvent) -> None:
         if ev.cleared:

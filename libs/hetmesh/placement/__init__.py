@@ -4,7 +4,7 @@ The scheduler service and the offline simulator (hetmesh.sim) drive the very sam
 """
 
 from hetmesh.placement.policies import POLICIES, LeastLoaded, Policy, PrefixAware, RoundRobin, make_policy
-from hetmesh.placement.state import ClusterState, Decision, RequestInfo, WorkerView
+from hetmesh.placement.state import ClusterState, Decision, RequestInfo, WorkerView, pool_full
 
 __all__ = [
     "POLICIES",
@@ -17,4 +17,5 @@ __all__ = [
     "RoundRobin",
     "WorkerView",
     "make_policy",
+    "pool_full",
 ]

@@ -154,3 +154,15 @@ class ClusterState:
             block_size=e.hb.block_size,
             work_subject=e.hb.work_subject,
         )
+
+
+def pool_full(model: str, workers: Iterable[WorkerView], queue_factor: float) -> bool:
+    """Admission: the model's pool holds as many requests as it may queue (each worker: its batch plus
+    `queue_factor` batches waiting). Past that, queueing more only grows latency and memory without bound;
+    the caller refuses instead. False when no worker serves the model (that is a different error)."""
+    load = capacity = 0.0
+    for w in workers:
+        if w.model == model:
+            load += w.load
+            capacity += w.max_batch * (1.0 + queue_factor)
+    return capacity > 0 and load >= capacity

@@ -1,8 +1,13 @@
-"""`python -m hetmesh.gateway --cluster FILE [--host H] [--port P] [--instance ID]`."""
+"""`python -m hetmesh.gateway --cluster FILE [--host H] [--port P] [--instance ID]`.
+
+`python -m hetmesh.gateway --hash-key` reads an API key on stdin and prints the SHA-256 that goes in
+the cluster file's `[[auth.keys]]` (the key itself is never stored).
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import uvicorn
 
@@ -18,7 +23,11 @@ def main() -> None:
     ap.add_argument("--host", default=None, help="listen address (default: the cluster file's gateway.host)")
     ap.add_argument("--port", type=int, default=None, help="listen port (default: the cluster file's gateway.port)")
     ap.add_argument("--instance", default=None, help="instance id (names this gateway's reply subjects)")
+    ap.add_argument("--hash-key", action="store_true", help="print the SHA-256 of the API key read on stdin")
     args = ap.parse_args()
+    if args.hash_key:
+        print(config.hash_key(sys.stdin.readline().strip()))
+        return
     setup_process()
     cfg = config.load(args.cluster)
     if not cfg.mesh.nats_url:

@@ -27,6 +27,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from hetmesh import config, subjects, telemetry, tokenizer
 from hetmesh.bus import REQUEST_ID, Bus, EventBatcher, decode, encode
@@ -47,6 +48,7 @@ from hetmesh.protocol import (
 )
 
 from . import core
+from .auth import Authenticator, Verdict, retry_after_headers
 from .core import ApiError, Formatter, Prepared, Reassembler
 from .schemas import ChatCompletionRequest, CompletionRequest, error_body, from_validation
 
@@ -55,8 +57,29 @@ log = logging.getLogger("hetmesh.gateway")
 JSON = "application/json"
 
 
-def error_response(info: ErrorInfo) -> Response:
-    return Response(error_body(info), status_code=info.status, media_type=JSON)
+def error_response(info: ErrorInfo, headers: dict[str, str] | None = None) -> Response:
+    if info.retry_after_s is not None:
+        headers = {**(headers or {}), **retry_after_headers(info.retry_after_s)}
+    return Response(error_body(info), status_code=info.status, media_type=JSON, headers=headers)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused (BodyTooLarge) as soon as it passes `limit` bytes: never held whole."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge
+    parts: list[bytes] = []
+    n = 0
+    async for part in request.stream():
+        n += len(part)
+        if n > limit:
+            raise BodyTooLarge
+        parts.append(part)
+    return b"".join(parts)
 
 
 # How often a waiting request asks the server whether its client is still there. A poll, not a
@@ -120,10 +143,13 @@ class Gateway:
         self.created = int(time.time())
         self.closing = False
         self.reply_prefix = subjects.reply_to(self.instance, "")
+        self.auth = Authenticator(cfg.auth)
+        self.active = 0  # Calls in flight (admission control)
+        self.refused = {"overloaded": 0, "rate_limited": 0, "unauthorized": 0, "too_large": 0}
 
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
-        self.bus = await Bus.connect(self.cfg.mesh.nats_url, f"gateway-{self.instance}")
+        self.bus = await Bus.for_mesh(self.cfg.mesh, f"gateway-{self.instance}")
         await self.bus.subscribe(subjects.reply_inbox(self.instance), ResponseEvent, self._on_reply)
         await self.bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self._on_heartbeat)
         await self.bus.nc.flush()
@@ -189,8 +215,31 @@ class Gateway:
             self.spawn(self.bus.publish(subjects.CANCEL, Cancel(request_id=rid, reason=reason), rid))
 
     # --- HTTP side ------------------------------------------------------------------------
+    def authenticate(self, request: Request) -> Verdict:
+        v = self.auth.authenticate(request.headers.get("authorization"))
+        if v.error is not None:
+            self.refused["unauthorized"] += 1
+        return v
+
+    def overloaded(self) -> ErrorInfo:
+        self.refused["overloaded"] += 1
+        return ErrorInfo(message=f"The gateway is overloaded ({self.active} requests in flight); please retry.",
+                         type="server_error", code="overloaded", status=503,
+                         retry_after_s=self.cfg.gateway.retry_after_s)
+
     async def handle(self, request: Request, chat: bool) -> Response:
-        raw = await request.body()
+        verdict = self.authenticate(request)
+        if verdict.error is not None:
+            return error_response(verdict.error)
+        gc = self.cfg.gateway
+        if self.active >= gc.max_inflight:  # before reading the body: a flood costs as little as possible
+            return error_response(self.overloaded())
+        try:
+            raw = await read_body(request, gc.max_body_bytes)
+        except BodyTooLarge:
+            self.refused["too_large"] += 1
+            return error_response(ErrorInfo(message=f"The request body is larger than {gc.max_body_bytes} bytes.",
+                                            type="invalid_request_error", code="request_too_large", status=413))
         try:
             body: ChatCompletionRequest | CompletionRequest = (
                 ChatCompletionRequest if chat else CompletionRequest).model_validate_json(raw)
@@ -210,9 +259,16 @@ class Gateway:
                                             code="service_unavailable", status=503))
         if self.live_workers(model.name) == 0:
             return error_response(ErrorInfo(message=f"no live worker serves model {model.name!r} right now",
-                                            type="server_error", code="no_workers", status=503))
+                                            type="server_error", code="no_workers", status=503,
+                                            retry_after_s=gc.retry_after_s))
+        if self.active >= gc.max_inflight:
+            return error_response(self.overloaded())
+        verdict = self.auth.admit(verdict, len(prep.prompt_tokens), time.monotonic())
+        if verdict.error is not None:
+            self.refused["rate_limited"] += 1
+            return error_response(verdict.error, verdict.headers)
         rid = f"{self.instance}-{next(self._ids)}"
-        call = Call(self, rid, model, prep, request)
+        call = Call(self, rid, model, prep, request, verdict)
         fmt = Formatter(chat, f"{'chatcmpl' if chat else 'cmpl'}-{rid}", model.name, int(time.time()),
                         prep.include_usage)
         return await call.run(fmt)
@@ -221,7 +277,10 @@ class Gateway:
 class Call:
     """One request's life in the gateway: submit, consume the reply stream, retry, cancel."""
 
-    def __init__(self, gw: Gateway, rid: str, model: config.ModelConfig, prep: Prepared, request: Request) -> None:
+    def __init__(self, gw: Gateway, rid: str, model: config.ModelConfig, prep: Prepared, request: Request,
+                 verdict: Verdict | None = None) -> None:
+        gw.active += 1  # until close()
+        self.verdict = verdict or Verdict()
         self.gw = gw
         self.rid = rid
         self.prep = prep
@@ -255,24 +314,26 @@ class Call:
         self.key = f"{self.rid}-{self.req.attempt}"
         self.req.reply_subject = gw.reply_prefix + self.key  # == subjects.reply_to(instance, key); key is token-safe
         gw.inboxes[self.key] = self.box  # before submitting: the first token may beat the reply
-        timeout_s = gw.cfg.gateway.submit_timeout_s
         try:
-            if gw.tracing:
-                with trace.use_span(self.span, end_on_exit=False):  # bus.request injects this span's context
-                    reply = await gw.bus.request(subjects.SUBMIT, self.req, SubmitReply, timeout_s=timeout_s,
-                                                 request_id=self.rid)
-            else:  # no trace to carry: skip the propagators' work
-                resp = await gw.bus.nc.request(subjects.SUBMIT, encode(self.req), timeout=timeout_s,
-                                               headers={REQUEST_ID: self.rid})
-                reply = decode(resp.data, SubmitReply)
+            try:
+                reply = await self._request_placement()
+            except nats.errors.NoRespondersError:
+                # No scheduler subscribed (e.g. restarting): wait for one, with backoff, for a bounded time.
+                gw.event(self.rid, "waiting_for_scheduler")
+                async for attempt in AsyncRetrying(
+                        retry=retry_if_exception_type(nats.errors.NoRespondersError), reraise=True,
+                        wait=wait_exponential(multiplier=0.05, max=1.0),
+                        stop=stop_after_delay(gw.cfg.gateway.scheduler_wait_s)):
+                    with attempt:
+                        reply = await self._request_placement()
         except (nats.errors.TimeoutError, TimeoutError):
             # A slow scheduler may still place it: make sure no worker keeps generating for nobody.
             gw.cancel(self.rid, "submit_timeout")
             return ErrorInfo(message="the scheduler did not answer", type="server_error",
                              code="scheduler_unavailable", status=503)
         except nats.errors.NoRespondersError:
-            return ErrorInfo(message="the scheduler did not answer", type="server_error",
-                             code="scheduler_unavailable", status=503)
+            return ErrorInfo(message="no scheduler is running", type="server_error",
+                             code="scheduler_unavailable", status=503, retry_after_s=gw.cfg.gateway.retry_after_s)
         except msgspec.DecodeError as exc:
             return ErrorInfo(message=f"the scheduler sent an unreadable reply: {exc}", type="server_error",
                              code="bad_scheduler_reply", status=502)
@@ -287,6 +348,19 @@ class Call:
             gw.event(self.rid, "placed", mode=p.mode, decode_worker=p.decode_worker, prefill_worker=p.prefill_worker,
                      attempt=self.req.attempt)
         return None
+
+    async def _request_placement(self) -> SubmitReply:
+        gw = self.gw
+        assert gw.bus is not None
+        timeout_s = gw.cfg.gateway.submit_timeout_s
+        if gw.tracing:
+            with trace.use_span(self.span, end_on_exit=False):  # bus.request injects this span's context
+                return await gw.bus.request(subjects.SUBMIT, self.req, SubmitReply, timeout_s=timeout_s,
+                                            request_id=self.rid)
+        # No trace to carry: skip the propagators' work.
+        resp = await gw.bus.nc.request(subjects.SUBMIT, encode(self.req), timeout=timeout_s,
+                                       headers={REQUEST_ID: self.rid})
+        return decode(resp.data, SubmitReply)
 
     def can_retry(self) -> bool:
         return not self.delivered and self.req.attempt + 1 < self.gw.cfg.mesh.max_attempts
@@ -410,6 +484,7 @@ class Call:
 
     def _finished(self) -> None:
         u = self.usage()
+        self.gw.auth.charge_completion(self.verdict, u.completion_tokens, time.monotonic())
         self.gw.event(self.rid, "finished", finish_reason=self.reasm.finish_reason,
                       completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens,
                       attempts=self.req.attempt + 1, duration_ms=round((time.perf_counter() - self.t0) * 1e3, 3))
@@ -433,6 +508,7 @@ class Call:
         if self.closed:
             return
         self.closed = True
+        self.gw.active -= 1
         self.gw.inboxes.pop(self.key, None)
         self.span.end()
 
@@ -557,12 +633,16 @@ def create_app(gw: Gateway) -> FastAPI:
                 "max_model_len": m.max_context, "live_workers": gw.live_workers(m.name)}
 
     @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
+        if (err := gw.authenticate(request).error) is not None:
+            return error_response(err)
         data = [model_card(m) for m in gw.models.values()]
         return Response(core._enc.encode({"object": "list", "data": data}), media_type=JSON)
 
     @app.get("/v1/models/{name:path}")
-    async def model(name: str) -> Response:
+    async def model(name: str, request: Request) -> Response:
+        if (err := gw.authenticate(request).error) is not None:
+            return error_response(err)
         m = gw.models.get(name)
         if m is None:
             return error_response(core.model_not_found(name))

@@ -67,7 +67,7 @@ class KvTransferService:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        self.bus = await Bus.connect(self.cfg.mesh.nats_url, f"kv-transfer-{self.instance}")
+        self.bus = await Bus.for_mesh(self.cfg.mesh, f"kv-transfer-{self.instance}")
         await self.bus.subscribe(subjects.KV_TRANSFER, KvTransferRequest, self.on_request,
                                  queue=subjects.KV_TRANSFER_QUEUE)
         await self.bus.subscribe(subjects.CANCEL, Cancel, self.on_cancel)

@@ -5,6 +5,11 @@ prefix index, and for each submitted request asks the configured policy for a pl
 then publishes `WorkItem`s to the chosen workers' direct subjects. A worker whose heartbeats
 stop leaves the view; every request it held gets a `WorkerLost` on its reply subject, so the
 gateway can resubmit it (nothing streamed yet) or end it with an error — never a hang.
+
+Admission: a model's pool takes a bounded number of requests (`pool_full`); past it a submit
+gets 503 + Retry-After. Redis is optional at run time: while it is unreachable placement runs on
+load alone, and when it is back (or restarted empty) the scheduler asks every worker to
+republish its whole prefix cache (`hetmesh.kv.resync`), which rebuilds the index.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from nats.aio.msg import Msg
 from hetmesh import config, subjects, telemetry
 from hetmesh.bus import REQUEST_ID, Bus, EventBatcher, encode
 from hetmesh.kvindex.index import PrefixIndex
-from hetmesh.placement import ClusterState, Decision, RequestInfo, make_policy
+from hetmesh.placement import ClusterState, Decision, RequestInfo, make_policy, pool_full
 from hetmesh.protocol import (
     Cancel,
     ErrorInfo,
@@ -30,6 +35,7 @@ from hetmesh.protocol import (
     Heartbeat,
     InferenceRequest,
     KvEvent,
+    KvResync,
     Phase,
     Placement,
     SchedulerStatus,
@@ -43,6 +49,7 @@ from hetmesh.runtime import run_service
 log = logging.getLogger("hetmesh.scheduler")
 
 PREFIX_POLICIES = {"prefix_aware", "cost"}  # policies that read the prefix index
+REDIS_PROBE_S = 1.0  # how often the scheduler checks Redis (down -> up, or restarted empty)
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, passed on untouched when not tracing
 
 
@@ -78,20 +85,27 @@ class Scheduler:
         self.bus: Bus
         self.index: PrefixIndex
         self.placed = 0
+        self.refused = 0
+        self.redis_ok = False
+        self.redis_run_id = ""  # a different one means Redis restarted (empty: no persistence)
 
     async def start(self) -> None:
-        self.bus = await Bus.connect(self.cfg.mesh.nats_url, f"scheduler-{self.instance}")
-        self.index = PrefixIndex.from_url(self.cfg.mesh.redis_url, self.cfg.scheduler.prefix_ttl_s)
-        await self.index.r.ping()
+        self.bus = await Bus.for_mesh(self.cfg.mesh, f"scheduler-{self.instance}")
+        self.index = PrefixIndex.for_mesh(self.cfg.mesh, self.cfg.scheduler.prefix_ttl_s)
         self.events = EventBatcher(self.bus, "scheduler")
+        await self._probe_redis()
         await self.bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
         await self.bus.subscribe(subjects.KV_EVENTS_ALL, KvEvent, self.on_kv_event)
         await self.bus.subscribe(subjects.FINISHED, FinishedBatch, self.on_finished)
         await self.bus.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
+        # A restarted scheduler knows no workers yet: gather a round of heartbeats before taking requests,
+        # so that gateways keep waiting (no responders) instead of getting "no capacity".
+        await asyncio.sleep(self.cfg.mesh.heartbeat_interval_s * 1.5)
         await self.bus.subscribe(subjects.SUBMIT, InferenceRequest, self.on_submit, queue=subjects.SCHEDULER_QUEUE)
         # Last: an answer on the status subject means every subscription above is in place.
         await self.bus.nc.subscribe(subjects.SCHED_STATUS, queue=subjects.SCHEDULER_QUEUE, cb=self.on_status)
-        self._tasks = [asyncio.create_task(self._expire_loop()), asyncio.create_task(self._kv_writer())]
+        self._tasks = [asyncio.create_task(self._expire_loop()), asyncio.create_task(self._kv_writer()),
+                       asyncio.create_task(self._redis_loop())]
         log.info("scheduler %s up, policy %s", self.instance, self.policy.name)
 
     async def stop(self) -> None:
@@ -129,10 +143,43 @@ class Scheduler:
             for w in fl.workers:
                 self.by_worker.get(w, set()).discard(rid)
             await self.bus.publish(fl.reply_subject, WorkerLost(request_id=rid, worker_id=worker_id), rid)
-        await self.index.drop_worker(worker_id)
+        if self.redis_ok:
+            try:
+                await self.index.drop_worker(worker_id)
+            except Exception as exc:
+                self._redis_down(exc)
 
     # --- prefix index -------------------------------------------------------------------
+    def _redis_down(self, exc: BaseException) -> None:
+        if self.redis_ok:
+            log.warning("Redis unreachable (%s): placing on load alone until it is back", exc)
+            self.events.add(ServiceEvent(service="scheduler", instance=self.instance, request_id="",
+                                         kind="redis_down", ts=time.time(), detail={"error": str(exc)}))
+        self.redis_ok = False
+
+    async def _probe_redis(self) -> None:
+        try:
+            run_id = str((await self.index.r.info("server"))["run_id"])
+        except Exception as exc:
+            self._redis_down(exc)
+            return
+        if not self.redis_ok or run_id != self.redis_run_id:
+            # Back, or restarted (and empty): every worker republishes what its cache holds.
+            was = "restarted" if self.redis_ok else "up"
+            self.redis_ok, self.redis_run_id = True, run_id
+            log.info("Redis %s: asking workers to republish their prefix caches", was)
+            await self.bus.publish(subjects.KV_RESYNC, KvResync(reason=f"redis {was}"))
+            self.events.add(ServiceEvent(service="scheduler", instance=self.instance, request_id="",
+                                         kind="kv_resync", ts=time.time(), detail={"reason": f"redis {was}"}))
+
+    async def _redis_loop(self) -> None:
+        while True:
+            await asyncio.sleep(REDIS_PROBE_S)
+            await self._probe_redis()
+
     async def on_kv_event(self, ev: KvEvent, _m: Msg) -> None:
+        if not self.redis_ok:
+            return  # lost either way; the resync when Redis is back rebuilds the index
         try:
             self.kv_queue.put_nowait(ev)
         except asyncio.QueueFull:
@@ -142,10 +189,12 @@ class Scheduler:
         # One writer keeps each worker's stored/removed events in order.
         while True:
             ev = await self.kv_queue.get()
+            if not self.redis_ok:
+                continue
             try:
                 await self.index.apply(ev)
-            except Exception:
-                log.exception("prefix index update failed")
+            except Exception as exc:
+                self._redis_down(exc)
 
     # --- placement ----------------------------------------------------------------------
     async def on_submit(self, req: InferenceRequest, m: Msg) -> None:
@@ -172,12 +221,18 @@ class Scheduler:
         """Place `req` and dispatch its WorkItems. `headers`: what they carry (default: the request id
         and the current span's trace context)."""
         views = self.state.views()
+        sc = self.cfg.scheduler
+        if pool_full(req.model, views, sc.queue_factor):
+            self.refused += 1
+            return SubmitReply(request_id=req.request_id, error=ErrorInfo(
+                message=f"The workers of model {req.model!r} are at capacity; please retry.", type="server_error",
+                code="overloaded", status=503, retry_after_s=sc.retry_after_s))
         cached: dict[str, int] = {}
-        if self.uses_prefix and req.block_hashes:
+        if self.uses_prefix and req.block_hashes and self.redis_ok:
             try:
                 cached = await self.index.lookup(req.model, req.block_hashes, self.state.worker_ids())
-            except Exception:
-                log.exception("prefix lookup failed; placing without it")
+            except Exception as exc:
+                self._redis_down(exc)
         info = RequestInfo(
             request_id=req.request_id, model=req.model, prompt_len=len(req.prompt_tokens),
             max_tokens=req.sampling.max_tokens, cached_blocks=cached,

@@ -33,6 +33,7 @@ from hetmesh.protocol import (
     Heartbeat,
     KvEvent,
     KvLanded,
+    KvResync,
     KvTransferAccept,
     KvTransferRequest,
     Phase,
@@ -52,6 +53,7 @@ KV_ACCEPT_TIMEOUT_S = 5.0
 KV_HEADER_ROOM = 1024  # bytes kept free in each KV chunk message for its headers (and the relay's)
 KV_FLUSH_EVERY = 16 << 20  # flush the connection every this many KV bytes: bounded client buffer
 EARLY_LANDED_MAX = 10_000
+RESYNC_BATCH = 20_000  # block hashes per KvEvent when republishing a whole cache (~400 KiB of JSON)
 STALE_S = 120.0
 
 _enc = msgspec.json.Encoder()
@@ -105,10 +107,11 @@ class Worker:
         self.kv_bytes_sent = 0
         self.kv_bytes_received = 0
         self._zeros = b""
+        self.kv_held: set[int] = set()  # what the engine's prefix cache holds, mirrored from its KV events
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        self.bus = await Bus.connect(self.cfg.mesh.nats_url, f"worker-{self.worker_id}")
+        self.bus = await Bus.for_mesh(self.cfg.mesh, f"worker-{self.worker_id}")
         self.events = EventBatcher(self.bus, "worker")
         self.finished_out = Batcher(self.bus, subjects.FINISHED)
         await self.engine.start()
@@ -116,6 +119,7 @@ class Worker:
         self._subs += [
             await self.bus.subscribe(subjects.CANCEL, Cancel, self.on_cancel),
             await self.bus.subscribe(subjects.kv_landed(self.worker_id), KvLanded, self.on_kv_landed),
+            await self.bus.subscribe(subjects.KV_RESYNC, KvResync, self.on_kv_resync),
             await nc.subscribe(subjects.kv_recv(self.worker_id), cb=self.on_kv_recv,
                                pending_msgs_limit=1_000_000, pending_bytes_limit=1 << 30),
         ]
@@ -404,10 +408,9 @@ class Worker:
         try:
             landed = await asyncio.wait_for(d.future, self.kv_landed_timeout_s)
         except TimeoutError:
-            await self._error(item, f"KV for request {rid} did not land on {self.worker_id} within "
-                              f"{self.kv_landed_timeout_s:g}s", retryable=False, status=504, code="kv_timeout")
-            await self._finished(rid, "error", 0)
-            return
+            landed = KvLanded(transfer_id="", request_id=rid, src_worker="", nbytes=0, chunks=0, duration_s=0.0,
+                              first_token_ids=[], ok=False,
+                              error=f"KV did not land within {self.kv_landed_timeout_s:g}s")
         except asyncio.CancelledError:
             if rid in self.superseded:
                 return
@@ -423,11 +426,11 @@ class Worker:
         finally:
             self.decodes.pop(rid, None)
         if not landed.ok:
-            await self._error(item, landed.error or "KV transfer failed", retryable=False, status=502,
-                              code="kv_transfer_failed")
-            await self._finished(rid, "error", 0)
-            return
-        received = await self._received(landed)
+            local = await self._prefill_locally(item, landed.error or "KV transfer failed")
+            if local is None:
+                return
+            landed = local
+        received = await self._received(landed) if landed.transfer_id else 0
         if rid in self.cancelled:  # cancelled between landing and submit
             await self._event(rid, "aborted", phase="decode", completion_tokens=0)
             await self._finished(rid, "abort", 0)
@@ -454,6 +457,42 @@ class Worker:
         await self._event(rid, "decode_done", phase="decode", completion_tokens=last.completion_tokens,
                           finish_reason=last.finish_reason, cached_tokens=landed.cached_tokens)
         await self._finished(rid, last.finish_reason or "stop", last.completion_tokens)
+
+    async def _prefill_locally(self, item: WorkItem, why: str) -> KvLanded | None:
+        """The KV never arrived (kv-transfer died, the transfer failed or timed out): compute the prefill
+        here instead and continue as if it had landed. The first token is the same one the prefill worker
+        sent (deterministic for the request); sending it again is harmless, the gateway drops duplicates.
+        None when the request is over (finished here, failed, or cancelled)."""
+        req = item.request
+        rid = req.request_id
+        await self._event(rid, "kv_fallback", phase="decode", reason=why)
+        log.warning("request %s: %s; prefilling locally on %s", rid, why, self.worker_id)
+        pre = WorkItem(request=req, phase=Phase.PREFILL, placement=item.placement)
+        if rid in self.cancelled or not await self._submit(pre, self._engine_request(pre)):
+            return None
+        last: EngineOutput | None = None
+        async for out in self.engine.stream(rid):
+            last = out
+            if out.finish_reason in ("abort", "error"):
+                await self._on_abort(item, out, 0)
+                return None
+            if out.finished:
+                break
+        assert last is not None
+        usage = None
+        if last.finish_reason is not None:
+            usage = Usage(prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
+                          cached_tokens=last.cached_tokens)
+        await self._send(req.reply_subject, TokenChunk(
+            request_id=rid, worker_id=self.worker_id, index=last.index, token_ids=last.token_ids, text=last.text,
+            finish_reason=last.finish_reason, usage=usage))
+        if last.finish_reason is not None:
+            await self._event(rid, "decode_done", phase="decode", completion_tokens=last.completion_tokens,
+                              finish_reason=last.finish_reason, cached_tokens=last.cached_tokens, local_prefill=True)
+            await self._finished(rid, last.finish_reason, last.completion_tokens)
+            return None
+        return KvLanded(transfer_id="", request_id=rid, src_worker=self.worker_id, nbytes=0, chunks=0, duration_s=0.0,
+                        first_token_ids=last.token_ids, first_text=last.text, cached_tokens=last.cached_tokens)
 
     async def _received(self, landed: KvLanded) -> int:
         """Bytes seen on kv_recv for this transfer; the relay's chunks may still sit in their subscription queue."""
@@ -534,10 +573,24 @@ class Worker:
 
     async def _publish_kv_events(self, force_cleared: bool = False) -> None:
         b = self.engine.kv_events()
+        if b.cleared:
+            self.kv_held.clear()
+        self.kv_held.difference_update(b.removed)
+        self.kv_held.update(b.stored)
         if b or force_cleared:
             await self.bus.publish(subjects.kv_events(self.worker_id), KvEvent(
                 worker_id=self.worker_id, model=self.group.model, stored=b.stored, removed=b.removed,
                 cleared=b.cleared or force_cleared, ts=time.time()))
+
+    async def on_kv_resync(self, r: KvResync, _m: Msg) -> None:
+        """The prefix index was lost (e.g. Redis restarted): publish everything the cache holds."""
+        await self._publish_kv_events()  # bring kv_held up to date first
+        held = list(self.kv_held)
+        for i in range(0, max(len(held), 1), RESYNC_BATCH):
+            await self.bus.publish(subjects.kv_events(self.worker_id), KvEvent(
+                worker_id=self.worker_id, model=self.group.model, stored=held[i:i + RESYNC_BATCH], cleared=i == 0,
+                ts=time.time()))
+        await self._event("", "kv_resynced", blocks=len(held), reason=r.reason)
 
     async def _kv_event_loop(self) -> None:
         while True:

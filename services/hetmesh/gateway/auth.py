@@ -1,0 +1,137 @@
+"""API keys and per-key rate limits: pure code, the gateway's shell calls it per request.
+
+Keys are looked up by their SHA-256 (the config holds only digests). Limits are token buckets
+of one minute's allowance refilled continuously: requests per minute are taken when a request
+is admitted; tokens per minute are taken as they are known — the prompt at admission, the
+completion when it ends — so a key may go into debt by one completion and then waits. (The
+`limits` library's windows cannot charge after the fact, which tokens-per-minute needs.)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hetmesh.config import ApiKey, AuthConfig, hash_key
+from hetmesh.protocol import ErrorInfo
+
+
+@dataclass(slots=True)
+class TokenBucket:
+    per_minute: float
+    level: float = math.nan  # nan: full (set on first use)
+    t: float = 0.0
+
+    def _refill(self, now: float) -> None:
+        if math.isnan(self.level):
+            self.level, self.t = self.per_minute, now
+            return
+        self.level = min(self.per_minute, self.level + (now - self.t) * self.per_minute / 60.0)
+        self.t = now
+
+    def wait_s(self, n: float, now: float) -> float:
+        """Seconds until `n` can be taken (0: now). More than a whole minute's allowance waits for a full bucket."""
+        self._refill(now)
+        need = min(n, self.per_minute) - self.level
+        return 0.0 if need <= 0 else need * 60.0 / self.per_minute
+
+    def take(self, n: float, now: float) -> None:
+        self._refill(now)
+        self.level -= n
+
+    def remaining(self) -> int:
+        return max(int(self.level), 0) if not math.isnan(self.level) else int(self.per_minute)
+
+
+@dataclass(slots=True)
+class KeyState:
+    key: ApiKey
+    requests: TokenBucket | None = None
+    tokens: TokenBucket | None = None
+    rate_limited: int = 0
+
+
+@dataclass(slots=True)
+class Verdict:
+    key: KeyState | None = None  # who (None: auth is off)
+    error: ErrorInfo | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def _bucket(limit: int) -> TokenBucket | None:
+    return TokenBucket(float(limit)) if limit > 0 else None
+
+
+MISSING = ("You didn't provide an API key. You need to provide your API key in an Authorization header using "
+           "Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+
+
+def _redact(key: str) -> str:
+    return key[:3] + "*" * max(len(key) - 7, 0) + key[-4:] if len(key) > 8 else "*" * len(key)
+
+
+class Authenticator:
+    def __init__(self, cfg: AuthConfig) -> None:
+        self.enabled = bool(cfg.keys)
+        self.keys: dict[str, KeyState] = {}
+        for k in cfg.keys:
+            self.keys[k.sha256.lower()] = KeyState(k, _bucket(k.rpm or cfg.default_rpm), _bucket(k.tpm or cfg.default_tpm))
+
+    def authenticate(self, authorization: str | None) -> Verdict:
+        """The key behind an `Authorization` header value, or the 401 to answer."""
+        if not self.enabled:
+            return Verdict()
+        if not authorization:
+            return Verdict(error=ErrorInfo(message=MISSING, type="invalid_request_error", status=401))
+        scheme, _, key = authorization.strip().partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or not key:
+            return Verdict(error=ErrorInfo(message=MISSING, type="invalid_request_error", status=401))
+        state = self.keys.get(hash_key(key))
+        if state is None:
+            return Verdict(error=ErrorInfo(message=f"Incorrect API key provided: {_redact(key)}.",
+                                           type="invalid_request_error", code="invalid_api_key", status=401))
+        return Verdict(key=state)
+
+    @staticmethod
+    def admit(v: Verdict, prompt_tokens: int, now: float) -> Verdict:
+        """Take one request and the prompt's tokens from the key's buckets, or fill in the 429."""
+        s = v.key
+        if s is None:
+            return v
+        rq, tk = s.requests, s.tokens
+        waits: list[tuple[float, str, float]] = []
+        if rq is not None:
+            waits.append((rq.wait_s(1, now), "requests", rq.per_minute))
+        if tk is not None:
+            waits.append((tk.wait_s(prompt_tokens, now), "tokens", tk.per_minute))
+        wait, kind, limit = max(waits, default=(0.0, "", 0.0))
+        if wait > 0:
+            s.rate_limited += 1
+            unit = "RPM" if kind == "requests" else "TPM"
+            v.error = ErrorInfo(
+                message=f"Rate limit reached for key {s.key.name!r} on {kind} per min ({unit}): Limit {limit:g}. "
+                        f"Please try again in {wait:.3g}s.",
+                type=kind, code="rate_limit_exceeded", status=429, retry_after_s=wait)
+        else:
+            if rq is not None:
+                rq.take(1, now)
+            if tk is not None:
+                tk.take(prompt_tokens, now)
+        if rq is not None:
+            v.headers["x-ratelimit-limit-requests"] = str(int(rq.per_minute))
+            v.headers["x-ratelimit-remaining-requests"] = str(rq.remaining())
+        if tk is not None:
+            v.headers["x-ratelimit-limit-tokens"] = str(int(tk.per_minute))
+            v.headers["x-ratelimit-remaining-tokens"] = str(tk.remaining())
+        return v
+
+    @staticmethod
+    def charge_completion(v: Verdict, completion_tokens: int, now: float) -> None:
+        if v.key is not None and v.key.tokens is not None and completion_tokens > 0:
+            v.key.tokens.take(completion_tokens, now)
+
+
+def retry_after_headers(seconds: float) -> dict[str, str]:
+    """Retry-After in whole seconds (HTTP), and in ms (what the openai client reads first)."""
+    return {"retry-after": str(max(1, math.ceil(seconds))), "retry-after-ms": str(max(1, math.ceil(seconds * 1000)))}
