@@ -1,0 +1,292 @@
+"""Kill or stop the real processes of a running mesh and check that no accepted request hangs:
+it is re-placed and completes with the same (deterministic) text, or it ends with a clear error.
+
+One mesh, one disaggregated model on two prefill (Rubin CPX) and two decode (Rubin VR200)
+workers, so a dead worker always has a stand-in. Engine time is slowed down so that a kill
+lands inside the phase it targets: a 6000-token prefill takes about a second, a decode token
+about 0.2 s. The tests run in file order and each leaves the mesh whole for the next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+from collections.abc import AsyncIterator, Iterator
+from urllib.parse import urlparse
+
+import httpx
+import nats
+import openai
+import pytest
+import redis
+
+from hetmesh import servers, subjects
+from hetmesh.engines.sim import expected_completion
+from hetmesh.launcher import Mesh
+from hetmesh.protocol import SamplingParams, ServiceEvent
+from hetmesh.tokenizer import ByteTokenizer
+
+from ..e2e.conftest import EventLog, print_logs_on_failure
+
+TOK = ByteTokenizer()
+KV_LANDED_TIMEOUT_S = 8.0
+CLUSTER = """
+[mesh]
+time_scale = 0.05
+heartbeat_interval_s = 0.2
+heartbeat_timeout_s = 1.0
+stall_timeout_s = 30.0
+max_attempts = 3
+
+[gateway]
+scheduler_wait_s = 30.0
+
+[scheduler]
+policy = "prefix_aware"
+
+[kv_transfer]
+max_wire_bytes = 134217728   # 128 MiB: a long prompt's transfer takes a while, but not forever
+
+[[models]]
+name = "pd"
+spec = "llama-3.1-8b"
+max_context = 8192
+block_size = 16
+
+[[workers]]
+name = "cpx"
+model = "pd"
+accelerator = "nvidia-rubin-cpx"
+role = "prefill"
+count = 2
+
+[[workers]]
+name = "vr200"
+model = "pd"
+accelerator = "nvidia-rubin-vr200"
+role = "decode"
+count = 2
+"""
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    d = tmp_path_factory.mktemp("failures")
+    path = d / "cluster.toml"
+    path.write_text(CLUSTER)
+    m = Mesh(path, gateway_port=0, log_dir=d / "logs", env={"HETMESH_KV_LANDED_TIMEOUT_S": str(KV_LANDED_TIMEOUT_S)})
+    m.start(ready_timeout_s=120)
+    try:
+        yield m
+    finally:
+        m.stop()
+        print_logs_on_failure(d / "logs")
+
+
+@pytest.fixture(scope="module")
+async def events(mesh: Mesh) -> AsyncIterator[EventLog]:
+    nc = await nats.connect(mesh.nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    log = EventLog()
+    await nc.subscribe(subjects.EVENTS_ALL, cb=log.on_msg)
+    await nc.flush()
+    try:
+        yield log
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.close()
+
+
+@pytest.fixture(scope="module")
+def aclient(mesh: Mesh) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def expected_text(prompt: str, max_tokens: int) -> str:
+    return expected_completion(TOK, TOK.encode(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True))[1]
+
+
+def complete(aclient: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> asyncio.Task[object]:
+    return asyncio.create_task(aclient.completions.create(model="pd", prompt=prompt, max_tokens=max_tokens,
+                                                          extra_body={"ignore_eos": True}))
+
+
+async def first_placed(events: EventLog, since: float) -> ServiceEvent:
+    """The scheduler's first `placed` event after `since` (the tests send one request at a time)."""
+    async with asyncio.timeout(30):
+        while True:
+            for e in events.events:
+                if e.kind == "placed" and e.service == "scheduler" and e.ts >= since:
+                    return e
+            await asyncio.sleep(0.02)
+
+
+def respawn(mesh: Mesh, name: str) -> None:
+    mesh.spawn(name)
+    mesh.wait_ready(90)
+
+
+async def test_prefill_worker_killed_mid_prefill_request_is_replaced(mesh: Mesh, aclient: openai.AsyncOpenAI,
+                                                                     events: EventLog) -> None:
+    prompt = "p" * 6000  # ~1.3 s of prefill at this time scale
+    t0 = time.time()
+    task = complete(aclient, prompt, 8)
+    placed = await first_placed(events, t0)
+    victim = str(placed.detail["prefill_worker"])
+    await asyncio.sleep(0.3)
+    assert not [e for e in events.for_request(placed.request_id) if e.kind == "prefill_done"], "kill came too late"
+    mesh.kill(f"worker:{victim}")
+    r = await asyncio.wait_for(task, 90)
+    assert r.choices[0].text == expected_text(prompt, 8)  # type: ignore[attr-defined]
+    retried = await events.wait_for(placed.request_id, "placed", attempt=1)
+    assert retried.detail["prefill_worker"] != victim
+    respawn(mesh, f"worker:{victim}")
+
+
+async def test_decode_worker_killed_mid_decode_request_is_replaced(mesh: Mesh, aclient: openai.AsyncOpenAI,
+                                                                   events: EventLog) -> None:
+    """Not streamed: nothing reached the client yet, so the gateway re-places it; same text."""
+    prompt = "decode me " * 10
+    t0 = time.time()
+    task = complete(aclient, prompt, 30)  # ~6 s of decode
+    placed = await first_placed(events, t0)
+    victim = str(placed.detail["decode_worker"])
+    await events.wait_for(placed.request_id, "kv_landed", timeout_s=30)
+    await asyncio.sleep(0.5)
+    mesh.kill(f"worker:{victim}")
+    r = await asyncio.wait_for(task, 90)
+    assert r.choices[0].text == expected_text(prompt, 30)  # type: ignore[attr-defined]
+    retried = await events.wait_for(placed.request_id, "placed", attempt=1)
+    assert retried.detail["decode_worker"] != victim
+    respawn(mesh, f"worker:{victim}")
+
+
+async def test_streamed_request_whose_decode_worker_dies_ends_with_a_clear_error(
+        mesh: Mesh, events: EventLog) -> None:
+    """Streamed: tokens already went out, so it cannot start over; the stream ends with an error event."""
+    body = {"model": "pd", "prompt": "stream then die " * 5, "max_tokens": 40, "stream": True, "ignore_eos": True}
+    t0 = time.time()
+    got: list[object] = []
+    async with httpx.AsyncClient(base_url=mesh.url, timeout=60) as http:
+        async with http.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                got.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+                if len(got) == 3:
+                    placed = await first_placed(events, t0)
+                    victim = str(placed.detail["decode_worker"])
+                    mesh.kill(f"worker:{victim}")
+    last = got[-1]
+    assert isinstance(last, dict) and last["error"]["code"] == "worker_lost", last
+    assert "[DONE]" not in got
+    respawn(mesh, f"worker:{victim}")
+
+
+async def test_scheduler_restart_in_flight_finish_new_ones_wait(mesh: Mesh, aclient: openai.AsyncOpenAI,
+                                                               events: EventLog) -> None:
+    in_flight = "in flight across a scheduler restart "
+    t0 = time.time()
+    first = complete(aclient, in_flight, 20)
+    await first_placed(events, t0)
+    mesh.kill("scheduler")
+    newcomer = "sent while no scheduler runs "
+    second = complete(aclient, newcomer, 5)
+    await asyncio.sleep(1.0)
+    assert not second.done(), "the new request should wait for a scheduler, not fail"
+    mesh.spawn("scheduler")
+    r1, r2 = await asyncio.wait_for(asyncio.gather(first, second), 90)
+    assert r1.choices[0].text == expected_text(in_flight, 20)  # type: ignore[attr-defined]
+    assert r2.choices[0].text == expected_text(newcomer, 5)  # type: ignore[attr-defined]
+    mesh.wait_ready(60)
+
+
+def _redis_keys(url: str, pattern: str) -> list[str]:
+    r = redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=1)
+    try:
+        return list(r.scan_iter(pattern))
+    finally:
+        r.close()
+
+
+async def test_redis_stopped_serving_goes_on_and_index_is_rebuilt(mesh: Mesh, aclient: openai.AsyncOpenAI,
+                                                                  events: EventLog) -> None:
+    shared = "a shared system prompt for the prefix index " * 4
+    await aclient.completions.create(model="pd", prompt=shared + "warm", max_tokens=2, extra_body={"ignore_eos": True})
+    await asyncio.sleep(0.5)
+    assert _redis_keys(mesh.redis_url, "hetmesh:kv:wrk:*"), "workers' blocks should be in the index"
+    idx, rs = next((i, s) for i, s in enumerate(mesh.started_servers) if s.name == "redis-server")
+    port = urlparse(rs.url).port
+    rs.stop()
+    t0 = time.time()
+    for i in range(3):  # placement runs on load alone
+        r = await aclient.completions.create(model="pd", prompt=shared + f"while redis is down {i}", max_tokens=3,
+                                             extra_body={"ignore_eos": True})
+        assert r.choices[0].text == expected_text(shared + f"while redis is down {i}", 3)
+    assert any(e.kind == "redis_down" and e.ts >= t0 for e in events.events)
+    assert all(s.alive for s in mesh.services.values())
+    back = servers.start_redis(port)
+    mesh._started[idx] = back  # so that the mesh stops this one
+    deadline = time.monotonic() + 30
+    while not _redis_keys(back.url, "hetmesh:kv:wrk:*"):
+        assert time.monotonic() < deadline, "the index was not rebuilt after Redis came back"
+        await asyncio.sleep(0.2)
+    assert any(e.kind == "kv_resynced" and e.ts >= t0 for e in events.events)
+
+
+async def test_kv_transfer_killed_mid_transfer_decode_prefills_locally(mesh: Mesh, aclient: openai.AsyncOpenAI,
+                                                                       events: EventLog) -> None:
+    prompt = "k" * 2000  # 2000 tokens x 128 KiB of KV, capped at 128 MiB on the wire: ~1 s through kv-transfer
+    t0 = time.time()
+    task = complete(aclient, prompt, 6)
+    placed = await first_placed(events, t0)
+    await events.wait_for(placed.request_id, "prefill_done", timeout_s=30)
+    mesh.kill("kv-transfer-0")
+    r = await asyncio.wait_for(task, 90)
+    assert r.choices[0].text == expected_text(prompt, 6)  # type: ignore[attr-defined]
+    fallback = await events.wait_for(placed.request_id, "kv_fallback", timeout_s=5)
+    assert fallback.detail["worker_id"] == placed.detail["decode_worker"]
+    respawn(mesh, "kv-transfer-0")
+
+
+async def test_slow_client_does_not_stall_the_others(mesh: Mesh, aclient: openai.AsyncOpenAI) -> None:
+    """A client that opens a long stream and never reads it: everyone else is still served."""
+    body = json.dumps({"model": "pd", "prompt": "never read", "max_tokens": 2000, "stream": True,
+                       "ignore_eos": True}).encode()
+    u = urlparse(mesh.url)
+    sock = socket.create_connection((u.hostname, u.port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    try:
+        await asyncio.sleep(1.0)
+        prompts = [f"meanwhile {i}" for i in range(4)]
+        rs = await asyncio.wait_for(asyncio.gather(*(complete(aclient, p, 3) for p in prompts)), 60)
+        assert [r.choices[0].text for r in rs] == [expected_text(p, 3) for p in prompts]  # type: ignore[attr-defined]
+    finally:
+        sock.close()
+
+
+async def test_nats_server_restart_services_reconnect(mesh: Mesh, aclient: openai.AsyncOpenAI) -> None:
+    """The bus goes away and comes back on the same port: every service reconnects (with backoff) and
+    serves again; none of them died."""
+    idx, ns = next((i, s) for i, s in enumerate(mesh.started_servers) if s.name == "nats-server")
+    port = urlparse(ns.url).port
+    ns.stop()
+    await asyncio.sleep(1.0)
+    mesh._started[idx] = servers.start_nats(port)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            r = await aclient.completions.create(model="pd", prompt="after the bus came back", max_tokens=3,
+                                                 extra_body={"ignore_eos": True})
+            break
+        except openai.APIStatusError as e:  # 503 until the services have reconnected and heartbeated
+            assert e.status_code == 503, e
+            assert time.monotonic() < deadline, "the mesh did not come back after the NATS restart"
+            await asyncio.sleep(0.5)
+    assert r.choices[0].text == expected_text("after the bus came back", 3)
+    assert all(s.alive for s in mesh.services.values())
