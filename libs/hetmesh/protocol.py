@@ -54,14 +54,37 @@ class Placement(Struct, frozen=True, kw_only=True):
     expected_cached_tokens: int = 0
     policy: str = ""
     reason: str = ""
+    # The cost model's prediction for this placement (engine seconds); None from policies without one.
+    predicted_ttft_s: float | None = None
+    predicted_tpot_s: float | None = None
+
+
+class WorkerStatus(Struct, kw_only=True):
+    """One worker as the scheduler sees it (its last heartbeat plus work placed since)."""
+
+    worker_id: str
+    model: str
+    accelerator: str
+    role: Role
+    engine: str
+    devices: int
+    queue_depth: int
+    running: int
+    max_batch: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    heartbeat_age_s: float
+    tokens_generated: int = 0
 
 
 class SchedulerStatus(Struct, kw_only=True):
-    """Scheduler -> gateway's /ready: it is subscribed and these workers are in its view."""
+    """Scheduler -> gateway's /ready and `hetmesh status`: it is subscribed and these workers are in its view."""
 
     instance: str
     policy: str
     workers: list[str]
+    details: list[WorkerStatus] = field(default_factory=list)
+    in_flight: int = 0
 
 
 class ErrorInfo(Struct, frozen=True, kw_only=True):

@@ -43,6 +43,7 @@ class EngineOutput(Struct, kw_only=True):
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from this engine's prefix cache
     completion_tokens: int = 0  # completion length so far, including DECODE's first tokens
+    queued_s: float = 0.0  # wall seconds from submit to the request's first engine step (metrics, traces)
 
 
 class EngineStats(Struct, kw_only=True):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Sequence
@@ -269,7 +270,7 @@ class _Stream:
         out = EngineOutput(request_id=r.req.request_id, index=self.index, token_ids=self.ids,
                            text="".join(self.parts), finished=self.finished, finish_reason=self.finish_reason,
                            prompt_tokens=r.prompt_len, cached_tokens=r.cached_tokens,
-                           completion_tokens=len(r.comp.token_ids))
+                           completion_tokens=len(r.comp.token_ids), queued_s=max(r.queued_s, 0.0))
         self.index += len(self.ids)
         self.ids = []
         self.parts = []
@@ -278,7 +279,7 @@ class _Stream:
 
 class _Req:
     __slots__ = ("admitted", "blocks_reserved", "cached_tokens", "capacity", "comp", "computed", "pinned",
-                 "prompt_len", "req", "sampler", "stream", "target")
+                 "prompt_len", "queued_s", "req", "sampler", "stream", "submitted", "target")
 
     def __init__(self, req: EngineRequest, sampler: Sampler, comp: Completion, stream: _Stream) -> None:
         self.req = req
@@ -293,6 +294,8 @@ class _Req:
         self.capacity = 0  # tokens the blocks it holds can store
         self.pinned: list[int] = []  # cached block hashes this request holds a pin on
         self.blocks_reserved = 0  # private blocks
+        self.submitted = time.perf_counter()
+        self.queued_s = -1.0  # until its first admission
 
     @property
     def context(self) -> int:
@@ -541,6 +544,8 @@ class SimEngine:
             if not self._admit(r):
                 break
             self._waiting.popleft()
+            if r.queued_s < 0:
+                r.queued_s = time.perf_counter() - r.submitted
             if r.computed >= r.target:
                 if r.comp.finish_reason is not None:  # DECODE whose first tokens already ended it
                     self._finish(r, None, "")

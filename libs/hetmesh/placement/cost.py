@@ -203,6 +203,7 @@ class CostPolicy:
             reason=f"cost/{self.objective}: e2e {e2e:.3f}s",
             predicted_ttft_s=ttft,
             predicted_tpot_s=tpot if n_out > 1 else 0.0,
+            candidates=tuple((o[3].worker_id, o[4].worker_id, o[1], o[2], o[0]) for o in options),
         )
 
     def _score(self, o: tuple[float, float, float, WorkerView, WorkerView, float], fits: Mapping[str, bool],

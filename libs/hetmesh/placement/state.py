@@ -61,6 +61,8 @@ class Decision(Struct, frozen=True, kw_only=True):
     reason: str = ""
     predicted_ttft_s: float | None = None
     predicted_tpot_s: float | None = None
+    # Every placement the policy weighed: (prefill worker, decode worker, ttft s, tpot s, e2e s); for traces.
+    candidates: tuple[tuple[str, str, float, float, float], ...] = ()
 
     @property
     def workers(self) -> tuple[str, ...]:

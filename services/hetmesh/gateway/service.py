@@ -23,13 +23,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from nats.aio.msg import Msg
 from opentelemetry import trace
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from hetmesh import config, subjects, telemetry, tokenizer
+from hetmesh import config, metrics, subjects, telemetry, tokenizer
 from hetmesh.bus import REQUEST_ID, Bus, EventBatcher, decode, encode
 from hetmesh.kvindex.blocks import block_hashes
 from hetmesh.protocol import (
@@ -135,7 +136,9 @@ class Gateway:
         self.live: dict[str, dict[str, float]] = {m.name: {} for m in cfg.models}  # model -> worker -> seen
         self.tracer = telemetry.setup("gateway", self.instance)
         # Spans cost tens of microseconds each; without an exporter nobody sees them.
-        self.tracing = bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+        self.tracing = telemetry.enabled()
+        self.metrics = metrics.GatewayMetrics()
+        self.metrics.in_flight.set_function(lambda: self.active)
         self.events: EventBatcher | None = None
         self.bus: Bus | None = None
         self._ids = itertools.count(1)
@@ -227,58 +230,85 @@ class Gateway:
                          type="server_error", code="overloaded", status=503,
                          retry_after_s=self.cfg.gateway.retry_after_s)
 
+    def reject(self, model: str, info: ErrorInfo, span: trace.Span = trace.INVALID_SPAN,
+               headers: dict[str, str] | None = None) -> Response:
+        """A request turned away before it reached the mesh (unknown models count under model "")."""
+        self.metrics.requests.labels(model, str(info.status)).inc()
+        if span.is_recording():
+            span.set_status(trace.Status(trace.StatusCode.ERROR, info.message))
+            span.set_attribute("http.response.status_code", info.status)
+            span.end()
+        return error_response(info, headers)
+
     async def handle(self, request: Request, chat: bool) -> Response:
         verdict = self.authenticate(request)
         if verdict.error is not None:
-            return error_response(verdict.error)
+            return self.reject("", verdict.error)
         gc = self.cfg.gateway
         if self.active >= gc.max_inflight:  # before reading the body: a flood costs as little as possible
-            return error_response(self.overloaded())
+            return self.reject("", self.overloaded())
         try:
             raw = await read_body(request, gc.max_body_bytes)
         except BodyTooLarge:
             self.refused["too_large"] += 1
-            return error_response(ErrorInfo(message=f"The request body is larger than {gc.max_body_bytes} bytes.",
-                                            type="invalid_request_error", code="request_too_large", status=413))
+            return self.reject("", ErrorInfo(message=f"The request body is larger than {gc.max_body_bytes} bytes.",
+                                             type="invalid_request_error", code="request_too_large", status=413))
         try:
             body: ChatCompletionRequest | CompletionRequest = (
                 ChatCompletionRequest if chat else CompletionRequest).model_validate_json(raw)
         except ValidationError as exc:
-            return error_response(from_validation(exc))
+            return self.reject("", from_validation(exc))
         model = self.models.get(body.model)
         if model is None:
-            return error_response(core.model_not_found(body.model))
+            return self.reject("", core.model_not_found(body.model))
+        span = trace.INVALID_SPAN
+        if self.tracing:
+            # A client's traceparent (if any) makes this span its child.
+            span = self.tracer.start_span("gateway.request", context=telemetry.extract(dict(request.headers)),
+                                          attributes={"hetmesh.model": model.name, "hetmesh.stream": bool(body.stream),
+                                                      "http.route": request.url.path})
         try:
             tok = self.tokenizers[model.name]
-            prep = (core.prepare_chat(body, model, tok) if chat  # type: ignore[arg-type]
-                    else core.prepare_completion(body, model, tok))  # type: ignore[arg-type]
+            if self.tracing:
+                with self.tracer.start_as_current_span("tokenize", context=trace.set_span_in_context(span),
+                                                       attributes={"hetmesh.tokenizer": model.tokenizer}) as ts:
+                    prep = self._prepare(chat, body, model, tok)
+                    ts.set_attribute("hetmesh.prompt_tokens", len(prep.prompt_tokens))
+            else:
+                prep = self._prepare(chat, body, model, tok)
         except ApiError as exc:
-            return error_response(exc.info)
+            return self.reject(model.name, exc.info, span)
         if not self.connected:
-            return error_response(ErrorInfo(message="the gateway is not connected to the mesh", type="server_error",
-                                            code="service_unavailable", status=503))
+            return self.reject(model.name, ErrorInfo(message="the gateway is not connected to the mesh",
+                                                     type="server_error", code="service_unavailable", status=503), span)
         if self.live_workers(model.name) == 0:
-            return error_response(ErrorInfo(message=f"no live worker serves model {model.name!r} right now",
-                                            type="server_error", code="no_workers", status=503,
-                                            retry_after_s=gc.retry_after_s))
+            return self.reject(model.name, ErrorInfo(message=f"no live worker serves model {model.name!r} right now",
+                                                     type="server_error", code="no_workers", status=503,
+                                                     retry_after_s=gc.retry_after_s), span)
         if self.active >= gc.max_inflight:
-            return error_response(self.overloaded())
+            return self.reject(model.name, self.overloaded(), span)
         verdict = self.auth.admit(verdict, len(prep.prompt_tokens), time.monotonic())
         if verdict.error is not None:
             self.refused["rate_limited"] += 1
-            return error_response(verdict.error, verdict.headers)
+            return self.reject(model.name, verdict.error, span, verdict.headers)
         rid = f"{self.instance}-{next(self._ids)}"
-        call = Call(self, rid, model, prep, request, verdict)
+        call = Call(self, rid, model, prep, request, verdict, span)
         fmt = Formatter(chat, f"{'chatcmpl' if chat else 'cmpl'}-{rid}", model.name, int(time.time()),
                         prep.include_usage)
         return await call.run(fmt)
+
+    @staticmethod
+    def _prepare(chat: bool, body: ChatCompletionRequest | CompletionRequest, model: config.ModelConfig,
+                 tok: tokenizer.Tokenizer) -> Prepared:
+        return (core.prepare_chat(body, model, tok) if chat  # type: ignore[arg-type]
+                else core.prepare_completion(body, model, tok))  # type: ignore[arg-type]
 
 
 class Call:
     """One request's life in the gateway: submit, consume the reply stream, retry, cancel."""
 
     def __init__(self, gw: Gateway, rid: str, model: config.ModelConfig, prep: Prepared, request: Request,
-                 verdict: Verdict | None = None) -> None:
+                 verdict: Verdict | None = None, span: trace.Span = trace.INVALID_SPAN) -> None:
         gw.active += 1  # until close()
         self.verdict = verdict or Verdict()
         self.gw = gw
@@ -298,13 +328,12 @@ class Call:
         self.cancelled = False
         self.closed = False
         self.first_token_at: float | None = None
-        self.span: trace.Span = trace.INVALID_SPAN
-        if gw.tracing:
-            # A client's traceparent (if any) makes this span its child.
-            self.span = gw.tracer.start_span("gateway.request", context=telemetry.extract(dict(request.headers)),
-                                             attributes={"hetmesh.request_id": rid, "hetmesh.model": model.name,
-                                                         "hetmesh.prompt_tokens": len(prep.prompt_tokens),
-                                                         "hetmesh.stream": prep.stream})
+        self.status = 200  # what the client got; counted in close()
+        self.span = span
+        self.stream_span: trace.Span = trace.INVALID_SPAN
+        if span.is_recording():
+            span.set_attribute("hetmesh.request_id", rid)
+            span.set_attribute("hetmesh.prompt_tokens", len(prep.prompt_tokens))
         self.next_disconnect_check = 0.0
 
     # --- the mesh side ----------------------------------------------------------------------
@@ -451,6 +480,7 @@ class Call:
             return await self._collect(fmt)
         except ClientGone:
             self._cancel("client_disconnected")
+            self.status = 499
             return Response(status_code=499)
         except BaseException:
             self._cancel("gateway_error")
@@ -460,6 +490,7 @@ class Call:
                 self.close()
 
     async def _collect(self, fmt: Formatter) -> Response:
+        self.start_stream_span()
         texts: list[str] = []
         attempt = self.req.attempt
         while not self.reasm.done:
@@ -478,6 +509,12 @@ class Call:
     def usage(self) -> core.Usage:
         return core.usage_of(self.reasm, len(self.req.prompt_tokens))
 
+    def start_stream_span(self) -> None:
+        """Tokens from the mesh to the client: from the placement to the last token."""
+        if self.span.is_recording():
+            self.stream_span = self.gw.tracer.start_span("stream", context=trace.set_span_in_context(self.span),
+                                                         attributes={"hetmesh.sse": self.prep.stream})
+
     def _first_token(self) -> None:
         self.first_token_at = time.perf_counter()
         self.gw.event(self.rid, "first_token", ttft_ms=round((self.first_token_at - self.t0) * 1e3, 3))
@@ -494,6 +531,7 @@ class Call:
         return error_response(info)
 
     def _error_event(self, info: ErrorInfo) -> None:
+        self.status = info.status
         if self.span.is_recording():
             self.span.set_status(trace.Status(trace.StatusCode.ERROR, info.message))
         self.gw.event(self.rid, "error", status=info.status, code=info.code, message=info.message)
@@ -510,6 +548,17 @@ class Call:
         self.closed = True
         self.gw.active -= 1
         self.gw.inboxes.pop(self.key, None)
+        m = self.gw.metrics
+        ttft = None if self.first_token_at is None else self.first_token_at - self.t0
+        completion = self.reasm.next_index if self.status == 200 else 0
+        m.finished(self.req.model, self.status, time.perf_counter() - self.t0, ttft, completion)
+        if self.span.is_recording():
+            self.span.set_attribute("http.response.status_code", self.status)
+            self.span.set_attribute("hetmesh.completion_tokens", completion)
+            if self.placement is not None:
+                self.span.set_attribute("hetmesh.mode", self.placement.mode)
+                self.span.set_attribute("hetmesh.decode_worker", self.placement.decode_worker)
+            self.stream_span.end()
         self.span.end()
 
 
@@ -532,6 +581,7 @@ class SseResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         call, fmt = self.call, self.fmt
         finished = False
+        call.start_stream_span()
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             body = fmt.sse_chunks(self.first, first=True)
@@ -647,6 +697,10 @@ def create_app(gw: Gateway) -> FastAPI:
         if m is None:
             return error_response(core.model_not_found(name))
         return Response(core._enc.encode(model_card(m)), media_type=JSON)
+
+    @app.get("/metrics")
+    async def metrics_page() -> Response:
+        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health() -> Response:

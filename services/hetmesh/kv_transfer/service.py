@@ -18,8 +18,9 @@ from collections import deque
 
 from msgspec import Struct
 from nats.aio.msg import Msg
+from opentelemetry import trace
 
-from hetmesh import config, subjects, telemetry
+from hetmesh import config, metrics, subjects, telemetry
 from hetmesh.bus import Bus, EventBatcher, encode_error
 from hetmesh.protocol import Cancel, KvLanded, KvTransferAccept, KvTransferRequest, ServiceEvent
 from hetmesh.runtime import run_service
@@ -63,6 +64,9 @@ class KvTransferService:
         self.total_bytes = 0
         self.total_transfers = 0
         self.tracer = telemetry.setup("kv-transfer", instance)
+        self.metrics = metrics.KvTransferMetrics()
+        self.http: metrics.MetricsServer | None = None
+        self.started = False
         self.bus: Bus
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -73,9 +77,17 @@ class KvTransferService:
         await self.bus.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
         self.events = EventBatcher(self.bus, "kv-transfer")
         await self.bus.nc.flush()
+        self.started = True
+        self.http = metrics.serve_from_env(self.metrics.registry, self._ready)
         log.info("kv-transfer %s up", self.instance)
 
+    def _ready(self) -> dict[str, object]:
+        return {"ready": self.started and self.bus.nc.is_connected, "instance": self.instance,
+                "active": len(self.active)}
+
     async def stop(self) -> None:
+        if self.http is not None:
+            self.http.close()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=self.idle_timeout_s)
         await self.events.close()
@@ -90,6 +102,7 @@ class KvTransferService:
             return
         t = _Transfer(req)
         self.active[req.transfer_id] = t
+        self.metrics.active.inc()
         data_subject = subjects.kv_data(req.transfer_id)
         sub = await self.bus.nc.subscribe(data_subject, cb=self._relay(t), pending_msgs_limit=100_000,
                                           pending_bytes_limit=512 << 20)
@@ -162,10 +175,21 @@ class KvTransferService:
                                         "duration_s": duration, "num_tokens": req.num_tokens, "ok": ok,
                                         "error": t.error,
                                         "bytes_per_s": t.bytes / duration if duration > 0 else 0.0}))
+            m = self.metrics
+            m.transfers.labels("ok" if ok else "failed").inc()
+            m.bytes.inc(t.bytes)
+            m.seconds.observe(duration)
+            m.size.observe(t.bytes)
             span.set_attribute("hetmesh.ok", ok)
+            span.set_attribute("hetmesh.bytes_relayed", t.bytes)
+            span.set_attribute("hetmesh.chunks", t.chunks)
+            span.set_attribute("hetmesh.duration_s", duration)
+            if not ok:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, t.error or "failed"))
         finally:
             span.end()
             self.active.pop(req.transfer_id, None)
+            self.metrics.active.dec()
 
     async def on_cancel(self, c: Cancel, _m: Msg) -> None:
         for t in self.active.values():

@@ -28,6 +28,7 @@ def main() -> None:
         workers = ", ".join(f"{g.count}x {g.accelerator} ({g.role})" for g in mesh.cfg.workers)
         print(f"hetmesh ready: {mesh.url}/v1  (nats {mesh.nats_url}, redis {mesh.redis_url})")
         print(f"  models: {', '.join(m.name for m in mesh.cfg.models)}; workers: {workers}")
+        print("  metrics: " + ", ".join(f"{n} {u}" for n, u in mesh.metrics_urls().items()))
         print("  Ctrl-C stops everything this command started.", flush=True)
         while all(s.alive for s in mesh.services.values()):
             time.sleep(0.5)

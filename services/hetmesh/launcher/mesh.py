@@ -17,7 +17,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hetmesh import config, servers
+from hetmesh import config, metrics, servers
 
 
 @dataclass
@@ -26,6 +26,7 @@ class Service:
     argv: list[str]
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
+    metrics_port: int | None = None  # its /metrics, /health, /ready (the gateway's are on its API port)
 
     @property
     def alive(self) -> bool:
@@ -74,11 +75,20 @@ class Mesh:
         return self
 
     def add(self, name: str, argv: list[str]) -> None:
-        self.services[name] = Service(name, argv)
+        port = None if name == "gateway" else servers.free_port()
+        self.services[name] = Service(name, argv, metrics_port=port)
+
+    def metrics_urls(self) -> dict[str, str]:
+        """Every service's Prometheus endpoint."""
+        return {name: f"{self.url}/metrics" if s.metrics_port is None else f"http://127.0.0.1:{s.metrics_port}/metrics"
+                for name, s in self.services.items()}
 
     def spawn(self, name: str) -> Service:
         svc = self.services[name]
         env = servers.env_with(HETMESH_NATS_URL=self.nats_url, HETMESH_REDIS_URL=self.redis_url, **self.env)
+        if svc.metrics_port is not None:
+            env[metrics.PORT_ENV] = str(svc.metrics_port)
+            env.setdefault(metrics.HOST_ENV, "127.0.0.1")
         out: int | object = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)

@@ -17,17 +17,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import time
 import uuid
 from collections import defaultdict
 
 from nats.aio.msg import Msg
+from opentelemetry import trace
 
-from hetmesh import config, subjects, telemetry
+from hetmesh import config, metrics, subjects, telemetry
 from hetmesh.bus import REQUEST_ID, Bus, EventBatcher, encode
 from hetmesh.kvindex.index import PrefixIndex
-from hetmesh.placement import ClusterState, Decision, RequestInfo, make_policy, pool_full
+from hetmesh.placement import ClusterState, Decision, RequestInfo, WorkerView, make_policy, pool_full
 from hetmesh.protocol import (
     Cancel,
     ErrorInfo,
@@ -42,6 +42,7 @@ from hetmesh.protocol import (
     ServiceEvent,
     SubmitReply,
     WorkerLost,
+    WorkerStatus,
     WorkItem,
 )
 from hetmesh.runtime import run_service
@@ -80,7 +81,11 @@ class Scheduler:
         self.tracer = telemetry.setup("scheduler", instance)
         # Spans, context extraction and injection cost more than the rest of a placement; without an
         # exporter nobody sees them, so then the scheduler only passes the caller's trace headers on.
-        self.tracing = bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+        self.tracing = telemetry.enabled()
+        self.metrics = metrics.SchedulerMetrics()
+        self.metrics.registry.register(metrics.Snapshot(self._snapshot))
+        self.http: metrics.MetricsServer | None = None
+        self.started = False
         self.events: EventBatcher
         self.bus: Bus
         self.index: PrefixIndex
@@ -106,18 +111,57 @@ class Scheduler:
         await self.bus.nc.subscribe(subjects.SCHED_STATUS, queue=subjects.SCHEDULER_QUEUE, cb=self.on_status)
         self._tasks = [asyncio.create_task(self._expire_loop()), asyncio.create_task(self._kv_writer()),
                        asyncio.create_task(self._redis_loop())]
+        self.started = True
+        self.http = metrics.serve_from_env(self.metrics.registry, self._ready)
         log.info("scheduler %s up, policy %s", self.instance, self.policy.name)
 
     async def stop(self) -> None:
+        if self.http is not None:
+            self.http.close()
         for t in self._tasks:
             t.cancel()
         await self.events.close()
         await self.bus.close()
         await self.index.close()
 
+    def _ready(self) -> dict[str, object]:
+        ok = self.started and self.bus.nc.is_connected
+        return {"ready": ok, "instance": self.instance, "workers": len(self.state)}
+
+    def _snapshot(self) -> list[metrics.Row]:
+        # Runs in the metrics thread: a heartbeat handled meanwhile may change the view under it.
+        views: list[WorkerView] = []
+        for _ in range(3):
+            try:
+                views = list(self.state.views())
+                break
+            except RuntimeError:
+                continue
+        by_role: dict[str, int] = defaultdict(int)
+        for v in views:
+            by_role[v.role.value] += 1
+        rows: list[metrics.Row] = [("hetmesh_scheduler_workers", "Workers in the scheduler's view", "gauge",
+                                    {"role": role}, n) for role, n in sorted(by_role.items())]
+        rows.append(("hetmesh_scheduler_requests_in_flight", "Placed requests not finished yet", "gauge", {},
+                     len(self.inflight)))
+        rows.append(("hetmesh_scheduler_kv_index_queue_depth", "KV events waiting for the Redis prefix index",
+                     "gauge", {}, self.kv_queue.qsize()))
+        return rows
+
     async def on_status(self, m: Msg) -> None:
+        now = time.time()
+        details = []
+        for v in sorted(self.state.views(), key=lambda v: v.worker_id):
+            hb = self.state.heartbeat(v.worker_id)
+            assert hb is not None
+            details.append(WorkerStatus(
+                worker_id=v.worker_id, model=v.model, accelerator=v.accelerator, role=v.role, engine=hb.engine,
+                devices=v.devices, queue_depth=v.queue_depth, running=v.running, max_batch=v.max_batch,
+                kv_blocks_used=v.kv_blocks_used, kv_blocks_total=v.kv_blocks_total,
+                heartbeat_age_s=max(now - hb.ts, 0.0), tokens_generated=hb.tokens_generated))
         await self.bus.respond(m, SchedulerStatus(instance=self.instance, policy=self.policy.name,
-                                                  workers=sorted(self.state.worker_ids())))
+                                                  workers=[d.worker_id for d in details], details=details,
+                                                  in_flight=len(self.inflight)))
 
     # --- cluster view -------------------------------------------------------------------
     async def on_heartbeat(self, hb: Heartbeat, _m: Msg) -> None:
@@ -135,6 +179,7 @@ class Scheduler:
     async def worker_lost(self, worker_id: str) -> None:
         held = self.by_worker.pop(worker_id, set())
         log.warning("worker %s lost; %d requests affected", worker_id, len(held))
+        self.metrics.workers_lost.inc()
         await self._event("", "worker_lost", worker_id=worker_id, requests=len(held))
         for rid in held:
             fl = self.inflight.pop(rid, None)
@@ -211,19 +256,24 @@ class Scheduler:
         ctx = telemetry.extract(m.headers)
         with self.tracer.start_as_current_span("schedule", context=ctx) as span:
             span.set_attribute("hetmesh.request_id", req.request_id)
+            span.set_attribute("hetmesh.attempt", req.attempt)
             reply = await self.place(req)
             if reply.placement is not None:
                 span.set_attribute("hetmesh.mode", reply.placement.mode)
                 span.set_attribute("hetmesh.decode_worker", reply.placement.decode_worker)
+            elif reply.error is not None:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, reply.error.message))
         await self.bus.respond(m, reply)
 
     async def place(self, req: InferenceRequest, headers: dict[str, str] | None = None) -> SubmitReply:
         """Place `req` and dispatch its WorkItems. `headers`: what they carry (default: the request id
         and the current span's trace context)."""
+        t0 = time.perf_counter()
         views = self.state.views()
         sc = self.cfg.scheduler
         if pool_full(req.model, views, sc.queue_factor):
             self.refused += 1
+            self.metrics.rejected.labels("overloaded").inc()
             return SubmitReply(request_id=req.request_id, error=ErrorInfo(
                 message=f"The workers of model {req.model!r} are at capacity; please retry.", type="server_error",
                 code="overloaded", status=503, retry_after_s=sc.retry_after_s))
@@ -240,16 +290,30 @@ class Scheduler:
             # The policy's clock is the engines' (virtual) time: a sim cluster at time_scale k runs k x wall.
             arrival=req.arrival_ts * self.cfg.mesh.time_scale,
         )
-        decision = self.policy.place(info, views)
+        if self.tracing:
+            with self.tracer.start_as_current_span("placement") as span:
+                decision = self.policy.place(info, views)
+                _placement_attributes(span, self.policy.name, info, decision)
+        else:
+            decision = self.policy.place(info, views)
         if decision is None:
+            self.metrics.rejected.labels("no_capacity").inc()
             return SubmitReply(request_id=req.request_id, error=ErrorInfo(
                 message=f"no live worker can serve model {req.model!r} right now", type="server_error",
                 code="no_capacity", status=503))
         placement = Placement(mode=decision.mode, decode_worker=decision.decode_worker,
                               prefill_worker=decision.prefill_worker,
                               expected_cached_tokens=decision.expected_cached_tokens,
-                              policy=self.policy.name, reason=decision.reason)
+                              policy=self.policy.name, reason=decision.reason,
+                              predicted_ttft_s=decision.predicted_ttft_s, predicted_tpot_s=decision.predicted_tpot_s)
         await self._dispatch(req, decision, placement, headers)
+        m = self.metrics
+        m.placements.labels(self.policy.name, decision.mode).inc()
+        m.placement_seconds.observe(time.perf_counter() - t0)
+        if decision.predicted_ttft_s is not None:
+            m.predicted.labels("ttft").observe(decision.predicted_ttft_s)
+        if decision.predicted_tpot_s:
+            m.predicted.labels("tpot").observe(decision.predicted_tpot_s)
         return SubmitReply(request_id=req.request_id, placement=placement)
 
     async def _dispatch(self, req: InferenceRequest, d: Decision, placement: Placement,
@@ -301,6 +365,28 @@ class Scheduler:
     async def _event(self, request_id: str, kind: str, **detail: str | int | float | bool | None) -> None:
         self.events.add(ServiceEvent(service="scheduler", instance=self.instance, request_id=request_id, kind=kind,
                                      ts=time.time(), detail=detail))
+
+
+def _placement_attributes(span: trace.Span, policy: str, info: RequestInfo, d: Decision | None) -> None:
+    """The candidates the policy weighed (with the cost model's predictions) and the one it chose."""
+    span.set_attribute("hetmesh.policy", policy)
+    span.set_attribute("hetmesh.prompt_tokens", info.prompt_len)
+    span.set_attribute("hetmesh.cached_blocks", [f"{w}={n}" for w, n in sorted(info.cached_blocks.items())])
+    if d is None:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, "no placement"))
+        return
+    span.set_attribute("hetmesh.candidates", [f"{p}->{dw} ttft={ttft:.6f}s tpot={tpot:.6f}s e2e={e2e:.6f}s"
+                                              for p, dw, ttft, tpot, e2e in d.candidates])
+    span.set_attribute("hetmesh.candidate_count", len(d.candidates))
+    span.set_attribute("hetmesh.mode", d.mode)
+    span.set_attribute("hetmesh.decode_worker", d.decode_worker)
+    if d.prefill_worker is not None:
+        span.set_attribute("hetmesh.prefill_worker", d.prefill_worker)
+    span.set_attribute("hetmesh.expected_cached_tokens", d.expected_cached_tokens)
+    if d.predicted_ttft_s is not None:
+        span.set_attribute("hetmesh.predicted_ttft_s", d.predicted_ttft_s)
+    if d.predicted_tpot_s is not None:
+        span.set_attribute("hetmesh.predicted_tpot_s", d.predicted_tpot_s)
 
 
 def main() -> None:

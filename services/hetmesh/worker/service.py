@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from hetmesh import config, engines, subjects, telemetry
+from hetmesh import config, engines, metrics, subjects, telemetry
 from hetmesh.bus import Batcher, Bus, EventBatcher
 from hetmesh.costmodel import CostModel, accelerator, model_spec
 from hetmesh.engines.base import Engine, EngineError, EngineOutput, EngineRequest
@@ -88,7 +88,11 @@ class Worker:
         self.pool_subject = subjects.work_pool(self.role.value, vendor, accel)
         self.tracer = telemetry.setup("worker", worker_id)
         # Spans cost tens of microseconds each; make them only when someone collects them.
-        self.tracing = bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+        self.tracing = telemetry.enabled()
+        self.metrics = metrics.WorkerMetrics()
+        self.metrics.registry.register(metrics.Snapshot(self._snapshot))
+        self.http: metrics.MetricsServer | None = None
+        self.received: dict[str, float] = {}  # request id -> when its WorkItem arrived (time.time())
         self.bus: Bus
         self.events: EventBatcher
         self.finished_out: Batcher  # Finished records, batched: only the scheduler's bookkeeping reads them
@@ -132,12 +136,15 @@ class Worker:
         await nc.flush()
         self._loops = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._kv_event_loop())]
         await self._heartbeat()
+        self.http = metrics.serve_from_env(self.metrics.registry, self._ready)
         log.info("worker %s up: %s x%d, role %s, engine %s, subject %s", self.worker_id, self.group.accelerator,
                  self.group.devices, self.role, self.engine.name, self.work_subject)
 
     async def stop(self) -> None:
         """Graceful: no new work, no heartbeats, let in-flight requests finish, error the rest, drain."""
         self.draining = True
+        if self.http is not None:
+            self.http.close()
         for t in self._loops:
             t.cancel()
         for s in self._work_subs:
@@ -159,6 +166,70 @@ class Worker:
         await self.events.close()
         await self.finished_out.close()
         await self.bus.close()
+
+    # ------------------------------------------------------------------ metrics and spans
+    def _ready(self) -> dict[str, object]:
+        ok = bool(self._loops) and not self.draining and self.bus.nc.is_connected
+        return {"ready": ok, "worker_id": self.worker_id, "role": self.role.value, "engine": self.engine.name}
+
+    def _snapshot(self) -> list[metrics.Row]:
+        s = self.engine.stats()
+        g = {}
+        return [
+            ("hetmesh_worker_queue_depth", "Requests waiting: in the engine's queue or for their KV", "gauge", g,
+             s.waiting + len(self.decodes)),
+            ("hetmesh_worker_running_requests", "Requests in the running batch", "gauge", g, s.running),
+            ("hetmesh_worker_max_batch", "Running batch limit", "gauge", g, s.max_batch),
+            ("hetmesh_worker_kv_blocks_used", "KV blocks pinned by running requests", "gauge", g, s.kv_blocks_used),
+            ("hetmesh_worker_kv_blocks_cached", "KV blocks holding a prefix", "gauge", g, s.kv_blocks_cached),
+            ("hetmesh_worker_kv_blocks_total", "KV blocks of the engine", "gauge", g, s.kv_blocks_total),
+            ("hetmesh_worker_generated_tokens", "Tokens generated", "counter", g, s.tokens_generated),
+            # Prefix hit rate: rate(prompt_cached) / (rate(prompt_cached) + rate(prompt_computed)).
+            ("hetmesh_worker_prompt_tokens_computed", "Prompt tokens prefilled", "counter", g,
+             s.prompt_tokens_computed),
+            ("hetmesh_worker_prompt_tokens_cached", "Prompt tokens served from the prefix cache", "counter", g,
+             s.prompt_tokens_cached),
+            ("hetmesh_worker_preempted_requests", "Requests whose KV was dropped to make room", "counter", g,
+             s.preempted),
+            ("hetmesh_worker_aborted_requests", "Requests aborted in the engine", "counter", g, s.aborted),
+            ("hetmesh_worker_kv_transfer_sent_bytes", "KV bytes shipped to decode workers", "counter", g,
+             self.kv_bytes_sent),
+            ("hetmesh_worker_kv_transfer_received_bytes", "KV bytes landed from prefill workers", "counter", g,
+             self.kv_bytes_received),
+        ]
+
+    def _observe_first(self, item: WorkItem, start: float, first: float, queued_s: float) -> None:
+        """Queue wait and prefill of a FULL or PREFILL item (start: engine submit; first: its first token)."""
+        m = self.metrics
+        queued_s = min(queued_s, first - start)
+        m.phase.labels("queue").observe(queued_s)
+        m.phase.labels("prefill").observe(first - start - queued_s)
+        recv = self.received.get(item.request.request_id, start)
+        m.ttft.labels("observed").observe(first - recv)
+        p = item.placement.predicted_ttft_s
+        if p is not None:
+            m.ttft.labels("predicted").observe(p / self.cfg.mesh.time_scale)
+        if self.tracing:
+            self._span("queue_wait", start, start + queued_s)
+            self._span("prefill", start + queued_s, first, **{"hetmesh.phase": item.phase.value})
+
+    def _observe_decode(self, item: WorkItem, first: float, end: float, tokens: int) -> None:
+        """Decode of a FULL or DECODE item: `tokens` generated between `first` and `end`."""
+        m = self.metrics
+        m.phase.labels("decode").observe(end - first)
+        if tokens > 0:
+            m.tpot.labels("observed").observe((end - first) / tokens)
+        p = item.placement.predicted_tpot_s
+        if p:
+            m.tpot.labels("predicted").observe(p / self.cfg.mesh.time_scale)
+        if self.tracing:
+            self._span("decode", first, end, **{"hetmesh.decode_tokens": tokens})
+
+    def _span(self, name: str, start: float, end: float, **attrs: str | int | float) -> None:
+        """A finished child of the current span (the work item's), from time.time() stamps."""
+        span = self.tracer.start_span(name, start_time=telemetry.s_to_ns(start),
+                                      attributes={"hetmesh.worker_id": self.worker_id, **attrs})
+        span.end(end_time=telemetry.s_to_ns(end))
 
     # ------------------------------------------------------------------ helpers
     async def _event(self, request_id: str, kind: str, **detail: str | int | float | bool | None) -> None:
@@ -195,6 +266,7 @@ class Worker:
     # ------------------------------------------------------------------ work intake
     async def on_work(self, item: WorkItem, m: Msg) -> None:
         rid = item.request.request_id
+        received = time.time()
         if self.draining:
             await self._error(item, f"worker {self.worker_id} is shutting down", retryable=True, status=503)
             return
@@ -221,7 +293,9 @@ class Worker:
                 fut.set_result(early[0])
         elif not await self._submit(item, self._engine_request(item)):
             # Submitted here rather than in the task: one event-loop hop less before the prefill starts.
+            self.metrics.requests.labels(item.phase.value, "error").inc()
             return
+        self.received[rid] = received
         task = asyncio.create_task(self._traced(serve, item, ctx), name=f"req-{rid}")
         self.tasks[rid] = task
         self.attempts[rid] = item.request.attempt
@@ -233,6 +307,7 @@ class Worker:
         if self.tasks.get(rid) is not task:  # a newer attempt already took the id over
             return
         del self.tasks[rid]
+        self.received.pop(rid, None)
         self.attempts.pop(rid, None)
         self.decodes.pop(rid, None)
         self.cancelled.discard(rid)
@@ -312,17 +387,24 @@ class Worker:
         rid = req.request_id
         streamed = 0
         last: EngineOutput | None = None
+        start = self.received.get(rid, time.time())  # the engine took it in on_work
+        first = 0.0
         async for out in self.engine.stream(rid):  # submitted by on_work
             last = out
             if out.finish_reason in ("abort", "error"):
                 await self._on_abort(item, out, streamed)
                 return
+            if not first:
+                first = time.time()
+                self._observe_first(item, start, first, out.queued_s)
             if out.finished and item.phase == Phase.PREFILL:
                 break
             await self._send(req.reply_subject, self._chunk(rid, out, out.cached_tokens))
             streamed += len(out.token_ids)
         assert last is not None and last.finished
+        self.metrics.requests.labels(item.phase.value, last.finish_reason or "prefill_done").inc()
         if item.phase == Phase.FULL:
+            self._observe_decode(item, first, time.time(), last.completion_tokens - 1)
             await self._event(rid, "decode_done", phase="full", completion_tokens=last.completion_tokens,
                               finish_reason=last.finish_reason, cached_tokens=last.cached_tokens)
             await self._finished(rid, last.finish_reason or "stop", last.completion_tokens)
@@ -361,9 +443,17 @@ class Worker:
             dst_worker=dst, num_tokens=len(req.prompt_tokens), nbytes=nbytes, chunk_bytes=chunk,
             first_token_ids=out.token_ids, first_text=out.text, cached_tokens=out.cached_tokens)
         t0 = time.perf_counter()
+        span = trace.INVALID_SPAN
+        if self.tracing:  # the kv-transfer service's span becomes this one's child (bus.request injects it)
+            span = self.tracer.start_span("kv_send", attributes={
+                "hetmesh.transfer_id": treq.transfer_id, "hetmesh.dst": dst, "hetmesh.nbytes": nbytes,
+                "hetmesh.chunk_bytes": chunk})
         try:
-            accept = await self.bus.request(subjects.KV_TRANSFER, treq, KvTransferAccept, KV_ACCEPT_TIMEOUT_S, rid)
-            chunks = await self._send_kv(accept.data_subject, nbytes, chunk)
+            with trace.use_span(span, end_on_exit=True):
+                accept = await self.bus.request(subjects.KV_TRANSFER, treq, KvTransferAccept, KV_ACCEPT_TIMEOUT_S,
+                                                rid)
+                chunks = await self._send_kv(accept.data_subject, nbytes, chunk)
+                span.set_attribute("hetmesh.chunks", chunks)
         except Exception as exc:
             # Tell the decode worker right away instead of letting it wait for its timeout.
             msg = f"KV transfer {self.worker_id} -> {dst} failed: {exc!r}"
@@ -375,6 +465,7 @@ class Worker:
             await self._event(rid, "kv_failed", phase="prefill", dst=dst, message=msg)
             return
         self.kv_bytes_sent += nbytes
+        self.metrics.kv_transfer_seconds.observe(time.perf_counter() - t0)
         await self._event(rid, "kv_sent", phase="prefill", transfer_id=treq.transfer_id, dst=dst, nbytes=nbytes,
                           chunks=chunks, chunk_bytes=chunk, duration_s=time.perf_counter() - t0)
 
@@ -438,6 +529,13 @@ class Worker:
         await self._event(rid, "kv_landed", phase="decode", transfer_id=landed.transfer_id, src=landed.src_worker,
                           nbytes=landed.nbytes, bytes_received=received, chunks=landed.chunks,
                           duration_s=landed.duration_s)
+        landed_at = time.time()
+        waited = landed_at - self.received.get(rid, landed_at)
+        self.metrics.phase.labels("kv_wait").observe(waited)
+        if self.tracing:
+            self._span("kv_wait", landed_at - waited, landed_at, **{
+                "hetmesh.transfer_id": landed.transfer_id, "hetmesh.src": landed.src_worker,
+                "hetmesh.nbytes": landed.nbytes, "hetmesh.kv_transfer_s": landed.duration_s})
         first = list(landed.first_token_ids)
         if not await self._submit(item, self._engine_request(item, first)):
             return
@@ -454,6 +552,8 @@ class Worker:
             await self._send(req.reply_subject, self._chunk(rid, out, landed.cached_tokens))
             streamed += len(out.token_ids)
         assert last is not None and last.finished
+        self.metrics.requests.labels("decode", last.finish_reason or "stop").inc()
+        self._observe_decode(item, landed_at, time.time(), last.completion_tokens - len(first))
         await self._event(rid, "decode_done", phase="decode", completion_tokens=last.completion_tokens,
                           finish_reason=last.finish_reason, cached_tokens=landed.cached_tokens)
         await self._finished(rid, last.finish_reason or "stop", last.completion_tokens)

@@ -1,0 +1,1 @@
+"""`hetmesh`: operator commands against a running mesh (`hetmesh status`)."""

@@ -1,0 +1,99 @@
+"""`hetmesh status`: the live cluster view (workers, roles, load, KV use) as a table.
+
+It asks the scheduler on `hetmesh.sched.status` (the same request as
+`nats req hetmesh.sched.status ''`), so it shows what placement decisions are made from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+import msgspec
+import nats
+import nats.errors
+from rich.console import Console
+from rich.table import Table
+
+from hetmesh import config, subjects
+from hetmesh.protocol import SchedulerStatus
+
+DEFAULT_NATS = "nats://127.0.0.1:4222"
+
+
+def nats_url(arg: str | None, cluster: str | None) -> str:
+    """--nats, else $HETMESH_NATS_URL, else the cluster file's mesh.nats_url, else localhost."""
+    if arg:
+        return arg
+    if v := os.environ.get("HETMESH_NATS_URL"):
+        return v
+    if cluster or os.environ.get("HETMESH_CLUSTER"):
+        url = config.load(cluster).mesh.nats_url
+        if url:
+            return url
+    return DEFAULT_NATS
+
+
+async def fetch_status(url: str, timeout_s: float) -> SchedulerStatus:
+    async def quiet(_exc: Exception) -> None:  # the caller says what went wrong, once
+        pass
+
+    async with asyncio.timeout(timeout_s * 2):
+        nc = await nats.connect(url, connect_timeout=timeout_s, allow_reconnect=False, max_reconnect_attempts=0,
+                                error_cb=quiet)
+    try:
+        reply = await nc.request(subjects.SCHED_STATUS, b"", timeout=timeout_s)
+        return msgspec.json.decode(reply.data, type=SchedulerStatus)
+    finally:
+        await nc.close()
+
+
+def table(status: SchedulerStatus) -> Table:
+    t = Table(title=f"scheduler {status.instance} · policy {status.policy} · {len(status.details)} workers · "
+                    f"{status.in_flight} requests in flight")
+    for col, justify in [("worker", "left"), ("model", "left"), ("accelerator", "left"), ("role", "left"),
+                         ("engine", "left"), ("queue", "right"), ("running", "right"), ("KV blocks", "right"),
+                         ("KV use", "right"), ("tokens", "right"), ("heartbeat", "right")]:
+        t.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for w in status.details:
+        kv = f"{w.kv_blocks_used}/{w.kv_blocks_total}" if w.kv_blocks_total else "-"
+        use = f"{100 * w.kv_blocks_used / w.kv_blocks_total:.1f}%" if w.kv_blocks_total else "-"
+        accel = w.accelerator if w.devices == 1 else f"{w.devices}x {w.accelerator}"
+        t.add_row(w.worker_id, w.model, accel, w.role.value, w.engine, str(w.queue_depth),
+                  f"{w.running}/{w.max_batch}", kv, use, str(w.tokens_generated), f"{w.heartbeat_age_s:.1f}s ago")
+    return t
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hetmesh", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    st = sub.add_parser("status", help="print the live cluster view as the scheduler sees it")
+    st.add_argument("--nats", help=f"NATS URL (default $HETMESH_NATS_URL, the cluster file's, or {DEFAULT_NATS})")
+    st.add_argument("--cluster", help="cluster file to read mesh.nats_url from")
+    st.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for NATS and the scheduler")
+    st.add_argument("--json", action="store_true", help="print the scheduler's reply as JSON")
+    args = ap.parse_args(argv)
+    url = nats_url(args.nats, args.cluster)
+    try:
+        status = asyncio.run(fetch_status(url, args.timeout))
+    except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+        print(f"hetmesh: no scheduler answered on {subjects.SCHED_STATUS} at {url}", file=sys.stderr)
+        return 2
+    except TimeoutError:
+        print(f"hetmesh: cannot reach NATS at {url}: no answer within {args.timeout * 2:g}s", file=sys.stderr)
+        return 2
+    except (OSError, nats.errors.Error) as exc:
+        print(f"hetmesh: cannot reach NATS at {url}: {exc or type(exc).__name__}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(msgspec.json.format(msgspec.json.encode(status)).decode())
+    else:
+        Console(width=160).print(table(status))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
