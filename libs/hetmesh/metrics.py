@@ -81,6 +81,7 @@ class SchedulerMetrics:
                                   ["policy", "mode"], registry=r)
         self.rejected = Counter("hetmesh_scheduler_rejected", "Requests the scheduler could not place",
                                 ["reason"], registry=r)
+        self.rejected.labels("no_capacity")  # exported at 0 from the start: dashboards and alerts see it
         self.placement_seconds = Histogram("hetmesh_scheduler_placement_duration_seconds",
                                            "Prefix lookup, policy and dispatch of one request",
                                            buckets=LATENCY_BUCKETS, registry=r)

@@ -3,7 +3,10 @@ real processes of the e2e mesh after real requests (deltas: the mesh is shared w
 
 from __future__ import annotations
 
+import json
+import re
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -11,6 +14,8 @@ import openai
 from hetmesh.launcher import Mesh
 
 from .conftest import Samples, scrape
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def scrape_all(mesh: Mesh) -> dict[str, Samples]:
@@ -97,3 +102,14 @@ def test_requests_show_up_in_every_services_metrics(mesh: Mesh, client: openai.O
     assert delta("worker:vr200-0", "hetmesh_worker_kv_transfer_received_bytes_total") == sent
     assert delta("worker:vr200-0", "hetmesh_worker_phase_duration_seconds_count", phase="kv_wait") == 1
     assert delta("worker:vr200-0", "hetmesh_worker_time_per_output_token_seconds_count", source="observed") == 1
+
+
+def test_the_grafana_dashboard_only_queries_metrics_the_services_export(mesh: Mesh, client: openai.OpenAI) -> None:
+    client.completions.create(model="tiny-pd", prompt="dashboard " * 8, max_tokens=3)
+    exported = {name for samples in scrape_all(mesh).values() for name, _ in samples}
+    dash = json.loads((ROOT / "ops" / "grafana" / "dashboards" / "hetmesh.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {n for e in exprs for n in re.findall(r"\bhetmesh_[a-z0-9_]+", e)}
+    assert len(used) >= 20
+    assert used <= exported, sorted(used - exported)
+    assert len({p["gridPos"]["x"] + 100 * p["gridPos"]["y"] for p in dash["panels"]}) == len(dash["panels"])
