@@ -28,12 +28,11 @@ import jsonschema
 import openai
 import pytest
 import yaml
-from opentelemetry.sdk import environment_variables as otel_env
 
 from hetmesh import config, metrics, servers
-from hetmesh.protocol import Role
 
-ROOT = Path(__file__).resolve().parents[2]
+from .conftest import ROLE_MODULE, ROOT, env_read_by_code
+
 COMPOSE = ROOT / "docker-compose.yml"
 VLLM = ROOT / "docker-compose.vllm.yml"
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
@@ -41,8 +40,6 @@ APP = "/app"  # the image's WORKDIR, where docker/Dockerfile puts ops/clusters
 
 # Read by something other than Hetmesh: the NVIDIA container runtime and ROCm's HIP runtime.
 RUNTIME_ENV = {"NVIDIA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"}
-ROLE_MODULE = {Role.BOTH: "hetmesh.worker", Role.PREFILL: "hetmesh.prefill_worker",
-               Role.DECODE: "hetmesh.decode_worker"}
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -51,13 +48,6 @@ def load(path: Path) -> dict[str, Any]:
 
 def hetmesh_services(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {n: s for n, s in doc["services"].items() if str([*s.get("command", []), "", "", ""][2]).startswith("hetmesh.")}
-
-
-def env_read_by_code() -> set[str]:
-    """Every HETMESH_* name that appears as a string in the code, plus the OpenTelemetry SDK's variables."""
-    names = {m for p in [*(ROOT / "libs").rglob("*.py"), *(ROOT / "services").rglob("*.py")]
-             for m in re.findall(r"[\"'](HETMESH_[A-Z0-9_]+)[\"']", p.read_text())}
-    return names | {n for n in dir(otel_env) if n.startswith("OTEL_")}
 
 
 @pytest.mark.parametrize("path", [COMPOSE, VLLM], ids=lambda p: p.name)
