@@ -7,6 +7,10 @@ The load generator is a small raw-HTTP/1.1 client (keep-alive pool) so that the 
 CPU stays small next to the mesh's on a 2-core machine.
 
     python benchmarks/mesh_overhead.py [--rates 50 500] [--seconds 8] [--out results/mesh_overhead.json]
+    python benchmarks/mesh_overhead.py --tracing --out results/mesh_overhead_tracing.json
+
+--tracing turns OpenTelemetry on in every service (OTEL_EXPORTER_OTLP_ENDPOINT), exporting every
+span to an OTLP/HTTP receiver in its own process (like Jaeger's; its CPU is not the mesh's).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -112,6 +117,23 @@ async def echo_baseline(nats_url: str, rate: float, seconds: float) -> dict[str,
     return {"rate_rps": rate, "rtt_p50_ms": percentile(rtts, 0.5) * 1e3, "rtt_p99_ms": percentile(rtts, 0.99) * 1e3}
 
 
+SINK = """
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+class H(BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers["content-length"]))
+        self.send_response(200)
+        self.send_header("content-length", "0")
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+s = ThreadingHTTPServer(("127.0.0.1", 0), H)
+print(s.server_address[1], flush=True)
+s.serve_forever()
+"""
+
+
 async def bench(mesh: Mesh, rates: list[float], seconds: float) -> dict[str, object]:
     client = SSEClient(mesh.cfg.gateway.host, mesh.port)
     procs = {name: s.proc.pid for name, s in mesh.services.items() if s.proc}
@@ -151,19 +173,31 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--policy", default="prefix_aware")
     ap.add_argument("--out", default="results/mesh_overhead.json")
+    ap.add_argument("--tracing", action="store_true", help="every service exports its spans over OTLP")
     args = ap.parse_args()
     d = Path(tempfile.mkdtemp(prefix="hetmesh-bench-"))
     (d / "cluster.toml").write_text(CLUSTER.format(workers=args.workers, policy=args.policy))
-    mesh = Mesh(d / "cluster.toml", gateway_port=0, log_dir=temp_log_dir())
+    env: dict[str, str] = {}
+    sink = None
+    if args.tracing:
+        sink = subprocess.Popen([sys.executable, "-c", SINK], stdout=subprocess.PIPE, text=True)
+        assert sink.stdout is not None
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{sink.stdout.readline().strip()}"
+    mesh = Mesh(d / "cluster.toml", gateway_port=0, log_dir=temp_log_dir(), env=env)
     mesh.start()
     try:
         res = asyncio.run(bench(mesh, args.rates, args.seconds))
+        if sink is not None:
+            res["otlp_receiver_cpu_s"] = cpu_seconds([sink.pid])
     finally:
         mesh.stop()
+        if sink is not None:
+            sink.kill()
     res["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                       "processor": platform.processor() or platform.machine()}
     res["config"] = vars(args)
-    table = Table(title=f"Mesh-added TTFT (sim engine at 1e6x, {args.workers} workers, policy {args.policy})")
+    tracing = "tracing on" if args.tracing else "tracing off"
+    table = Table(title=f"Mesh-added TTFT (sim engine at 1e6x, {args.workers} workers, policy {args.policy}, {tracing})")
     for col in ("offered req/s", "achieved", "requests", "errors", "p50 ms", "p90 ms", "p99 ms", "mesh CPU ms/req",
                 "steal %"):
         table.add_column(col, justify="right")

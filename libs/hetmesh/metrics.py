@@ -191,6 +191,10 @@ def serve_from_env(registry: CollectorRegistry, ready: Callable[[], dict[str, ob
     port = os.environ.get(PORT_ENV, "").strip()
     if not port:
         return None
-    server = MetricsServer(registry, int(port), ready, os.environ.get(HOST_ENV) or "0.0.0.0")
+    try:
+        server = MetricsServer(registry, int(port), ready, os.environ.get(HOST_ENV) or "0.0.0.0")
+    except OSError as exc:  # a busy port costs the metrics, not the service
+        log.error("no metrics port: cannot listen on %s: %s", port, exc)
+        return None
     log.info("metrics on :%d/metrics", server.port)
     return server

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -18,8 +19,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+# Below Linux's ephemeral range (32768-60999): a port handed out here stays free until its server
+# binds it, where an ephemeral one can be taken meanwhile by any process's outgoing connection.
+_PORT_RANGE = (20000, 32767)
+_handed_out: set[int] = set()
+
 
 def free_port() -> int:
+    """A TCP port nothing listens on, for a server that this process is about to start."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randint(*_PORT_RANGE)
+        if port in _handed_out:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("0.0.0.0", port))
+        except OSError:
+            continue
+        _handed_out.add(port)
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
