@@ -174,7 +174,7 @@ class Worker:
 
     def _snapshot(self) -> list[metrics.Row]:
         s = self.engine.stats()
-        g = {}
+        g: dict[str, str] = {}  # no labels: Prometheus adds the target
         return [
             ("hetmesh_worker_queue_depth", "Requests waiting: in the engine's queue or for their KV", "gauge", g,
              s.waiting + len(self.decodes)),
