@@ -37,8 +37,21 @@ def test_every_service_serves_metrics_health_and_ready(mesh: Mesh) -> None:
         assert httpx.get(f"{base}/nope", timeout=5).status_code == 404
 
 
+def quiet(mesh: Mesh, timeout_s: float = 30.0) -> dict[str, Samples]:
+    """Scrape once nothing is running anywhere: earlier tests' requests must not land in the deltas."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = scrape_all(mesh)
+        busy = val(s["gateway"], "hetmesh_gateway_requests_in_flight") + sum(
+            val(v, "hetmesh_worker_running_requests") + val(v, "hetmesh_worker_queue_depth")
+            for k, v in s.items() if k.startswith("worker:"))
+        if busy == 0 or time.monotonic() > deadline:
+            return s
+        time.sleep(0.2)
+
+
 def test_requests_show_up_in_every_services_metrics(mesh: Mesh, client: openai.OpenAI) -> None:
-    before = scrape_all(mesh)
+    before = quiet(mesh)
     agg = client.completions.create(model="tiny-agg", prompt="metrics " * 8, max_tokens=7)
     assert agg.usage.completion_tokens == 7
     pd = "".join(c.choices[0].text for c in client.completions.create(
