@@ -237,3 +237,17 @@ def test_the_compose_services_serve_the_api(tmp_path: Path) -> None:
             probe = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5)
             assert probe.status_code == 200 and probe.json()["ready"] is True, (name, probe.text)
             assert "hetmesh_" in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+
+
+def test_grafana_is_provisioned_with_the_dashboard_and_its_datasource() -> None:
+    grafana = load(COMPOSE)["services"]["grafana"]
+    mounts = dict(v.rsplit(":", 1)[0].split(":", 1) for v in grafana["volumes"])
+    assert mounts["./ops/grafana/provisioning"] == "/etc/grafana/provisioning"
+    prov = ROOT / "ops" / "grafana" / "provisioning"
+    ds = yaml.safe_load((prov / "datasources" / "prometheus.yml").read_text())["datasources"][0]
+    assert ds["url"] == "http://prometheus:9090" and "9090:9090" in load(COMPOSE)["services"]["prometheus"]["ports"]
+    provider = yaml.safe_load((prov / "dashboards" / "hetmesh.yml").read_text())["providers"][0]
+    assert mounts["./ops/grafana/dashboards"] == provider["options"]["path"]
+    dash = json.loads((ROOT / "ops" / "grafana" / "dashboards" / "hetmesh.json").read_text())
+    uids = {t["datasource"]["uid"] for p in dash["panels"] for t in p["targets"]}
+    assert uids == {ds["uid"]}
