@@ -67,6 +67,7 @@ class Bus:
 
     def __init__(self, nc: Client) -> None:
         self.nc = nc
+        self.on_reconnect: list[Callable[[], Awaitable[None]]] = []  # awaited after each reconnect
 
     @classmethod
     async def for_mesh(cls, mesh: MeshConfig, name: str) -> Bus:
@@ -77,6 +78,7 @@ class Bus:
     async def connect(cls, url: str, name: str, connect_timeout_s: float = 30.0, **options: Any) -> Bus:
         """`options`: more nats.connect() arguments (credentials, TLS)."""
         last_error: list[BaseException] = []
+        on_reconnect: list[Callable[[], Awaitable[None]]] = []
 
         async def _error(e: Exception) -> None:
             if not last_error or type(last_error[-1]) is not type(e):
@@ -88,6 +90,11 @@ class Bus:
 
         async def _reconnected() -> None:
             log.info("NATS reconnected (%s)", name)
+            for hook in on_reconnect:
+                try:
+                    await hook()
+                except Exception:
+                    log.exception("reconnect hook failed")
 
         @retry(
             wait=wait_exponential(multiplier=0.1, max=2.0),
@@ -113,7 +120,9 @@ class Bus:
 
         # nats-py retries a refused first connect (e.g. bad credentials) forever on its own: bound it.
         try:
-            return cls(await asyncio.wait_for(_connect(), connect_timeout_s))
+            bus = cls(await asyncio.wait_for(_connect(), connect_timeout_s))
+            bus.on_reconnect = on_reconnect
+            return bus
         except TimeoutError:
             why = repr(last_error[-1]) if last_error else "no answer"
             raise ConnectionError(f"could not connect to NATS at {url} within {connect_timeout_s:g}s: {why}") from None

@@ -92,6 +92,9 @@ class ClientGone(Exception):
     pass
 
 
+BUS_GAP = object()  # put in every inbox when NATS reconnects: messages of the outage may be lost
+
+
 class Inbox:
     """A per-request mailbox: a deque plus at most one waiter. Cheaper than asyncio.Queue + wait_for."""
 
@@ -153,6 +156,7 @@ class Gateway:
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         self.bus = await Bus.for_mesh(self.cfg.mesh, f"gateway-{self.instance}")
+        self.bus.on_reconnect.append(self._on_reconnect)
         await self.bus.subscribe(subjects.reply_inbox(self.instance), ResponseEvent, self._on_reply)
         await self.bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self._on_heartbeat)
         await self.bus.nc.flush()
@@ -185,6 +189,10 @@ class Gateway:
         if box is not None:
             box.put(ev)
 
+    async def _on_reconnect(self) -> None:
+        for box in list(self.inboxes.values()):
+            box.put(BUS_GAP)
+
     async def _on_heartbeat(self, hb: Heartbeat, _m: Msg) -> None:
         workers = self.live.get(hb.model)
         if workers is not None:
@@ -197,6 +205,26 @@ class Gateway:
             return decode(resp.data, SchedulerStatus)
         except (nats.errors.Error, TimeoutError, msgspec.DecodeError):
             return None
+
+    async def wait_connected(self, timeout_s: float) -> bool:
+        """NATS is reconnecting (e.g. the server restarted): hold the request a bounded time rather than
+        refuse it; nats-py resubscribes and flushes what was published meanwhile once it is back."""
+        deadline = time.monotonic() + timeout_s
+        while not self.connected:
+            if self.closing or self.bus is None or self.bus.nc.is_closed or time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    async def wait_workers(self, model: str) -> bool:
+        """No heartbeat seen lately (workers restarting, or the bus just came back): wait one heartbeat
+        timeout for one before refusing."""
+        deadline = time.monotonic() + self.cfg.mesh.heartbeat_timeout_s
+        while self.live_workers(model) == 0:
+            if self.closing or time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
 
     def live_workers(self, model: str) -> int:
         workers = self.live.get(model)
@@ -278,10 +306,11 @@ class Gateway:
                 prep = self._prepare(chat, body, model, tok)
         except ApiError as exc:
             return self.reject(model.name, exc.info, span)
-        if not self.connected:
+        if not self.connected and not await self.wait_connected(gc.scheduler_wait_s):
             return self.reject(model.name, ErrorInfo(message="the gateway is not connected to the mesh",
-                                                     type="server_error", code="service_unavailable", status=503), span)
-        if self.live_workers(model.name) == 0:
+                                                     type="server_error", code="service_unavailable", status=503,
+                                                     retry_after_s=gc.retry_after_s), span)
+        if self.live_workers(model.name) == 0 and not await self.wait_workers(model.name):
             return self.reject(model.name, ErrorInfo(message=f"no live worker serves model {model.name!r} right now",
                                                      type="server_error", code="no_workers", status=503,
                                                      retry_after_s=gc.retry_after_s), span)
@@ -325,6 +354,7 @@ class Call:
         self.reasm = Reassembler()
         self.placement: Placement | None = None
         self.delivered = False  # some token reached the client: no more retries
+        self.gap_retries = 0  # attempts started because the bus reconnected (they do not use up max_attempts)
         self.cancelled = False
         self.closed = False
         self.first_token_at: float | None = None
@@ -392,7 +422,7 @@ class Call:
         return decode(resp.data, SubmitReply)
 
     def can_retry(self) -> bool:
-        return not self.delivered and self.req.attempt + 1 < self.gw.cfg.mesh.max_attempts
+        return not self.delivered and self.req.attempt - self.gap_retries + 1 < self.gw.cfg.mesh.max_attempts
 
     async def retry(self, lost_worker: str | None) -> ErrorInfo | None:
         self.gw.inboxes.pop(self.key, None)
@@ -434,6 +464,16 @@ class Call:
                     break
                 elif type(ev) is RequestError:
                     return ev.error
+                elif ev is BUS_GAP and not self.delivered:
+                    # Chunks or the reply may have been published while this gateway was disconnected
+                    # and be gone: nothing reached the client yet, so start the attempt over.
+                    self.gap_retries += 1
+                    err = await self.retry(None)
+                    if err is not None:
+                        return err
+                    ready.clear()
+                    deadline = loop.time() + stall
+                    break
             if ready and not items:
                 return ready
             if items:

@@ -297,6 +297,13 @@ class Scheduler:
         else:
             decision = self.policy.place(info, views)
         if decision is None:
+            # Nobody fit in the view (workers restarting, the bus just came back, the one left excluded):
+            # wait one heartbeat timeout for heartbeats rather than refuse at once.
+            deadline = time.monotonic() + self.cfg.mesh.heartbeat_timeout_s
+            while decision is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+                decision = self.policy.place(info, self.state.views())
+        if decision is None:
             self.metrics.rejected.labels("no_capacity").inc()
             return SubmitReply(request_id=req.request_id, error=ErrorInfo(
                 message=f"no live worker can serve model {req.model!r} right now", type="server_error",
