@@ -98,6 +98,18 @@ class ModelConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     max_context: int = 4096
     block_size: int = 16
     dtype: str = "bf16"
+    path: str = ""  # a Hugging Face model folder (weights, config.json, tokenizer), for real engines (vllm)
+
+
+class VllmWorkerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
+    """`[workers.vllm]`: how a worker group with engine = "vllm" builds its AsyncLLM."""
+
+    kv_connector: str = "hetmesh"  # hetmesh (KV bytes through kv-transfer, any platform) | nixl (GPU RDMA) | ""
+    kv_cache_gib: int = 1  # CPU KV cache (VLLM_CPU_KVCACHE_SPACE)
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int = 0  # 0: the model's max_context
+    enforce_eager: bool = True
+    dtype: str = ""  # vLLM dtype name; empty: from the model's dtype (bf16 -> bfloat16, ...)
 
 
 class WorkerGroup(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -111,6 +123,7 @@ class WorkerGroup(Struct, kw_only=True, forbid_unknown_fields=True):
     engine: str = "sim"  # sim | vllm
     max_batch: int = 64
     kv_blocks: int = 0  # 0: as many as fit in memory after weights (cost model)
+    vllm: VllmWorkerConfig = field(default_factory=VllmWorkerConfig)
 
     @property
     def vendor(self) -> str:

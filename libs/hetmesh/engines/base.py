@@ -1,8 +1,10 @@
 """The narrow engine interface the worker shell drives.
 
-It is deliberately small so that a vLLM `AsyncLLM` can sit behind it later: `submit` maps to
-`AsyncLLM.add_request`, `stream` to its per-request output queue, `abort` to `abort`, and
-`kv_events` to vLLM's KV-cache event publisher (BlockStored / BlockRemoved / AllBlocksCleared).
+It is deliberately small so that vLLM's `AsyncLLM` sits behind it (hetmesh.engines.vllm_engine):
+`submit` maps to `AsyncLLM.add_request`, `stream` to its per-request output collector, `abort` to
+`abort`, and `kv_events` to vLLM's KV-cache event publisher (BlockStored / BlockRemoved /
+AllBlocksCleared). `take_kv` / `put_kv` carry the real KV bytes of a disaggregated request for
+engines that have them (`real_kv`); the sim engine only simulates their size.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ class KvEventBatch(Struct, kw_only=True):
 
 class Engine(Protocol):
     name: str
+    real_kv: bool  # take_kv / put_kv move real KV bytes (else the worker sends the cost model's size)
 
     async def start(self) -> None: ...
 
@@ -97,4 +100,12 @@ class Engine(Protocol):
 
     def kv_events(self) -> KvEventBatch:
         """Drain the prefix cache's stored/removed block hashes since the previous call."""
+        ...
+
+    def take_kv(self, request_id: str) -> bytes | None:
+        """The KV a finished PREFILL left, as bytes to ship (once); None when the engine has none."""
+        ...
+
+    def put_kv(self, request_id: str, data: bytes) -> None:
+        """KV bytes that landed for a DECODE, before it is submitted."""
         ...

@@ -307,6 +307,7 @@ def _blocks_for(tokens: int, block_size: int) -> int:
 
 
 class SimEngine:
+    real_kv = False
     name = "sim"
 
     def __init__(self, tokenizer: Tokenizer, timer: StepTimer, config: SimConfig | None = None) -> None:
@@ -409,6 +410,12 @@ class SimEngine:
 
     def kv_events(self) -> KvEventBatch:
         return self.cache.drain()
+
+    def take_kv(self, request_id: str) -> bytes | None:
+        return None  # simulated KV: the worker sends the cost model's byte count
+
+    def put_kv(self, request_id: str, data: bytes) -> None:
+        return None
 
     # -- scheduling
 

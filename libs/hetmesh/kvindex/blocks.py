@@ -39,6 +39,17 @@ def block_hashes(model: str, tokens: Sequence[int], block_size: int) -> list[int
     return out
 
 
+def next_block(model: str, parent: bytes | None, block: Sequence[int]) -> bytes:
+    """One step of the chain: the digest of `block` after the block whose digest is `parent` (None:
+    the first block). For engines that report their cache block by block (vLLM's KV events);
+    `digest_int` of the result equals the matching entry of `block_hashes`."""
+    return blake2b((parent or _seed(model)) + array("q", block).tobytes(), digest_size=8).digest()
+
+
+def digest_int(digest: bytes) -> int:
+    return int.from_bytes(digest, "little") & _MASK63
+
+
 def cached_prefix_blocks(hashes: Sequence[int], has: Callable[[int], bool]) -> int:
     """Number of leading blocks for which `has` is true (the usable prefix hit)."""
     n = 0

@@ -100,6 +100,7 @@ class Worker:
         self.decodes: dict[str, _Decode] = {}  # waiting for KvLanded
         self.early_landed: dict[str, tuple[KvLanded, float]] = {}  # KvLanded that beat its WorkItem
         self.recv: dict[str, list[float]] = {}  # transfer id -> [bytes, chunks, last seen]
+        self.recv_data: dict[str, tuple[list[bytes], int]] = {}  # real-KV engines: transfer id -> chunks, next seq
         self.cancelled: set[str] = set()
         self.attempts: dict[str, int] = {}  # request id -> attempt being served
         self.superseded: set[str] = set()  # old attempts being dropped for a newer one
@@ -433,9 +434,14 @@ class Worker:
         rid = req.request_id
         dst = item.placement.decode_worker
         kvc = self.cfg.kv_transfer
-        nbytes = self.cost.kv_bytes_per_token() * len(req.prompt_tokens)
-        if kvc.max_wire_bytes > 0:
-            nbytes = min(nbytes, kvc.max_wire_bytes)
+        # A real engine (vLLM) hands over its KV cache's bytes; the sim engine's are only a size.
+        data = self.engine.take_kv(rid) if self.engine.real_kv else None
+        if data is not None:
+            nbytes = len(data)
+        else:
+            nbytes = self.cost.kv_bytes_per_token() * len(req.prompt_tokens)
+            if kvc.max_wire_bytes > 0:
+                nbytes = min(nbytes, kvc.max_wire_bytes)
         # NATS refuses messages over the server's max_payload (1 MiB by default), headers included.
         chunk = max(1, min(kvc.chunk_bytes, self.bus.nc.max_payload - KV_HEADER_ROOM))
         treq = KvTransferRequest(
@@ -452,7 +458,9 @@ class Worker:
             with trace.use_span(span, end_on_exit=True):
                 accept = await self.bus.request(subjects.KV_TRANSFER, treq, KvTransferAccept, KV_ACCEPT_TIMEOUT_S,
                                                 rid)
-                chunks = await self._send_kv(accept.data_subject, nbytes, chunk)
+                if self.engine.real_kv and data is None:
+                    raise EngineError(f"engine left no KV for {rid}")
+                chunks = await self._send_kv(accept.data_subject, nbytes, chunk, data)
                 span.set_attribute("hetmesh.chunks", chunks)
         except Exception as exc:
             # Tell the decode worker right away instead of letting it wait for its timeout.
@@ -469,16 +477,20 @@ class Worker:
         await self._event(rid, "kv_sent", phase="prefill", transfer_id=treq.transfer_id, dst=dst, nbytes=nbytes,
                           chunks=chunks, chunk_bytes=chunk, duration_s=time.perf_counter() - t0)
 
-    async def _send_kv(self, subject: str, nbytes: int, chunk: int) -> int:
-        """Put nbytes of (simulated) KV on the wire in chunks; the size is real, the content is not."""
-        if len(self._zeros) < chunk:
+    async def _send_kv(self, subject: str, nbytes: int, chunk: int, kv: bytes | None = None) -> int:
+        """Put nbytes of KV on the wire in chunks: the engine's own bytes, or (sim) zeros of the real size."""
+        if kv is None and len(self._zeros) < chunk:
             self._zeros = bytes(chunk)
+        view = memoryview(kv) if kv is not None else None
         nc = self.bus.nc
         seq = sent = since_flush = 0
         while True:
             n = min(chunk, nbytes - sent)
             last = sent + n >= nbytes
-            data = self._zeros if n == len(self._zeros) else self._zeros[:n]
+            if view is not None:
+                data = view[sent:sent + n]
+            else:
+                data = self._zeros if n == len(self._zeros) else self._zeros[:n]
             await nc.publish(subject, data, headers={"Kv-Seq": str(seq), "Kv-Last": "1" if last else "0"})
             seq += 1
             sent += n
@@ -522,6 +534,15 @@ class Worker:
                 return
             landed = local
         received = await self._received(landed) if landed.transfer_id else 0
+        if self.engine.real_kv and landed.transfer_id:
+            kv = self.recv_data.pop(landed.transfer_id, None)
+            if kv is None or received != landed.nbytes or kv[1] != landed.chunks:
+                local = await self._prefill_locally(item, f"KV arrived incomplete ({received} of {landed.nbytes} bytes)")
+                if local is None:
+                    return
+                landed = local
+            else:
+                self.engine.put_kv(rid, b"".join(kv[0]))
         if rid in self.cancelled:  # cancelled between landing and submit
             await self._event(rid, "aborted", phase="decode", completion_tokens=0)
             await self._finished(rid, "abort", 0)
@@ -591,6 +612,10 @@ class Worker:
                               finish_reason=last.finish_reason, cached_tokens=last.cached_tokens, local_prefill=True)
             await self._finished(rid, last.finish_reason, last.completion_tokens)
             return None
+        if self.engine.real_kv:  # the local prefill's KV: the decode below loads it like a landed one
+            kv = self.engine.take_kv(rid)
+            if kv is not None:
+                self.engine.put_kv(rid, kv)
         return KvLanded(transfer_id="", request_id=rid, src_worker=self.worker_id, nbytes=0, chunks=0, duration_s=0.0,
                         first_token_ids=last.token_ids, first_text=last.text, cached_tokens=last.cached_tokens)
 
@@ -623,6 +648,13 @@ class Worker:
         e[1] += 1
         e[2] = time.monotonic()
         self.kv_bytes_received += len(m.data)
+        if self.engine.real_kv:  # keep the bytes (in order: one relay publishes them on one subject)
+            d = self.recv_data.get(tid)
+            if d is None:
+                d = self.recv_data[tid] = ([], 0)
+            if int((m.headers or {}).get("Kv-Seq", "-1")) == d[1]:
+                d[0].append(m.data)
+                self.recv_data[tid] = (d[0], d[1] + 1)
 
     # ------------------------------------------------------------------ cancel
     async def on_cancel(self, c: Cancel, _m: Msg) -> None:
@@ -666,6 +698,7 @@ class Worker:
         now = time.monotonic()
         for tid in [t for t, e in self.recv.items() if now - e[2] > STALE_S]:
             del self.recv[tid]
+            self.recv_data.pop(tid, None)
         for rid in [r for r, (_, ts) in self.early_landed.items() if now - ts > STALE_S]:
             del self.early_landed[rid]
         for rid in [r for r, ts in self.early_cancels.items() if now - ts > STALE_S]:

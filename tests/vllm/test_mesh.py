@@ -1,0 +1,260 @@
+"""Real vLLM through the whole mesh: gateway, scheduler, kv-transfer and four vLLM workers, each its
+own process (two aggregated workers for `tiny-agg`, a prefill and a decode worker for `tiny-pd`, the
+same tiny model behind both names), driven with the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import msgspec
+import nats
+import openai
+import pytest
+
+from hetmesh import subjects
+from hetmesh.kvindex.blocks import block_hashes
+from hetmesh.kvindex.index import PrefixIndex
+from hetmesh.launcher import Mesh
+from hetmesh.protocol import Heartbeat
+from hetmesh.tokenizer import HFTokenizer
+
+from ..e2e.conftest import EventLog, print_logs_on_failure
+from .conftest import BLOCK, MAX_TOKENS, TEXTS
+
+CLUSTER = """
+[mesh]
+heartbeat_interval_s = 0.2
+heartbeat_timeout_s = 5.0
+stall_timeout_s = 60.0
+
+[scheduler]
+policy = "prefix_aware"
+
+[[models]]
+name = "tiny-agg"
+spec = "{model}/config.json"
+tokenizer = "{model}/tokenizer.json"
+path = "{model}"
+max_context = 1024
+block_size = {block}
+dtype = "fp32"
+
+[[models]]
+name = "tiny-pd"
+spec = "{model}/config.json"
+tokenizer = "{model}/tokenizer.json"
+path = "{model}"
+max_context = 1024
+block_size = {block}
+dtype = "fp32"
+
+[[workers]]
+name = "cpu"
+model = "tiny-agg"
+accelerator = "nvidia-h100"  # a label for the cost model only: vLLM runs on this machine's CPU
+engine = "vllm"
+count = 2
+max_batch = 8
+
+[[workers]]
+name = "cpu-p"
+model = "tiny-pd"
+accelerator = "nvidia-h100"
+role = "prefill"
+engine = "vllm"
+max_batch = 8
+
+[[workers]]
+name = "cpu-d"
+model = "tiny-pd"
+accelerator = "nvidia-h100"
+role = "decode"
+engine = "vllm"
+max_batch = 8
+"""
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    d = tmp_path_factory.mktemp("vllm-mesh")
+    path = d / "cluster.toml"
+    path.write_text(CLUSTER.format(model=tiny_model, block=BLOCK))
+    m = Mesh(path, gateway_port=0, log_dir=d / "logs", env={"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    m.start(ready_timeout_s=400)  # four vLLM engines starting at once on two cores
+    try:
+        yield m
+    finally:
+        m.stop()
+        print_logs_on_failure(d / "logs")
+
+
+@pytest.fixture(scope="module")
+def aclient(mesh: Mesh) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture
+async def events(mesh: Mesh) -> AsyncIterator[EventLog]:
+    nc = await nats.connect(mesh.nats_url)
+    log = EventLog()
+    await nc.subscribe(subjects.EVENTS_ALL, cb=log.on_msg)
+    await nc.flush()
+    try:
+        yield log
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.close()
+
+
+def _rid(completion_id: str) -> str:
+    return completion_id.split("-", 1)[1] if "-" in completion_id else completion_id
+
+
+async def _complete(aclient: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int = MAX_TOKENS,
+                    stream: bool = False) -> tuple[str, str, openai.types.CompletionUsage | None, str | None]:
+    body = {"ignore_eos": True}
+    if not stream:
+        r = await aclient.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                             extra_body=body)
+        return r.id, r.choices[0].text, r.usage, r.choices[0].finish_reason
+    s = await aclient.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                         stream=True, stream_options={"include_usage": True}, extra_body=body)
+    rid, text, usage, finish = "", [], None, None
+    async for c in s:
+        rid = c.id
+        if c.choices:
+            text.append(c.choices[0].text)
+            finish = c.choices[0].finish_reason or finish
+        if c.usage is not None:
+            usage = c.usage
+    return rid, "".join(text), usage, finish
+
+
+async def test_greedy_text_is_vllms_aggregated_and_disaggregated(
+        aclient: openai.AsyncOpenAI, events: EventLog, reference: list[dict], tiny_model: Path) -> None:
+    tok = HFTokenizer(str(tiny_model / "tokenizer.json"))
+    for i, text in enumerate(TEXTS):
+        want = reference[i]["text"]  # vLLM alone, detokenized by vLLM
+        _, agg, usage, finish = await _complete(aclient, "tiny-agg", text)
+        rid, pd, pd_usage, pd_finish = await _complete(aclient, "tiny-pd", text, stream=True)
+        assert agg == want and pd == want
+        assert finish == pd_finish == "length"
+        assert usage is not None and pd_usage is not None
+        assert usage.completion_tokens == pd_usage.completion_tokens == MAX_TOKENS
+        assert usage.prompt_tokens == pd_usage.prompt_tokens == len(tok.encode(text))
+        placed = await events.wait_for(_rid(rid), "placed")
+        assert placed.detail["mode"] == "disaggregated"
+        landed = await events.wait_for(_rid(rid), "kv_landed")
+        # The decode worker got the prefill worker's real KV: whole 128-token blocks of every layer.
+        assert int(landed.detail["bytes_received"]) == int(landed.detail["nbytes"]) > 0  # type: ignore[arg-type]
+
+
+async def test_decode_worker_computes_none_of_the_prompt(aclient: openai.AsyncOpenAI, mesh: Mesh) -> None:
+    seen: dict[str, Heartbeat] = {}
+    nc = await nats.connect(mesh.nats_url)
+
+    async def on_hb(m: object) -> None:
+        hb = msgspec.json.decode(m.data, type=Heartbeat)  # type: ignore[attr-defined]
+        seen[hb.worker_id] = hb
+
+    await nc.subscribe(subjects.heartbeat("cpu-d-0"), cb=on_hb)
+    await nc.subscribe(subjects.heartbeat("cpu-p-0"), cb=on_hb)
+    try:
+        for _ in range(200):
+            if len(seen) == 2:
+                break
+            await asyncio.sleep(0.05)
+        before_d, before_p = seen["cpu-d-0"], seen["cpu-p-0"]
+        prompt = TEXTS[2] + " seven eight nine"
+        n = len(HFTokenizer(mesh.cfg.model("tiny-pd").tokenizer).encode(prompt))
+        await _complete(aclient, "tiny-pd", prompt, max_tokens=8)
+        await asyncio.sleep(1.0)  # a few heartbeats later
+        d, p = seen["cpu-d-0"], seen["cpu-p-0"]
+    finally:
+        await nc.close()
+    # The decode engine computed one position (the prefill side's first token) and loaded the prompt.
+    assert d.prompt_tokens_computed - before_d.prompt_tokens_computed == 1
+    assert d.prompt_tokens_cached - before_d.prompt_tokens_cached == n
+    assert p.prompt_tokens_computed - before_p.prompt_tokens_computed + \
+        (p.prompt_tokens_cached - before_p.prompt_tokens_cached) == n
+    assert d.tokens_generated - before_d.tokens_generated == 7
+
+
+async def test_kv_events_reach_redis_and_prefix_aware_routing_hits(
+        aclient: openai.AsyncOpenAI, events: EventLog, mesh: Mesh) -> None:
+    shared = TEXTS[0] + " system prompt shared by every turn " * 8
+    rid, _, _, _ = await _complete(aclient, "tiny-agg", shared + " first question", max_tokens=2)
+    holder = (await events.wait_for(_rid(rid), "placed")).detail["decode_worker"]
+    other = "cpu-1" if holder == "cpu-0" else "cpu-0"
+    tok = HFTokenizer(mesh.cfg.model("tiny-agg").tokenizer)
+    hashes = block_hashes("tiny-agg", tok.encode(shared + " first question"), BLOCK)
+    index = PrefixIndex.from_url(mesh.redis_url)
+    try:
+        held: dict[str, int] = {}
+        for _ in range(100):  # vLLM's events -> worker -> scheduler -> Redis
+            held = await index.lookup("tiny-agg", hashes)
+            if held.get(holder) == len(hashes):
+                break
+            await asyncio.sleep(0.1)
+        assert held.get(holder) == len(hashes), held
+        assert other not in held
+    finally:
+        await index.close()
+    # Load the holder so that least-loaded alone would send the repeat to the other worker.
+    busy = asyncio.create_task(aclient.completions.create(model="tiny-agg", prompt="busy " * 50, max_tokens=300,
+                                                          extra_body={"ignore_eos": True}))
+    try:
+        await asyncio.sleep(1.0)
+        rid2, _, usage, _ = await _complete(aclient, "tiny-agg", shared + " second question", max_tokens=2)
+        placed = await events.wait_for(_rid(rid2), "placed", policy="prefix_aware")  # the scheduler's record
+        assert placed.detail["decode_worker"] == holder
+        assert int(placed.detail["cached_tokens"] or 0) >= BLOCK  # type: ignore[arg-type]
+        # vLLM's own prefix cache served those blocks.
+        assert usage is not None and usage.prompt_tokens_details is not None
+        assert usage.prompt_tokens_details.cached_tokens >= BLOCK
+    finally:
+        busy.cancel()
+        with contextlib.suppress(BaseException):
+            await busy
+
+
+async def test_client_disconnect_aborts_vllm_and_frees_its_blocks(mesh: Mesh, events: EventLog) -> None:
+    import httpx
+
+    beats: list[Heartbeat] = []
+    nc = await nats.connect(mesh.nats_url)
+
+    async def on_hb(m: object) -> None:
+        beats.append(msgspec.json.decode(m.data, type=Heartbeat))  # type: ignore[attr-defined]
+
+    await nc.subscribe(subjects.heartbeat("cpu-d-0"), cb=on_hb)
+    body = {"model": "tiny-pd", "prompt": TEXTS[1], "max_tokens": 800, "stream": True, "ignore_eos": True,
+            "temperature": 0}
+    rid = None
+    try:
+        async with httpx.AsyncClient(base_url=mesh.url, timeout=60) as http:
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                n = 0
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        rid = rid or line.split('"id":"', 1)[1].split('"', 1)[0]
+                        n += 1
+                        if n >= 5:
+                            break
+        assert rid is not None
+        aborted = await events.wait_for(_rid(rid), "aborted", timeout_s=30)
+        assert aborted.detail["worker_id"] == "cpu-d-0"
+        assert 0 < int(aborted.detail["completion_tokens"]) < 800  # type: ignore[arg-type]
+        assert any(b.kv_blocks_used > 0 for b in beats), "the decode engine held blocks while it ran"
+        n_beats = len(beats)
+        for _ in range(100):  # the engine freed them: its next reports say so
+            if len(beats) > n_beats + 1 and beats[-1].kv_blocks_used == 0 and beats[-1].running == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert beats[-1].kv_blocks_used == 0 and beats[-1].running == 0, beats[-1]
+        assert beats[-1].aborted >= 1
+    finally:
+        await nc.close()
