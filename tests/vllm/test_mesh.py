@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -22,6 +22,7 @@ from hetmesh.protocol import Heartbeat
 from hetmesh.tokenizer import HFTokenizer
 
 from ..e2e.conftest import EventLog, print_logs_on_failure
+from ..e2e.conftest import events as events  # the same fixture, on this module's mesh
 from .conftest import BLOCK, MAX_TOKENS, TEXTS
 
 CLUSTER = """
@@ -94,19 +95,6 @@ def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 @pytest.fixture(scope="module")
 def aclient(mesh: Mesh) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture
-async def events(mesh: Mesh) -> AsyncIterator[EventLog]:
-    nc = await nats.connect(mesh.nats_url)
-    log = EventLog()
-    await nc.subscribe(subjects.EVENTS_ALL, cb=log.on_msg)
-    await nc.flush()
-    try:
-        yield log
-    finally:
-        with contextlib.suppress(Exception):
-            await nc.close()
 
 
 def _rid(completion_id: str) -> str:
