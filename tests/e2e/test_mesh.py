@@ -201,6 +201,7 @@ async def test_garbage_on_every_subject_kills_nothing(mesh: Mesh, aclient: opena
         reply = await nc.request(subjects.SUBMIT, b"{not json", timeout=5)
         assert "error" in json.loads(reply.data)
         for subject in (subjects.CANCEL, subjects.FINISHED, subjects.heartbeat("h100-0"), subjects.kv_events("h100-0"),
+                        subjects.KV_RESYNC, subjects.SCHED_STATUS,
                         subjects.KV_TRANSFER, subjects.kv_landed("vr200-0"), subjects.kv_recv("vr200-0"),
                         subjects.work_direct("both", "nvidia", "nvidia-h100", "h100-0"),
                         subjects.work_pool("decode", "nvidia", "nvidia-rubin-vr200")):

@@ -707,16 +707,20 @@ def create_app(gw: Gateway) -> FastAPI:
         log.exception("unhandled error", exc_info=exc)
         return error_response(ErrorInfo(message="internal error in the gateway", type="server_error", status=500))
 
-    # Plain Starlette routes for the hot paths: the body is validated by hand (model_validate_json
-    # straight from bytes), so FastAPI's dependency machinery would be pure overhead.
-    async def chat_completions(request: Request) -> Response:
+    # HotPath serves these two POSTs before FastAPI sees them (the body is validated by hand, straight from
+    # bytes); the routes are declared here with their body models so that /openapi.json documents them.
+    errors = {str(c): {"description": d} for c, d in ((400, "invalid request"), (401, "no or wrong API key"),
+                                                        (404, "unknown model"), (413, "body too large"),
+                                                        (429, "rate limited (Retry-After)"),
+                                                        (503, "overloaded or no capacity (Retry-After)"))}
+
+    @app.post("/v1/chat/completions", responses=errors)
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         return await gw.handle(request, chat=True)
 
-    async def completions(request: Request) -> Response:
+    @app.post("/v1/completions", responses=errors)
+    async def completions(request: Request, body: CompletionRequest) -> Response:
         return await gw.handle(request, chat=False)
-
-    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
-    app.add_route("/v1/completions", completions, methods=["POST"])
 
     def model_card(m: config.ModelConfig) -> dict[str, object]:
         return {"id": m.name, "object": "model", "created": gw.created, "owned_by": "hetmesh",
