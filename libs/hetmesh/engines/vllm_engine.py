@@ -24,7 +24,6 @@ import logging
 import os
 import shutil
 import tempfile
-import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -131,7 +130,7 @@ class _KvEventMapper:
 
 
 class _Track:
-    __slots__ = ("collector", "first", "first_at", "index", "kv_path", "prompt_tokens", "req", "started")
+    __slots__ = ("collector", "first", "index", "kv_path", "prompt_tokens", "req")
 
     def __init__(self, req: EngineRequest, collector: Any, kv_path: str | None) -> None:
         self.req = req
@@ -140,8 +139,6 @@ class _Track:
         self.first = len(req.first_token_ids)
         self.index = self.first  # position of the next token in the whole completion
         self.prompt_tokens = len(req.prompt_tokens)
-        self.started = time.perf_counter()
-        self.first_at = 0.0
 
 
 class VllmEngine:
@@ -166,8 +163,6 @@ class VllmEngine:
         self.prompt_tokens_computed = 0
         self.prompt_tokens_cached = 0
         self.aborted = 0
-        # Measured per-phase timings (seconds) for the cost model's calibration.
-        self.timings: list[tuple[str, int, int, float]] = []  # (phase, prompt, cached or tokens, seconds)
 
     # ------------------------------------------------------------------ lifecycle
     def engine_args(self) -> Any:
@@ -315,8 +310,6 @@ class VllmEngine:
                 ids = list(c.token_ids) if c is not None else []
                 text = c.text if c is not None else ""
                 reason = c.finish_reason if c is not None else None
-                if ids and not t.first_at:
-                    t.first_at = time.perf_counter()
                 cached = out.num_cached_tokens or 0
                 index = t.index
                 t.index += len(ids)
@@ -357,12 +350,6 @@ class VllmEngine:
         prompt = t.prompt_tokens + t.first  # what the engine was given
         self.prompt_tokens_cached += min(cached, prompt)
         self.prompt_tokens_computed += max(0, prompt - cached)
-        now = time.perf_counter()
-        if t.first_at:
-            self.timings.append(("prefill", t.prompt_tokens, cached, t.first_at - t.started))
-            n = t.index - t.first - 1
-            if n > 0:
-                self.timings.append(("decode", t.prompt_tokens, n, now - t.first_at))
 
     async def abort(self, request_id: str) -> bool:
         if request_id not in self._tracks or self.llm is None:
