@@ -48,7 +48,8 @@ def test_every_operation_answers_success_or_an_openai_error(gateway: GatewayProc
         if mode is GenerationMode.NEGATIVE and not len(op.body):
             continue  # only a body can be wrong (a path string is always a string)
 
-        @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+                  derandomize=True)  # the same cases every run: CI must not pass or fail by luck
         @given(case=st.tuples(op.as_strategy(generation_mode=mode), st.booleans()).map(served_model))
         def run(case: schemathesis.Case) -> None:
             statuses.setdefault(case.operation.label, set()).add(check(case, gateway))
