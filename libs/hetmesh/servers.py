@@ -97,14 +97,18 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], what: str, log: Path, t
     raise TimeoutError(f"{what} did not listen on {url} within {timeout_s}s")
 
 
-def start_nats(port: int | None = None, jetstream: bool = True, user: str = "", password: str = "") -> ServerProcess:
-    """`user`/`password`: the server requires them (what a secured deployment looks like)."""
+def start_nats(port: int | None = None, jetstream: bool = True, user: str = "", password: str = "",
+               monitor_port: int = 0) -> ServerProcess:
+    """`user`/`password`: the server requires them (what a secured deployment looks like).
+    `monitor_port`: serve nats-server's HTTP monitoring (/connz, /varz) there."""
     port = port or free_port()
     work = Path(tempfile.mkdtemp(prefix="hetmesh-nats-"))
     log = work / "nats-server.log"
     args = [find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-l", str(log)]
     if user:
         args += ["--user", user, "--pass", password]
+    if monitor_port:
+        args += ["-m", str(monitor_port)]
     if jetstream:
         args += ["-js", "-sd", str(work / "js")]
     url = f"nats://127.0.0.1:{port}"
