@@ -69,19 +69,26 @@ role = "decode"
 TIME_SCALE = 0.5
 
 
-@pytest.fixture(scope="session")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    # Its own nats-server and redis-server: other tests' schedulers and workers must not join.
-    d = tmp_path_factory.mktemp("mesh")
+@contextlib.contextmanager
+def running_mesh(d: Path, cluster: str, ready_timeout_s: float = 90, **kw: object) -> Iterator[Mesh]:
+    """A Mesh of `cluster` (TOML text) with its own nats-server and redis-server, logs under `d`
+    (their tails printed at the end)."""
     path = d / "cluster.toml"
-    path.write_text(CLUSTER.format(time_scale=TIME_SCALE))
-    m = Mesh(path, gateway_port=0, log_dir=d / "logs")
-    m.start(ready_timeout_s=90)
+    path.write_text(cluster)
+    m = Mesh(path, gateway_port=0, log_dir=d / "logs", **kw)  # type: ignore[arg-type]
+    m.start(ready_timeout_s=ready_timeout_s)
     try:
         yield m
     finally:
         m.stop()
         print_logs_on_failure(d / "logs")
+
+
+@pytest.fixture(scope="session")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    # Its own nats-server and redis-server: other tests' schedulers and workers must not join.
+    with running_mesh(tmp_path_factory.mktemp("mesh"), CLUSTER.format(time_scale=TIME_SCALE)) as m:
+        yield m
 
 
 def print_logs_on_failure(log_dir: Path) -> None:
@@ -122,9 +129,9 @@ class EventLog:
                 await asyncio.sleep(0.02)
 
 
-@pytest.fixture
-async def events(mesh: Mesh) -> AsyncIterator[EventLog]:
-    nc = await nats.connect(mesh.nats_url)
+async def collect_events(nats_url: str) -> AsyncIterator[EventLog]:
+    """An EventLog filled from `hetmesh.event.>` while the generator is open (reconnects on its own)."""
+    nc = await nats.connect(nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
     log = EventLog()
     await nc.subscribe(subjects.EVENTS_ALL, cb=log.on_msg)
     await nc.flush()
@@ -133,6 +140,12 @@ async def events(mesh: Mesh) -> AsyncIterator[EventLog]:
     finally:
         with contextlib.suppress(Exception):
             await nc.close()
+
+
+@pytest.fixture
+async def events(mesh: Mesh) -> AsyncIterator[EventLog]:
+    async for log in collect_events(mesh.nats_url):
+        yield log
 
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

@@ -10,26 +10,24 @@ about 0.2 s. The tests run in file order and each leaves the mesh whole for the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from urllib.parse import urlparse
 
 import httpx
-import nats
 import openai
 import pytest
 import redis
 
-from hetmesh import servers, subjects
+from hetmesh import servers
 from hetmesh.engines.sim import expected_completion
 from hetmesh.launcher import Mesh
 from hetmesh.protocol import SamplingParams, ServiceEvent
 from hetmesh.tokenizer import ByteTokenizer
 
-from ..e2e.conftest import EventLog, print_logs_on_failure
+from ..e2e.conftest import EventLog, collect_events, running_mesh
 
 TOK = ByteTokenizer()
 KV_LANDED_TIMEOUT_S = 8.0
@@ -74,29 +72,15 @@ count = 2
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    d = tmp_path_factory.mktemp("failures")
-    path = d / "cluster.toml"
-    path.write_text(CLUSTER)
-    m = Mesh(path, gateway_port=0, log_dir=d / "logs", env={"HETMESH_KV_LANDED_TIMEOUT_S": str(KV_LANDED_TIMEOUT_S)})
-    m.start(ready_timeout_s=120)
-    try:
+    with running_mesh(tmp_path_factory.mktemp("failures"), CLUSTER, ready_timeout_s=120,
+                      env={"HETMESH_KV_LANDED_TIMEOUT_S": str(KV_LANDED_TIMEOUT_S)}) as m:
         yield m
-    finally:
-        m.stop()
-        print_logs_on_failure(d / "logs")
 
 
 @pytest.fixture(scope="module")
 async def events(mesh: Mesh) -> AsyncIterator[EventLog]:
-    nc = await nats.connect(mesh.nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
-    log = EventLog()
-    await nc.subscribe(subjects.EVENTS_ALL, cb=log.on_msg)
-    await nc.flush()
-    try:
+    async for log in collect_events(mesh.nats_url):
         yield log
-    finally:
-        with contextlib.suppress(Exception):
-            await nc.close()
 
 
 @pytest.fixture(scope="module")
@@ -128,39 +112,40 @@ def respawn(mesh: Mesh, name: str) -> None:
     mesh.wait_ready(90)
 
 
-async def test_prefill_worker_killed_mid_prefill_request_is_replaced(mesh: Mesh, aclient: openai.AsyncOpenAI,
-                                                                     events: EventLog) -> None:
-    prompt = "p" * 6000  # ~1.3 s of prefill at this time scale
+async def kill_mid_request(mesh: Mesh, aclient: openai.AsyncOpenAI, events: EventLog, prompt: str,
+                           max_tokens: int, side: str, moment: Callable[[ServiceEvent], Awaitable[None]]) -> None:
+    """Send a (non-streamed) request, SIGKILL its `side` worker once `moment(placed)` returns, and check
+    that it is re-placed on another worker and returns the full deterministic text."""
     t0 = time.time()
-    task = complete(aclient, prompt, 8)
+    task = complete(aclient, prompt, max_tokens)
     placed = await first_placed(events, t0)
-    victim = str(placed.detail["prefill_worker"])
-    await asyncio.sleep(0.3)
-    assert not [e for e in events.for_request(placed.request_id) if e.kind == "prefill_done"], "kill came too late"
+    victim = str(placed.detail[side])
+    await moment(placed)
     mesh.kill(f"worker:{victim}")
     r = await asyncio.wait_for(task, 90)
-    assert r.choices[0].text == expected_text(prompt, 8)  # type: ignore[attr-defined]
+    assert r.choices[0].text == expected_text(prompt, max_tokens)  # type: ignore[attr-defined]
     retried = await events.wait_for(placed.request_id, "placed", attempt=1)
-    assert retried.detail["prefill_worker"] != victim
+    assert retried.detail[side] != victim
     respawn(mesh, f"worker:{victim}")
+
+
+async def test_prefill_worker_killed_mid_prefill_request_is_replaced(mesh: Mesh, aclient: openai.AsyncOpenAI,
+                                                                     events: EventLog) -> None:
+    async def mid_prefill(placed: ServiceEvent) -> None:
+        await asyncio.sleep(0.3)  # a 6000-token prefill takes ~1.3 s at this time scale
+        assert not [e for e in events.for_request(placed.request_id) if e.kind == "prefill_done"], "too late"
+
+    await kill_mid_request(mesh, aclient, events, "p" * 6000, 8, "prefill_worker", mid_prefill)
 
 
 async def test_decode_worker_killed_mid_decode_request_is_replaced(mesh: Mesh, aclient: openai.AsyncOpenAI,
                                                                    events: EventLog) -> None:
     """Not streamed: nothing reached the client yet, so the gateway re-places it; same text."""
-    prompt = "decode me " * 10
-    t0 = time.time()
-    task = complete(aclient, prompt, 30)  # ~6 s of decode
-    placed = await first_placed(events, t0)
-    victim = str(placed.detail["decode_worker"])
-    await events.wait_for(placed.request_id, "kv_landed", timeout_s=30)
-    await asyncio.sleep(0.5)
-    mesh.kill(f"worker:{victim}")
-    r = await asyncio.wait_for(task, 90)
-    assert r.choices[0].text == expected_text(prompt, 30)  # type: ignore[attr-defined]
-    retried = await events.wait_for(placed.request_id, "placed", attempt=1)
-    assert retried.detail["decode_worker"] != victim
-    respawn(mesh, f"worker:{victim}")
+    async def mid_decode(placed: ServiceEvent) -> None:
+        await events.wait_for(placed.request_id, "kv_landed", timeout_s=30)
+        await asyncio.sleep(0.5)  # 30 tokens take ~6 s
+
+    await kill_mid_request(mesh, aclient, events, "decode me " * 10, 30, "decode_worker", mid_decode)
 
 
 async def test_streamed_request_whose_decode_worker_dies_ends_with_a_clear_error(

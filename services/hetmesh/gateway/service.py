@@ -452,23 +452,18 @@ class Call:
                         return ErrorInfo(message=f"worker {ev.worker_id} aborted the request", type="server_error",
                                          code="aborted", status=502)
                     ready.extend(self.reasm.add(ev))
-                elif type(ev) is WorkerLost or (type(ev) is RequestError and ev.retryable):
-                    lost = ev.worker_id if type(ev) is WorkerLost else None
-                    if not self.can_retry():
-                        return self._lost_info(ev)
-                    err = await self.retry(lost)
-                    if err is not None:
-                        return err
-                    ready.clear()
-                    deadline = loop.time() + stall
-                    break
-                elif type(ev) is RequestError:
+                elif type(ev) is RequestError and not ev.retryable:
                     return ev.error
-                elif ev is BUS_GAP and not self.delivered:
-                    # Chunks or the reply may have been published while this gateway was disconnected
-                    # and be gone: nothing reached the client yet, so start the attempt over.
-                    self.gap_retries += 1
-                    err = await self.retry(None)
+                elif ev is BUS_GAP and self.delivered:
+                    continue  # tokens went out: it cannot start over; the stall timeout ends it if need be
+                else:  # WorkerLost, a retryable RequestError, or BUS_GAP
+                    if ev is BUS_GAP:
+                        # Chunks or the reply may have been published while this gateway was disconnected
+                        # and be gone: nothing reached the client yet, so start the attempt over.
+                        self.gap_retries += 1
+                    elif not self.can_retry():
+                        return self._lost_info(ev)
+                    err = await self.retry(ev.worker_id if type(ev) is WorkerLost else None)
                     if err is not None:
                         return err
                     ready.clear()
