@@ -58,6 +58,22 @@ class VllmConfig(msgspec.Struct, kw_only=True):
     seed: int = 0
 
 
+SPOOL_PREFIX = "hetmesh-vllm-"
+
+
+def _spool_root() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
+def _sweep_dead_spools() -> None:
+    """Remove spool folders whose worker process is gone (killed before it could clean up)."""
+    root = Path(_spool_root() or tempfile.gettempdir())
+    for d in root.glob(f"{SPOOL_PREFIX}*-*"):
+        pid = d.name[len(SPOOL_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(d, ignore_errors=True)
+
+
 class _Stats:
     """The last SchedulerStats AsyncLLM reported (a StatLoggerBase made by `_stat_logger`)."""
 
@@ -156,8 +172,9 @@ class VllmEngine:
         self._pending_events = KvEventBatch()
         self._sub: Any = None
         self._own_spool = not config.spool_dir
-        self.spool = Path(config.spool_dir or tempfile.mkdtemp(
-            prefix="hetmesh-vllm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+        if self._own_spool:
+            _sweep_dead_spools()
+        self.spool = Path(config.spool_dir or tempfile.mkdtemp(prefix=f"{SPOOL_PREFIX}{os.getpid()}-", dir=_spool_root()))
         self.kv_blocks_total = 0
         self.tokens_generated = 0
         self.prompt_tokens_computed = 0
@@ -212,14 +229,14 @@ class VllmEngine:
         for rid in list(self._tracks):
             with contextlib.suppress(Exception):
                 await self.abort(rid)
-        if self.llm is not None:
-            self.llm.shutdown()
-            self.llm = None
+        if self._own_spool:  # first: vLLM's shutdown may outlast the launcher's patience (SIGKILL)
+            shutil.rmtree(self.spool, ignore_errors=True)
         if self._sub is not None:
             self._sub.close(linger=0)
             self._sub = None
-        if self._own_spool:
-            shutil.rmtree(self.spool, ignore_errors=True)
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
 
     # ------------------------------------------------------------------ requests
     def _kv_path(self, request_id: str) -> str:
