@@ -100,14 +100,16 @@ async def test_disaggregated_equals_vllm_alone_and_decode_loads_the_prompt(
 
 
 async def test_decode_output_depends_on_the_transferred_kv(engines: tuple[VllmEngine, VllmEngine],
-                                                           prompts: list[list[int]], reference: list[dict]) -> None:
+                                                           prompts: list[list[int]]) -> None:
     # Same text after a transfer proves nothing if the engine quietly recomputed: noise instead of the
     # prompt's KV must change what the decode side generates.
     a, b = engines
-    ids, _, computed = await _disaggregated(a, b, "noise", prompts[2], perturb=True)
+    p = [3, *prompts[2]]  # shifted: no block of it is in b's prefix cache, so all of it must be loaded
+    want, _ = await _run(a, _req("noise-ref", p))
+    ids, _, computed = await _disaggregated(a, b, "noise", p, perturb=True)
     assert computed == 1
-    assert ids[0] == reference[2]["token_ids"][0]  # the prefill side's token
-    assert ids[1:] != reference[2]["token_ids"][1:]
+    assert ids[0] == want[0]  # the prefill side's token
+    assert ids[1:] != want[1:]
 
 
 async def test_first_token_that_ends_the_request_adds_nothing(engines: tuple[VllmEngine, VllmEngine],
