@@ -46,7 +46,8 @@ async def test_nats_user_password_from_config(secured: tuple[str, str]) -> None:
 async def test_nats_wrong_or_no_password_is_refused(secured: tuple[str, str]) -> None:
     for opts in ({}, config.nats_options(MeshConfig(nats_user="mesh", nats_password="wrong"))):
         with pytest.raises(Exception, match=r"(?i)authoriz|no servers"):
-            await Bus.connect(secured[0], "intruder", connect_timeout_s=1.0, **opts)
+            # long enough under load for the server's refusal to arrive (else the error only says "no answer")
+            await Bus.connect(secured[0], "intruder", connect_timeout_s=5.0, **opts)
 
 
 async def test_redis_password_from_config(secured: tuple[str, str]) -> None:
