@@ -29,6 +29,7 @@ def main() -> None:
         print(f"hetmesh ready: {mesh.url}/v1  (nats {mesh.nats_url}, redis {mesh.redis_url})")
         print(f"  models: {', '.join(m.name for m in mesh.cfg.models)}; workers: {workers}")
         print("  metrics: " + ", ".join(f"{n} {u}" for n, u in mesh.metrics_urls().items()))
+        print(f"  cluster view: hetmesh status --nats {mesh.nats_url}   bus: nats sub -s {mesh.nats_url} 'hetmesh.>'")
         print("  Ctrl-C stops everything this command started.", flush=True)
         while all(s.alive for s in mesh.services.values()):
             time.sleep(0.5)
