@@ -21,7 +21,7 @@ from hetmesh.launcher import Mesh
 from hetmesh.protocol import Heartbeat
 from hetmesh.tokenizer import HFTokenizer
 
-from ..e2e.conftest import EventLog, print_logs_on_failure
+from ..e2e.conftest import EventLog, running_mesh
 from ..e2e.conftest import events as events  # the same fixture, on this module's mesh
 from .conftest import BLOCK, MAX_TOKENS, TEXTS
 
@@ -80,16 +80,13 @@ max_batch = 8
 
 @pytest.fixture(scope="module")
 def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    d = tmp_path_factory.mktemp("vllm-mesh")
-    path = d / "cluster.toml"
-    path.write_text(CLUSTER.format(model=tiny_model, block=BLOCK))
-    m = Mesh(path, gateway_port=0, log_dir=d / "logs", env={"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
-    m.start(ready_timeout_s=400)  # four vLLM engines starting at once on two cores
-    try:
+    with running_mesh(
+        tmp_path_factory.mktemp("vllm-mesh"),
+        CLUSTER.format(model=tiny_model, block=BLOCK),
+        ready_timeout_s=400,  # four vLLM engines starting at once on two cores
+        env={"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"},
+    ) as m:
         yield m
-    finally:
-        m.stop()
-        print_logs_on_failure(d / "logs")
 
 
 @pytest.fixture(scope="module")
