@@ -32,7 +32,15 @@ from rich.table import Table
 
 from hetmesh.launcher import Mesh
 from hetmesh.launcher.mesh import temp_log_dir
-from hetmesh.loadgen import SSEClient, closed_loop, cpu_seconds, open_loop, percentile
+from hetmesh.loadgen import (
+    SSEClient,
+    closed_loop,
+    cpu_seconds,
+    cpu_ticks,
+    open_loop,
+    percentile,
+    steal_fraction,
+)
 
 PATH = "/v1/completions"
 
@@ -54,18 +62,6 @@ role = "both"
 count = {workers}
 max_batch = 256
 """
-
-
-def cpu_ticks() -> list[int]:
-    """The machine's CPU time split (/proc/stat: user nice system idle iowait irq softirq steal ...)."""
-    return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-
-
-def steal_fraction(t0: list[int], t1: list[int]) -> float:
-    """Share of the machine's CPU time the hypervisor gave to others meanwhile: on a shared VM it
-    varies from run to run and drags the tail with it."""
-    d = [b - a for a, b in zip(t0, t1, strict=True)]
-    return d[7] / max(sum(d[:8]), 1) if len(d) > 7 else 0.0
 
 
 def body(i: int) -> bytes:

@@ -52,12 +52,6 @@ max_batch = 8
 """
 
 
-def steal_share() -> float:
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return v[7] / max(1, sum(v))
-
-
 def prompts(model: Path, n: int, tokens: int) -> list[list[int]]:
     from hetmesh.tokenizer import HFTokenizer
 
@@ -149,17 +143,18 @@ def main() -> None:
     from hetmesh.costmodel.calibrate import calibrate, relative_errors, save_efficiencies
     from hetmesh.engines.vllm_tiny import build
     from hetmesh.launcher import Mesh
+    from hetmesh.loadgen import cpu_ticks, steal_fraction
 
     d = Path(tempfile.mkdtemp(prefix="hetmesh-vllm-bench-"))
     model = build(d / "model")
     ps = prompts(model, args.requests, args.prompt_tokens)
-    s0 = steal_share()
+    t0 = cpu_ticks()
     direct_row, samples = asyncio.run(direct(model, ps, args.max_tokens))
     (d / "cluster.toml").write_text(CLUSTER.format(model=model, block=BLOCK, accel=ACCEL))
     with Mesh(d / "cluster.toml", gateway_port=0, log_dir=d / "logs") as mesh:
         mesh.wait_ready(300)
         mesh_row = asyncio.run(through_mesh(mesh.url, ps, args.max_tokens))
-    steal = steal_share() - s0
+    steal = steal_fraction(t0, cpu_ticks())
     over = {k: mesh_row[k] / direct_row[k] - 1.0 for k in direct_row}
 
     cm = CostModel(accelerator(ACCEL), model_spec(str(model / "config.json")))

@@ -130,6 +130,18 @@ def cpu_seconds(pids: Iterable[int]) -> float:
     return total
 
 
+def cpu_ticks() -> list[int]:
+    """The machine's CPU time split (/proc/stat: user nice system idle iowait irq softirq steal ...)."""
+    return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+
+
+def steal_fraction(t0: list[int], t1: list[int]) -> float:
+    """Share of the machine's CPU time the hypervisor gave to others meanwhile: on a shared VM it
+    varies from run to run and drags the tail with it."""
+    d = [b - a for a, b in zip(t0, t1, strict=True)]
+    return d[7] / max(sum(d[:8]), 1) if len(d) > 7 else 0.0
+
+
 def percentile(xs: Iterable[float], q: float) -> float:
     """q in [0, 1]; nan when empty."""
     s = sorted(xs)
