@@ -78,12 +78,15 @@ class Bus:
     async def connect(cls, url: str, name: str, connect_timeout_s: float = 30.0, **options: Any) -> Bus:
         """`options`: more nats.connect() arguments (credentials, TLS)."""
         last_error: list[BaseException] = []
+        refusal: list[BaseException] = []  # the server's own refusal (auth) outranks the resets that follow it
         on_reconnect: list[Callable[[], Awaitable[None]]] = []
 
         async def _error(e: Exception) -> None:
             if not last_error or type(last_error[-1]) is not type(e):
                 log.warning("NATS %s (%s): %r", url, name, e)
             last_error[:] = [e]
+            if "authoriz" in str(e).lower() or "authentication" in str(e).lower():
+                refusal[:] = [e]
 
         async def _disconnected() -> None:
             log.warning("NATS disconnected (%s); reconnecting", name)
@@ -124,7 +127,8 @@ class Bus:
             bus.on_reconnect = on_reconnect
             return bus
         except TimeoutError:
-            why = repr(last_error[-1]) if last_error else "no answer"
+            seen = refusal or last_error
+            why = repr(seen[-1]) if seen else "no answer"
             raise ConnectionError(f"could not connect to NATS at {url} within {connect_timeout_s:g}s: {why}") from None
 
     async def publish(self, subject: str, msg: msgspec.Struct, request_id: str | None = None) -> None:
