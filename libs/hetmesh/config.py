@@ -1,7 +1,8 @@
 """The one config loader: a cluster file (TOML) -> typed `ClusterConfig`.
 
 Environment overrides (for containers and tests): HETMESH_NATS_URL, HETMESH_REDIS_URL,
-HETMESH_TIME_SCALE, HETMESH_POLICY, HETMESH_GATEWAY_HOST; secrets: HETMESH_NATS_USER,
+HETMESH_TIME_SCALE, HETMESH_POLICY, HETMESH_GATEWAY_HOST, HETMESH_KV_LISTEN_HOST,
+HETMESH_KV_ADVERTISE_HOST; secrets: HETMESH_NATS_USER,
 HETMESH_NATS_PASSWORD, HETMESH_NATS_TOKEN, HETMESH_NATS_CREDS, HETMESH_REDIS_USERNAME,
 HETMESH_REDIS_PASSWORD, and HETMESH_API_KEYS (comma-separated keys, hashed as they are read).
 """
@@ -84,7 +85,15 @@ class SchedulerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class KvTransferConfig(Struct, kw_only=True, forbid_unknown_fields=True):
-    chunk_bytes: int = 1 << 20
+    # "direct": the prefill worker streams the KV over TCP straight into the decode worker's KV port
+    # (hetmesh.kvstream), kv-transfer only coordinating; "nats": kv-transfer relays it as NATS chunks,
+    # for workers that can reach the bus but not each other.
+    data_plane: str = "direct"
+    listen_host: str = "127.0.0.1"  # decode workers' KV port; 0.0.0.0 in containers
+    listen_port: int = 0  # 0: any free port (it travels in the heartbeats)
+    advertise_host: str = ""  # what prefill workers dial; empty: listen_host, or this host's address on 0.0.0.0
+    stream_idle_timeout_s: float = 10.0  # a KV stream with no progress for this long fails
+    chunk_bytes: int = 1 << 20  # relay
     replicas: int = 1
     # Cap on bytes actually put on the wire per transfer: sim KV for a 671B model is tens of MB
     # per request; 0 means no cap (send the real size).
@@ -161,6 +170,8 @@ class ClusterConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         for k in self.auth.keys:
             if len(k.sha256) != 64 or any(c not in "0123456789abcdef" for c in k.sha256.lower()):
                 raise ValueError(f"auth key {k.name!r}: sha256 must be 64 hex digits (the key's SHA-256)")
+        if self.kv_transfer.data_plane not in ("direct", "nats"):
+            raise ValueError(f"kv_transfer.data_plane must be direct or nats, not {self.kv_transfer.data_plane!r}")
         for g in self.workers:
             self.model(g.model)
             if g.count < 0 or g.devices < 1 or g.max_batch < 1:
@@ -189,6 +200,10 @@ def load(path: str | os.PathLike[str] | None = None) -> ClusterConfig:
         cfg.scheduler.policy = v
     if v := env.get("HETMESH_GATEWAY_HOST"):
         cfg.gateway.host = v
+    if v := env.get("HETMESH_KV_LISTEN_HOST"):
+        cfg.kv_transfer.listen_host = v
+    if v := env.get("HETMESH_KV_ADVERTISE_HOST"):
+        cfg.kv_transfer.advertise_host = v
     for var, attr in (("HETMESH_NATS_USER", "nats_user"), ("HETMESH_NATS_PASSWORD", "nats_password"),
                       ("HETMESH_NATS_TOKEN", "nats_token"), ("HETMESH_NATS_CREDS", "nats_creds_file"),
                       ("HETMESH_REDIS_USERNAME", "redis_username"), ("HETMESH_REDIS_PASSWORD", "redis_password")):

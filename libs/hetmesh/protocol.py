@@ -184,6 +184,7 @@ class Heartbeat(Struct, kw_only=True):
     prompt_tokens_computed: int = 0
     prompt_tokens_cached: int = 0
     aborted: int = 0
+    kv_endpoint: str = ""  # host:port of this worker's KV port (hetmesh.kvstream); empty: it takes no direct KV
 
 
 class KvEvent(Struct, kw_only=True):
@@ -221,7 +222,19 @@ class KvTransferRequest(Struct, kw_only=True):
 
 class KvTransferAccept(Struct, kw_only=True):
     transfer_id: str
-    data_subject: str  # where the source publishes the raw chunks
+    data_subject: str = ""  # relay: where the source publishes the raw chunks
+    endpoint: str = ""  # direct: the decode worker's KV port, stream the bytes there (hetmesh.kvstream)
+
+
+class KvTransferDone(Struct, kw_only=True):
+    """Prefill worker -> kv-transfer, after a direct stream: how it went (for kv-transfer's records)."""
+
+    transfer_id: str
+    request_id: str
+    nbytes: int
+    duration_s: float
+    ok: bool = True
+    error: str | None = None
 
 
 class KvLanded(Struct, kw_only=True):
@@ -238,6 +251,7 @@ class KvLanded(Struct, kw_only=True):
     ok: bool = True
     error: str | None = None
     cached_tokens: int = 0  # copied from KvTransferRequest
+    direct: bool = False  # the bytes came by the KV stream and already sit in the engine's sink
 
 
 class ServiceEvent(Struct, kw_only=True):

@@ -18,6 +18,7 @@ CANCEL = f"{PREFIX}.cancel"
 HEARTBEAT_ALL = f"{PREFIX}.heartbeat.*"
 KV_EVENTS_ALL = f"{PREFIX}.kv.events.*"
 KV_TRANSFER = f"{PREFIX}.kv.transfer"
+KV_DONE = f"{PREFIX}.kv.done"  # prefill worker -> kv-transfer: a direct stream's outcome
 KV_RESYNC = f"{PREFIX}.kv.resync"  # scheduler -> all workers: republish the whole prefix cache
 EVENTS_ALL = f"{PREFIX}.event.>"
 
@@ -96,10 +97,11 @@ TABLE: tuple[SubjectRow, ...] = (
     SubjectRow(f"{PREFIX}.heartbeat.<worker_id>", "workers", "scheduler", "Heartbeat", "liveness + load"),
     SubjectRow(f"{PREFIX}.kv.events.<worker_id>", "workers", "scheduler (-> Redis index)", "KvEvent", "prefix blocks stored/removed"),
     SubjectRow(KV_RESYNC, "scheduler", "every worker", "KvResync", "Redis back or restarted: republish caches"),
-    SubjectRow(KV_TRANSFER, "prefill worker", "kv-transfer (queue group)", "KvTransferRequest -> KvTransferAccept", "request/reply"),
-    SubjectRow(f"{PREFIX}.kv.data.<transfer_id>", "prefill worker", "kv-transfer", "raw KV bytes", "chunked; headers Kv-Seq, Kv-Last"),
-    SubjectRow(f"{PREFIX}.kv.recv.<worker_id>", "kv-transfer", "decode worker", "raw KV bytes", "chunked; headers Kv-Transfer, Kv-Seq"),
-    SubjectRow(f"{PREFIX}.kv.landed.<worker_id>", "kv-transfer", "decode worker", "KvLanded", "decode may start"),
+    SubjectRow(KV_TRANSFER, "prefill worker", "kv-transfer (queue group)", "KvTransferRequest -> KvTransferAccept", "request/reply; the accept names the decode worker's KV port (direct) or a data subject (relay)"),
+    SubjectRow(KV_DONE, "prefill worker", "kv-transfer", "KvTransferDone", "direct: the stream's outcome, for the records"),
+    SubjectRow(f"{PREFIX}.kv.data.<transfer_id>", "prefill worker", "kv-transfer", "raw KV bytes", "relay only; chunked; headers Kv-Seq, Kv-Last"),
+    SubjectRow(f"{PREFIX}.kv.recv.<worker_id>", "kv-transfer", "decode worker", "raw KV bytes", "relay only; chunked; headers Kv-Transfer, Kv-Seq"),
+    SubjectRow(f"{PREFIX}.kv.landed.<worker_id>", "kv-transfer, prefill worker (on failure)", "decode worker", "KvLanded", "relay: decode may start; either: the transfer failed"),
     SubjectRow(f"{PREFIX}.event.<service>", "every service", "operators, tests", "EventBatch (JSON array of ServiceEvent)", "the services' own records, batched"),
 )
 

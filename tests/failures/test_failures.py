@@ -224,7 +224,9 @@ async def test_redis_stopped_serving_goes_on_and_index_is_rebuilt(mesh: Mesh, ac
 
 async def test_kv_transfer_killed_mid_transfer_decode_prefills_locally(mesh: Mesh, aclient: openai.AsyncOpenAI,
                                                                        events: EventLog) -> None:
-    prompt = "k" * 2000  # 2000 tokens x 128 KiB of KV, capped at 128 MiB on the wire: ~1 s through kv-transfer
+    """kv-transfer only coordinates the direct KV stream: a stream it already set up lands without it,
+    and while it is down a prefill worker cannot hand its KV over, so the decode worker prefills locally."""
+    prompt = "k" * 2000  # 2000 tokens x 128 KiB of KV, capped at 128 MiB on the wire
     t0 = time.time()
     task = complete(aclient, prompt, 6)
     placed = await first_placed(events, t0)
@@ -232,8 +234,15 @@ async def test_kv_transfer_killed_mid_transfer_decode_prefills_locally(mesh: Mes
     mesh.kill("kv-transfer-0")
     r = await asyncio.wait_for(task, 90)
     assert r.choices[0].text == expected_text(prompt, 6)  # type: ignore[attr-defined]
-    fallback = await events.wait_for(placed.request_id, "kv_fallback", timeout_s=5)
-    assert fallback.detail["worker_id"] == placed.detail["decode_worker"]
+    rid = placed.request_id
+    assert {e.kind for e in events.for_request(rid)} & {"kv_landed", "kv_fallback"}
+    t1 = time.time()
+    prompt2 = "q" * 1500
+    r2 = await asyncio.wait_for(complete(aclient, prompt2, 6), 90)
+    assert r2.choices[0].text == expected_text(prompt2, 6)  # type: ignore[attr-defined]
+    placed2 = await first_placed(events, t1)
+    fallback = await events.wait_for(placed2.request_id, "kv_fallback", timeout_s=5)
+    assert fallback.detail["worker_id"] == placed2.detail["decode_worker"]
     respawn(mesh, "kv-transfer-0")
 
 

@@ -20,7 +20,7 @@ import msgspec
 import nats
 import pytest
 
-from hetmesh import servers, subjects
+from hetmesh import kvstream, servers, subjects
 from hetmesh.bus import decode_events, encode
 from hetmesh.costmodel import CostModel, accelerator, model_spec
 from hetmesh.engines.sim import expected_completion
@@ -31,6 +31,7 @@ from hetmesh.protocol import (
     Heartbeat,
     InferenceRequest,
     KvEvent,
+    KvTransferRequest,
     Phase,
     Placement,
     RequestError,
@@ -118,15 +119,13 @@ class Mesh:
                 p.wait()
 
 
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+def _run_mesh(d: Path, cluster: str, workers: list[str]) -> Iterator[Mesh]:
     nats_srv = servers.start_nats()
-    d = tmp_path_factory.mktemp("worker-kv")
-    (d / "cluster.toml").write_text(CLUSTER)
+    (d / "cluster.toml").write_text(cluster)
     m = Mesh(nats_srv.url, d / "cluster.toml", d)
     try:
         m.spawn("kv-transfer", "hetmesh.kv_transfer", "--instance", "kvx-test")
-        for wid in WORKERS:
+        for wid in workers:
             m.spawn(wid, "hetmesh.worker", "--worker-id", wid)
         yield m
     finally:
@@ -134,6 +133,19 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         for f in sorted(d.glob("*.log")):
             print(f"--- {f.name}\n" + "\n".join(f.read_text(errors="replace").splitlines()[-20:]))
         nats_srv.stop()
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """The default data plane: KV streams straight from the prefill worker into the decode worker's KV port."""
+    yield from _run_mesh(tmp_path_factory.mktemp("worker-kv"), CLUSTER, list(WORKERS))
+
+
+@pytest.fixture(scope="module")
+def relay_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """The NATS relay data plane, for workers that reach the bus but not each other."""
+    yield from _run_mesh(tmp_path_factory.mktemp("worker-kv-relay"), CLUSTER + '\n[kv_transfer]\ndata_plane = "nats"\n',
+                         ["pre-0", "dec-0"])
 
 
 class Tap:
@@ -160,6 +172,17 @@ class Tap:
 
 @pytest.fixture(scope="module")
 async def tap(mesh: Mesh) -> AsyncIterator[tuple[Tap, nats.NATS]]:
+    async for t in _tap(mesh):
+        yield t
+
+
+@pytest.fixture(scope="module")
+async def relay_tap(relay_mesh: Mesh) -> AsyncIterator[tuple[Tap, nats.NATS]]:
+    async for t in _tap(relay_mesh):
+        yield t
+
+
+async def _tap(mesh: Mesh) -> AsyncIterator[tuple[Tap, nats.NATS]]:
     nc = await nats.connect(mesh.nats_url)
     t = Tap()
     dec = {k: msgspec.json.Decoder(k) for k in (Heartbeat, KvEvent, ServiceEvent, Finished)}
@@ -191,7 +214,8 @@ async def tap(mesh: Mesh) -> AsyncIterator[tuple[Tap, nats.NATS]]:
     await nc.subscribe(subjects.kv_recv("dec-0"), cb=on_recv)
     await nc.flush()
     # Every worker up (heartbeating) and kv-transfer answering before any test runs.
-    await t.until(lambda: {h.worker_id for h in t.heartbeats} >= set(WORKERS), timeout_s=60)
+    await t.until(lambda: {h.worker_id for h in t.heartbeats} >= {w for w in WORKERS if w in mesh.procs},
+                  timeout_s=60)
     async with asyncio.timeout(60):
         while True:
             try:
@@ -339,8 +363,9 @@ async def test_cancel_that_beats_its_work_item(tap: tuple[Tap, nats.NATS]) -> No
     assert done.finish_reason == "abort" and final(t, item) is None
 
 
-async def test_disaggregated_prefill_kv_transfer_decode(tap: tuple[Tap, nats.NATS]) -> None:
-    t, nc = tap
+async def _disaggregated(t: Tap, nc: nats.NATS) -> tuple[WorkItem, ServiceEvent, ServiceEvent, ServiceEvent, int]:
+    """One P/D request end to end; returns it with its kv_sent, kv_transferred and kv_landed events and
+    the KV size the cost model gives it."""
     # ~1.3k tokens: 1.3 MB of tiny-llama KV, more than one NATS message (max_payload 1 MiB) can carry.
     prompt = "a disaggregated request travels across two accelerators " * 23
     pre = make_item(prompt, 30, Phase.PREFILL, decode_worker="dec-0", prefill_worker="pre-0", seed=5)
@@ -369,14 +394,84 @@ async def test_disaggregated_prefill_kv_transfer_decode(tap: tuple[Tap, nats.NAT
     assert sent.detail["worker_id"] == "pre-0" and sent.detail["nbytes"] == nbytes
     assert moved.service == "kv-transfer" and moved.detail["src"] == "pre-0" and moved.detail["dst"] == "dec-0"
     assert moved.detail["nbytes"] == nbytes and moved.detail["ok"] is True
-    chunk = int(sent.detail["chunk_bytes"])  # type: ignore[arg-type]
-    assert nbytes > chunk and moved.detail["chunks"] == sent.detail["chunks"] == -(-nbytes // chunk)
     assert landed.detail["worker_id"] == "dec-0" and landed.detail["bytes_received"] == nbytes
-    assert t.kv_recv_bytes[str(moved.detail["transfer_id"])] == nbytes  # the bytes really crossed the wire
     assert done.detail["worker_id"] == "dec-0" and done.detail["completion_tokens"] == len(ids)
-    assert prefill.ts <= moved.ts <= landed.ts <= done.ts
+    assert prefill.ts <= landed.ts <= done.ts
     fin = await t.until(lambda: {f.worker_id for f in t.finished if f.request_id == rid} >= {"pre-0", "dec-0"})
     assert fin
+    return pre, sent, moved, landed, nbytes
+
+
+async def test_disaggregated_kv_streams_straight_to_the_decode_worker(tap: tuple[Tap, nats.NATS]) -> None:
+    t, nc = tap
+    _, sent, moved, landed, _ = await _disaggregated(t, nc)
+    # kv-transfer named dec-0's KV port (from its heartbeats) and kept the record; no byte crossed NATS.
+    hb = next(h for h in t.heartbeats if h.worker_id == "dec-0")
+    assert hb.kv_endpoint.startswith("127.0.0.1:")
+    assert not next(h for h in t.heartbeats if h.worker_id == "pre-0").kv_endpoint  # prefill-only: no port
+    assert sent.detail["direct"] is True and moved.detail["direct"] is True
+    assert moved.detail["chunks"] == sent.detail["chunks"] == landed.detail["chunks"] == 1
+    assert str(moved.detail["transfer_id"]) not in t.kv_recv_bytes
+
+
+async def test_disaggregated_kv_relayed_over_nats(relay_tap: tuple[Tap, nats.NATS]) -> None:
+    t, nc = relay_tap
+    _, sent, moved, _, nbytes = await _disaggregated(t, nc)
+    assert not next(h for h in t.heartbeats if h.worker_id == "dec-0").kv_endpoint
+    assert sent.detail["direct"] is False and moved.detail["direct"] is False
+    chunk = int(sent.detail["chunk_bytes"])  # type: ignore[arg-type]
+    assert nbytes > chunk and moved.detail["chunks"] == sent.detail["chunks"] == -(-nbytes // chunk)
+    assert t.kv_recv_bytes[str(moved.detail["transfer_id"])] == nbytes  # the bytes really crossed the wire
+
+
+def _kv_port(t: Tap, worker_id: str) -> tuple[str, int]:
+    return kvstream.split_endpoint(next(h for h in t.heartbeats if h.worker_id == worker_id).kv_endpoint)
+
+
+async def test_kv_stream_that_breaks_off_makes_the_decode_prefill_locally(tap: tuple[Tap, nats.NATS]) -> None:
+    """The prefill worker dies mid-stream (here: a peer that sends half the bytes and hangs up): the decode
+    worker does not wait for a timeout, it prefills itself and the completion is still whole."""
+    t, nc = tap
+    item = make_item("a stream cut in half " * 20, 12, Phase.DECODE, decode_worker="dec-0", prefill_worker="pre-0")
+    rid = item.request.request_id
+    await nc.publish(direct("dec-0"), encode(item))
+    await t.until(lambda: t.event(rid, "accepted"))
+    header = KvTransferRequest(transfer_id=f"{rid}.cut", request_id=rid, model=MODEL, src_worker="pre-0",
+                               dst_worker="dec-0", num_tokens=len(item.request.prompt_tokens), nbytes=1 << 20,
+                               chunk_bytes=0, first_token_ids=[])
+    _, writer = await asyncio.open_connection(*_kv_port(t, "dec-0"))
+    head = msgspec.json.encode(header)
+    writer.write(len(head).to_bytes(4, "big") + head + bytes(1 << 19))
+    await writer.drain()
+    writer.close()
+    last = await t.until(lambda: final(t, item), timeout_s=KV_LANDED_TIMEOUT_S)  # before the KV timeout
+    assert isinstance(last, TokenChunk) and last.finish_reason == "length"
+    assert text_of(t, item)[1] == expected(item)[1]
+    fallback = t.event(rid, "kv_fallback")
+    assert fallback is not None and "broke off" in str(fallback.detail["reason"])
+
+
+async def test_garbage_on_the_kv_port_is_refused_and_the_worker_serves_on(tap: tuple[Tap, nats.NATS]) -> None:
+    t, nc = tap
+    host, port = _kv_port(t, "dec-0")
+    wrong = KvTransferRequest(transfer_id="x", request_id="x", model=MODEL, src_worker="p", dst_worker="agg-0",
+                              num_tokens=1, nbytes=10, chunk_bytes=0, first_token_ids=[])
+    head = msgspec.json.encode(wrong)
+    for junk in (b"\xff" * 64, (1 << 31).to_bytes(4, "big"), len(head).to_bytes(4, "big") + head,
+                 (5).to_bytes(4, "big") + b"{nope"):
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(junk)
+        await writer.drain()
+        writer.write_eof()
+        try:
+            answer = await asyncio.wait_for(reader.read(), 15)
+        except ConnectionResetError:  # closed with our junk unread
+            answer = b""
+        assert answer in (b"", kvstream.ACK_REFUSED)  # never an ACK_OK
+        assert (answer == kvstream.ACK_REFUSED) == (junk.endswith(head))  # a well-formed stranger is told so
+        writer.close()
+    # Still alive: a P/D request through the same port works.
+    await _disaggregated(t, nc)
 
 
 async def test_disaggregated_max_tokens_one_ends_cleanly_on_both_sides(tap: tuple[Tap, nats.NATS]) -> None:

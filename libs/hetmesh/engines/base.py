@@ -14,6 +14,7 @@ from typing import Protocol
 
 from msgspec import Struct, field
 
+from hetmesh.kvstream import KvSink
 from hetmesh.protocol import Phase, SamplingParams
 
 
@@ -102,8 +103,13 @@ class Engine(Protocol):
         """Drain the prefix cache's stored/removed block hashes since the previous call."""
         ...
 
-    def take_kv(self, request_id: str) -> bytes | None:
+    def take_kv(self, request_id: str) -> bytes | memoryview | None:
         """The KV a finished PREFILL left, as bytes to ship (once); None when the engine has none."""
+        ...
+
+    def kv_sink(self, request_id: str, nbytes: int) -> KvSink:
+        """Where a DECODE's KV lands straight from the socket (hetmesh.kvstream); `commit` hands it over
+        like put_kv. Raises ValueError when the engine cannot take nbytes now."""
         ...
 
     def put_kv(self, request_id: str, data: bytes) -> None:

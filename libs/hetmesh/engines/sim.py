@@ -22,6 +22,7 @@ from msgspec import Struct
 
 from hetmesh.engines.base import EngineError, EngineOutput, EngineRequest, EngineStats, KvEventBatch
 from hetmesh.kvindex.blocks import cached_prefix_blocks
+from hetmesh.kvstream import DroppedKv, KvSink
 from hetmesh.protocol import Phase, SamplingParams
 from hetmesh.tokenizer import Tokenizer
 
@@ -416,6 +417,9 @@ class SimEngine:
 
     def put_kv(self, request_id: str, data: bytes) -> None:
         return None
+
+    def kv_sink(self, request_id: str, nbytes: int) -> KvSink:
+        return DroppedKv()  # the bytes crossed the wire; their content means nothing here
 
     # -- scheduling
 

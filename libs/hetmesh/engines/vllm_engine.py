@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
 import shutil
 import tempfile
@@ -155,6 +156,40 @@ class _Track:
         self.first = len(req.first_token_ids)
         self.index = self.first  # position of the next token in the whole completion
         self.prompt_tokens = len(req.prompt_tokens)
+
+
+class _FileSink:
+    """A KV file in the spool folder, mapped for the KV stream to fill (hetmesh.kvstream.KvSink)."""
+
+    def __init__(self, engine: VllmEngine, request_id: str, path: str, nbytes: int) -> None:
+        self.engine, self.request_id, self.path = engine, request_id, path
+        self._fd = os.open(path + ".part", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.posix_fallocate(self._fd, 0, nbytes)  # tmpfs full fails here, not as SIGBUS mid-stream
+            self._map = mmap.mmap(self._fd, nbytes)
+        except OSError as exc:
+            self.discard()
+            raise ValueError(f"no room for {nbytes} bytes of KV in {engine.spool}: {exc}") from exc
+        self.view: memoryview | None = memoryview(self._map)
+
+    def _close(self) -> None:
+        if self.view is not None:
+            self.view.release()
+            self.view = None
+        with contextlib.suppress(AttributeError, BufferError):
+            self._map.close()
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+    def commit(self) -> None:
+        self._close()
+        os.replace(self.path + ".part", self.path)
+        self.engine._pending_kv[self.request_id] = self.path
+
+    def discard(self) -> None:
+        self._close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.path + ".part")
 
 
 class VllmEngine:
@@ -375,13 +410,16 @@ class VllmEngine:
         return True
 
     # ------------------------------------------------------------------ KV bytes for disaggregation
-    def take_kv(self, request_id: str) -> bytes | None:
-        """The KV file the producer connector wrote for a finished PREFILL, read and removed."""
+    def take_kv(self, request_id: str) -> memoryview | None:
+        """The KV file the producer connector wrote for a finished PREFILL, mapped (its tmpfs pages are
+        sent as they are, never copied into a bytes object) and unlinked: the mapping outlives the name."""
         p = self._prefill_kv.pop(request_id, None)
         if p is None:
             return None
         try:
-            data = Path(p).read_bytes()
+            with open(p, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                data = memoryview(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)) if size else memoryview(b"")
         except FileNotFoundError:
             return None
         with contextlib.suppress(OSError):
@@ -396,6 +434,12 @@ class VllmEngine:
             f.write(data)
         os.replace(tmp, path)
         self._pending_kv[request_id] = path
+
+    def kv_sink(self, request_id: str, nbytes: int) -> _FileSink:
+        """The landing file itself, mapped: the socket's bytes go straight into what the connector loads."""
+        if nbytes <= 0:
+            raise ValueError("an empty KV transfer")
+        return _FileSink(self, request_id, self._kv_path(request_id), nbytes)
 
     # ------------------------------------------------------------------ stats and events
     def stats(self) -> EngineStats:

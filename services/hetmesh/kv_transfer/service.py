@@ -1,9 +1,14 @@
 """kv-transfer: moves a request's KV cache from its prefill worker to its decode worker.
 
-Per transfer: subscribe the transfer's data subject, accept, relay every chunk to the decode
-worker's receive subject as it arrives (nothing is buffered, so memory stays bounded by NATS'
-per-subscription limits), check that every byte and every sequence number arrived, then tell
-the decode worker with KvLanded. Replicas share requests as a queue group.
+Direct data plane (the default): it knows every decode worker's KV port from its heartbeats and
+answers a transfer request with that endpoint; the prefill worker streams the bytes there over
+TCP (hetmesh.kvstream) and reports the outcome on `hetmesh.kv.done`, which ends the record here.
+
+Relay (`kv_transfer.data_plane = "nats"`, or a decode worker with no KV port): subscribe the
+transfer's data subject, accept, relay every chunk to the decode worker's receive subject as it
+arrives (nothing is buffered, so memory stays bounded by NATS' per-subscription limits), check
+that every byte and every sequence number arrived, then tell the decode worker with KvLanded.
+Replicas share requests as a queue group.
 """
 
 from __future__ import annotations
@@ -22,7 +27,15 @@ from opentelemetry import trace
 
 from hetmesh import config, metrics, subjects, telemetry
 from hetmesh.bus import Bus, EventBatcher, encode_error
-from hetmesh.protocol import Cancel, KvLanded, KvTransferAccept, KvTransferRequest, ServiceEvent
+from hetmesh.protocol import (
+    Cancel,
+    Heartbeat,
+    KvLanded,
+    KvTransferAccept,
+    KvTransferDone,
+    KvTransferRequest,
+    ServiceEvent,
+)
 from hetmesh.runtime import run_service
 
 log = logging.getLogger("hetmesh.kv_transfer")
@@ -38,13 +51,15 @@ class TransferRecord(Struct, kw_only=True):
     duration_s: float
     ok: bool
     error: str | None = None
+    direct: bool = False
 
 
 class _Transfer:
-    __slots__ = ("bytes", "chunks", "done", "error", "last_seen", "req", "started")
+    __slots__ = ("bytes", "chunks", "direct", "done", "error", "last_seen", "req", "started")
 
-    def __init__(self, req: KvTransferRequest) -> None:
+    def __init__(self, req: KvTransferRequest, direct: bool) -> None:
         self.req = req
+        self.direct = direct
         self.bytes = 0
         self.chunks = 0
         self.error: str | None = None
@@ -60,6 +75,7 @@ class KvTransferService:
         self.idle_timeout_s = idle_timeout_s
         self.max_concurrent = max_concurrent
         self.active: dict[str, _Transfer] = {}  # transfer id ->
+        self.endpoints: dict[str, str] = {}  # worker id -> its KV port, from heartbeats
         self.records: deque[TransferRecord] = deque(maxlen=history)
         self.total_bytes = 0
         self.total_transfers = 0
@@ -75,6 +91,9 @@ class KvTransferService:
         await self.bus.subscribe(subjects.KV_TRANSFER, KvTransferRequest, self.on_request,
                                  queue=subjects.KV_TRANSFER_QUEUE)
         await self.bus.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
+        if self.cfg.kv_transfer.data_plane == "direct":
+            await self.bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
+            await self.bus.subscribe(subjects.KV_DONE, KvTransferDone, self.on_done)
         self.events = EventBatcher(self.bus, "kv-transfer")
         await self.bus.nc.flush()
         self.started = True
@@ -100,16 +119,36 @@ class KvTransferService:
         if req.transfer_id in self.active:
             await m.respond(encode_error(f"transfer {req.transfer_id} already in progress"))
             return
-        t = _Transfer(req)
+        endpoint = self.endpoints.get(req.dst_worker, "")
+        t = _Transfer(req, direct=bool(endpoint))
         self.active[req.transfer_id] = t
         self.metrics.active.inc()
-        data_subject = subjects.kv_data(req.transfer_id)
-        sub = await self.bus.nc.subscribe(data_subject, cb=self._relay(t), pending_msgs_limit=100_000,
-                                          pending_bytes_limit=512 << 20)
+        sub = None
+        data_subject = ""
+        if not endpoint:
+            data_subject = subjects.kv_data(req.transfer_id)
+            sub = await self.bus.nc.subscribe(data_subject, cb=self._relay(t), pending_msgs_limit=100_000,
+                                              pending_bytes_limit=512 << 20)
         task = asyncio.create_task(self._finish(t, sub, telemetry.extract(m.headers)))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        await self.bus.respond(m, KvTransferAccept(transfer_id=req.transfer_id, data_subject=data_subject))
+        await self.bus.respond(m, KvTransferAccept(transfer_id=req.transfer_id, data_subject=data_subject,
+                                                   endpoint=endpoint))
+
+    async def on_heartbeat(self, hb: Heartbeat, _m: Msg) -> None:
+        if hb.kv_endpoint:
+            self.endpoints[hb.worker_id] = hb.kv_endpoint
+        else:
+            self.endpoints.pop(hb.worker_id, None)
+
+    async def on_done(self, d: KvTransferDone, _m: Msg) -> None:
+        t = self.active.get(d.transfer_id)
+        if t is None or t.done.is_set():
+            return
+        t.bytes, t.chunks, t.last_seen = d.nbytes, 1 if d.ok else 0, time.monotonic()
+        if not d.ok:
+            t.error = d.error or "stream failed"
+        t.done.set()
 
     def _relay(self, t: _Transfer):  # type: ignore[no-untyped-def]
         recv = subjects.kv_recv(t.req.dst_worker)
@@ -134,35 +173,41 @@ class KvTransferService:
 
         return cb
 
-    async def _finish(self, t: _Transfer, sub: object, ctx: object) -> None:
+    async def _finish(self, t: _Transfer, sub: object | None, ctx: object) -> None:
         req = t.req
         span = self.tracer.start_span("kv_transfer", context=ctx, attributes={  # type: ignore[arg-type]
             "hetmesh.request_id": req.request_id, "hetmesh.transfer_id": req.transfer_id,
-            "hetmesh.src": req.src_worker, "hetmesh.dst": req.dst_worker, "hetmesh.nbytes": req.nbytes})
+            "hetmesh.src": req.src_worker, "hetmesh.dst": req.dst_worker, "hetmesh.nbytes": req.nbytes,
+            "hetmesh.direct": t.direct})
         try:
             # An idle timeout rather than a total one: a large transfer on a slow link is fine while it moves.
+            # A direct stream shows no progress here; the prefill worker's own stream timeout bounds it.
+            idle = self.idle_timeout_s * (6 if t.direct else 1)
             while not t.done.is_set():
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(t.done.wait(), self.idle_timeout_s)
-                if not t.done.is_set() and time.monotonic() - t.last_seen >= self.idle_timeout_s:
-                    t.error = t.error or (f"timed out after {self.idle_timeout_s:g}s idle with {t.bytes} of "
+                    await asyncio.wait_for(t.done.wait(), idle)
+                if not t.done.is_set() and time.monotonic() - t.last_seen >= idle:
+                    t.error = t.error or (f"timed out after {idle:g}s idle with {t.bytes} of "
                                           f"{req.nbytes} bytes in {t.chunks} chunks")
                     break
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()  # type: ignore[attr-defined]
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()  # type: ignore[attr-defined]
             if t.error is None and t.bytes != req.nbytes:
                 t.error = f"byte count mismatch: got {t.bytes}, expected {req.nbytes}"
             duration = time.monotonic() - t.started
             ok = t.error is None
-            # Flush the relayed chunks before KvLanded so they are ahead of it on the wire.
-            await self.bus.nc.flush(timeout=30)
-            await self.bus.publish(subjects.kv_landed(req.dst_worker), KvLanded(
-                transfer_id=req.transfer_id, request_id=req.request_id, src_worker=req.src_worker, nbytes=t.bytes,
-                chunks=t.chunks, duration_s=duration, first_token_ids=req.first_token_ids,
-                first_text=req.first_text, ok=ok, error=t.error, cached_tokens=req.cached_tokens), req.request_id)
+            if not t.direct:  # a direct stream's receiver already knows; the relay tells it here
+                # Flush the relayed chunks before KvLanded so they are ahead of it on the wire.
+                await self.bus.nc.flush(timeout=30)
+                await self.bus.publish(subjects.kv_landed(req.dst_worker), KvLanded(
+                    transfer_id=req.transfer_id, request_id=req.request_id, src_worker=req.src_worker,
+                    nbytes=t.bytes, chunks=t.chunks, duration_s=duration, first_token_ids=req.first_token_ids,
+                    first_text=req.first_text, ok=ok, error=t.error, cached_tokens=req.cached_tokens),
+                    req.request_id)
             rec = TransferRecord(transfer_id=req.transfer_id, request_id=req.request_id, src=req.src_worker,
                                  dst=req.dst_worker, nbytes=t.bytes, chunks=t.chunks, duration_s=duration, ok=ok,
-                                 error=t.error)
+                                 error=t.error, direct=t.direct)
             self.records.append(rec)
             self.total_transfers += 1
             self.total_bytes += t.bytes
@@ -173,7 +218,7 @@ class KvTransferService:
                 ts=time.time(), detail={"transfer_id": req.transfer_id, "src": req.src_worker, "dst": req.dst_worker,
                                         "nbytes": t.bytes, "expected_nbytes": req.nbytes, "chunks": t.chunks,
                                         "duration_s": duration, "num_tokens": req.num_tokens, "ok": ok,
-                                        "error": t.error,
+                                        "error": t.error, "direct": t.direct,
                                         "bytes_per_s": t.bytes / duration if duration > 0 else 0.0}))
             m = self.metrics
             m.transfers.labels("ok" if ok else "failed").inc()

@@ -2,8 +2,9 @@
 
 It takes WorkItems from its direct and pool subjects, streams TokenChunks straight to the
 gateway, heartbeats its load, publishes its prefix cache's KV events, aborts on Cancel, and
-plays its part in disaggregated serving: a PREFILL item ends by shipping the KV through
-kv-transfer; a DECODE item waits for KvLanded, then continues the same completion.
+plays its part in disaggregated serving: a PREFILL item ends by shipping the KV (kv-transfer
+names the decode worker's KV port and the bytes go there directly, or kv-transfer relays them);
+a DECODE item waits until its KV has landed, then continues the same completion.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from hetmesh import config, engines, metrics, subjects, telemetry
+from hetmesh import config, engines, kvstream, metrics, subjects, telemetry
 from hetmesh.bus import Batcher, Bus, EventBatcher
 from hetmesh.costmodel import CostModel, accelerator, model_spec
 from hetmesh.engines.base import Engine, EngineError, EngineOutput, EngineRequest
@@ -35,6 +36,7 @@ from hetmesh.protocol import (
     KvLanded,
     KvResync,
     KvTransferAccept,
+    KvTransferDone,
     KvTransferRequest,
     Phase,
     RequestError,
@@ -101,6 +103,8 @@ class Worker:
         self.early_landed: dict[str, tuple[KvLanded, float]] = {}  # KvLanded that beat its WorkItem
         self.recv: dict[str, list[float]] = {}  # transfer id -> [bytes, chunks, last seen]
         self.recv_data: dict[str, tuple[list[bytes], int]] = {}  # real-KV engines: transfer id -> chunks, next seq
+        self.kv_sinks: dict[str, kvstream.KvSink] = {}  # transfer id -> KV that streamed in, until its decode runs
+        self.kv_port: kvstream.Receiver | None = None  # decode-capable workers under the direct data plane
         self.cancelled: set[str] = set()
         self.attempts: dict[str, int] = {}  # request id -> attempt being served
         self.superseded: set[str] = set()  # old attempts being dropped for a newer one
@@ -128,6 +132,11 @@ class Worker:
             await nc.subscribe(subjects.kv_recv(self.worker_id), cb=self.on_kv_recv,
                                pending_msgs_limit=1_000_000, pending_bytes_limit=1 << 30),
         ]
+        kvc = self.cfg.kv_transfer
+        if kvc.data_plane == "direct" and self.role != Role.PREFILL:
+            self.kv_port = kvstream.Receiver(self.worker_id, self._open_sink, self._stream_landed,
+                                             self._stream_failed, kvc.stream_idle_timeout_s)
+            await self.kv_port.start(kvc.listen_host, kvc.listen_port, kvc.advertise_host)
         # The index must forget whatever an earlier incarnation of this worker held.
         await self._publish_kv_events(force_cleared=True)
         self._work_subs = [
@@ -158,6 +167,11 @@ class Worker:
         for d in list(self.decodes.values()):
             if not d.future.done():
                 d.future.set_exception(EngineError("worker shutting down"))
+        if self.kv_port is not None:
+            await self.kv_port.close()
+        for sink in self.kv_sinks.values():
+            sink.discard()
+        self.kv_sinks.clear()
         await self.engine.close()  # aborts what is left; their tasks send RequestError
         rest = [t for t in self.tasks.values() if not t.done()]
         if rest:
@@ -460,7 +474,12 @@ class Worker:
                                                 rid)
                 if self.engine.real_kv and data is None:
                     raise EngineError(f"engine left no KV for {rid}")
-                chunks = await self._send_kv(accept.data_subject, nbytes, chunk, data)
+                if accept.endpoint:
+                    chunks = 1
+                    span.set_attribute("hetmesh.endpoint", accept.endpoint)
+                    await self._stream_kv(accept.endpoint, treq, data, t0)
+                else:
+                    chunks = await self._send_kv(accept.data_subject, nbytes, chunk, data)
                 span.set_attribute("hetmesh.chunks", chunks)
         except Exception as exc:
             # Tell the decode worker right away instead of letting it wait for its timeout.
@@ -475,7 +494,22 @@ class Worker:
         self.kv_bytes_sent += nbytes
         self.metrics.kv_transfer_seconds.observe(time.perf_counter() - t0)
         await self._event(rid, "kv_sent", phase="prefill", transfer_id=treq.transfer_id, dst=dst, nbytes=nbytes,
-                          chunks=chunks, chunk_bytes=chunk, duration_s=time.perf_counter() - t0)
+                          chunks=chunks, chunk_bytes=chunk, duration_s=time.perf_counter() - t0,
+                          direct=bool(accept.endpoint))
+
+    async def _stream_kv(self, endpoint: str, treq: KvTransferRequest, data: bytes | memoryview | None,
+                         t0: float) -> None:
+        """The direct data plane: the bytes go to the decode worker's KV port; kv-transfer hears how it went."""
+        try:
+            await kvstream.send(endpoint, treq, data, self.cfg.kv_transfer.stream_idle_timeout_s)
+        except Exception as exc:
+            await self.bus.publish(subjects.KV_DONE, KvTransferDone(
+                transfer_id=treq.transfer_id, request_id=treq.request_id, nbytes=0,
+                duration_s=time.perf_counter() - t0, ok=False, error=repr(exc)), treq.request_id)
+            raise
+        await self.bus.publish(subjects.KV_DONE, KvTransferDone(
+            transfer_id=treq.transfer_id, request_id=treq.request_id, nbytes=treq.nbytes,
+            duration_s=time.perf_counter() - t0), treq.request_id)
 
     async def _send_kv(self, subject: str, nbytes: int, chunk: int, kv: bytes | None = None) -> int:
         """Put nbytes of KV on the wire in chunks: the engine's own bytes, or (sim) zeros of the real size."""
@@ -534,7 +568,10 @@ class Worker:
                 return
             landed = local
         received = await self._received(landed) if landed.transfer_id else 0
-        if self.engine.real_kv and landed.transfer_id:
+        sink = self.kv_sinks.pop(landed.transfer_id, None) if landed.direct else None
+        if sink is not None:
+            sink.commit()  # the engine takes the streamed KV as it lies
+        elif self.engine.real_kv and landed.transfer_id:
             kv = self.recv_data.pop(landed.transfer_id, None)
             if kv is None or received != landed.nbytes or kv[1] != landed.chunks:
                 local = await self._prefill_locally(item, f"KV arrived incomplete ({received} of {landed.nbytes} bytes)")
@@ -631,6 +668,30 @@ class Worker:
             await asyncio.sleep(0.002)
 
     async def on_kv_landed(self, landed: KvLanded, _m: Msg) -> None:
+        self._landed(landed)
+
+    def _open_sink(self, header: KvTransferRequest) -> kvstream.KvSink:
+        if self.draining:
+            raise ValueError("worker draining")
+        return self.engine.kv_sink(header.request_id, header.nbytes)
+
+    async def _stream_landed(self, header: KvTransferRequest, sink: kvstream.KvSink, seconds: float) -> None:
+        tid = header.transfer_id
+        self.kv_sinks[tid] = sink
+        self.recv[tid] = [float(header.nbytes), 1.0, time.monotonic()]
+        self.kv_bytes_received += header.nbytes
+        self._landed(KvLanded(
+            transfer_id=tid, request_id=header.request_id, src_worker=header.src_worker, nbytes=header.nbytes,
+            chunks=1, duration_s=seconds, first_token_ids=header.first_token_ids, first_text=header.first_text,
+            cached_tokens=header.cached_tokens, direct=True))
+
+    async def _stream_failed(self, header: KvTransferRequest, why: str) -> None:
+        self._landed(KvLanded(
+            transfer_id=header.transfer_id, request_id=header.request_id, src_worker=header.src_worker, nbytes=0,
+            chunks=0, duration_s=0.0, first_token_ids=header.first_token_ids, first_text=header.first_text,
+            ok=False, error=why, cached_tokens=header.cached_tokens))
+
+    def _landed(self, landed: KvLanded) -> None:
         d = self.decodes.get(landed.request_id)
         if d is not None and not d.future.done():
             d.future.set_result(landed)
@@ -683,7 +744,8 @@ class Worker:
             queue_depth=s.waiting + len(self.decodes), running=s.running, max_batch=s.max_batch,
             kv_blocks_total=s.kv_blocks_total, kv_blocks_used=s.kv_blocks_used, block_size=s.block_size,
             ts=time.time(), tokens_generated=s.tokens_generated, prompt_tokens_computed=s.prompt_tokens_computed,
-            prompt_tokens_cached=s.prompt_tokens_cached, aborted=s.aborted))
+            prompt_tokens_cached=s.prompt_tokens_cached, aborted=s.aborted,
+            kv_endpoint=self.kv_port.endpoint if self.kv_port is not None else ""))
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -699,6 +761,9 @@ class Worker:
         for tid in [t for t, e in self.recv.items() if now - e[2] > STALE_S]:
             del self.recv[tid]
             self.recv_data.pop(tid, None)
+            sink = self.kv_sinks.pop(tid, None)
+            if sink is not None:  # streamed in for a decode that never came
+                sink.discard()
         for rid in [r for r, (_, ts) in self.early_landed.items() if now - ts > STALE_S]:
             del self.early_landed[rid]
         for rid in [r for r, ts in self.early_cancels.items() if now - ts > STALE_S]:
