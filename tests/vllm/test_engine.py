@@ -65,13 +65,17 @@ async def _disaggregated(a: VllmEngine, b: VllmEngine, rid: str, prompt: list[in
     kv = a.take_kv(f"{rid}-p")
     assert kv is not None and a.take_kv(f"{rid}-p") is None  # shipped once
     if perturb:
-        tensors = st_load(kv)
+        tensors = st_load(bytes(kv))
         gen = torch.Generator().manual_seed(0)
         for name, t in tensors.items():
             if not name.startswith("hetmesh."):
                 tensors[name] = torch.randn(t.shape, generator=gen, dtype=t.dtype)
-        kv = st_save(tensors)
-    b.put_kv(rid, kv)
+        b.put_kv(rid, st_save(tensors))
+    else:  # as the KV stream lands it: straight into the mapped spool file the connector loads
+        sink = b.kv_sink(rid, len(kv))
+        assert sink.view is not None
+        sink.view[:] = kv
+        sink.commit()
     computed0 = b.stats().prompt_tokens_computed
     rest, dout = await _run(b, _req(rid, prompt, Phase.DECODE, first=first))
     return first + rest, dout, b.stats().prompt_tokens_computed - computed0
