@@ -1,11 +1,12 @@
-"""KV transfer benchmark: prefill worker -> kv-transfer -> decode worker, real processes on loopback.
+"""KV transfer benchmark: prefill worker -> decode worker, real processes on loopback, per data plane.
 
 Each request is a disaggregated pair (PREFILL on a Rubin CPX worker, DECODE on a Rubin VR200
 worker) for llama-3.1-8b (128 KiB of KV per token), with the sim engine at a time scale that
-makes engine time negligible, so what is measured is the KV's trip over NATS through the
-kv-transfer relay: the size is the real KV size, the bytes are really sent.
+makes engine time negligible, so what is measured is the KV's trip: over one TCP stream into the
+decode worker's KV port (`direct`, kv-transfer coordinating) or over NATS through the kv-transfer
+relay (`nats`). The size is the real KV size, the bytes are really sent (the sim engine's are zeros).
 
-    python benchmarks/kv_transfer.py [--tokens 128 512 2048] [--concurrency 1 4] [--out results/kv_transfer.json]
+    python benchmarks/kv_transfer.py [--tokens 128 512 2048] [--concurrency 1 4] [--planes direct nats]
 """
 
 from __future__ import annotations
@@ -165,32 +166,36 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="results/kv_transfer.json")
+    ap.add_argument("--planes", nargs="+", default=["direct", "nats"], choices=["direct", "nats"])
     args = ap.parse_args()
-    srv = servers.start_nats()
-    d = Path(tempfile.mkdtemp(prefix="hetmesh-kvbench-"))
-    (d / "cluster.toml").write_text(CLUSTER)
-    env = servers.env_with(HETMESH_NATS_URL=srv.url)
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    try:
-        for name, argv in {"kv-transfer": ["hetmesh.kv_transfer", "--instance", "kvx-bench"],
-                           "prefill-worker": ["hetmesh.worker", "--worker-id", "cpx-0"],
-                           "decode-worker": ["hetmesh.worker", "--worker-id", "vr200-0"]}.items():
-            procs[name] = subprocess.Popen([sys.executable, "-m", *argv, "--cluster", str(d / "cluster.toml")], env=env,
-                                           stdout=open(d / f"{name}.log", "wb"), stderr=subprocess.STDOUT)
-        rows = asyncio.run(bench(srv.url, args.tokens, args.concurrency, args.repeats, procs))
-    finally:
-        for p in procs.values():
-            p.terminate()
-        for p in procs.values():
-            p.wait(10)
-        srv.stop()
-    t = Table(title=f"KV transfer over NATS via kv-transfer ({SPEC}, 128 KiB/token, loopback)")
-    for c in ("prompt tok", "MB", "conc", "transfer p50 ms", "request p50 ms", "MB/s per transfer", "MB/s total",
-              "CPU ms/MB prefill", "relay", "decode"):
+    rows: list[dict[str, Any]] = []
+    for plane in args.planes:
+        srv = servers.start_nats()
+        d = Path(tempfile.mkdtemp(prefix="hetmesh-kvbench-"))
+        (d / "cluster.toml").write_text(CLUSTER + f'[kv_transfer]\ndata_plane = "{plane}"\n')
+        env = servers.env_with(HETMESH_NATS_URL=srv.url)
+        procs: dict[str, subprocess.Popen[bytes]] = {}
+        try:
+            for name, argv in {"kv-transfer": ["hetmesh.kv_transfer", "--instance", "kvx-bench"],
+                               "prefill-worker": ["hetmesh.worker", "--worker-id", "cpx-0"],
+                               "decode-worker": ["hetmesh.worker", "--worker-id", "vr200-0"]}.items():
+                procs[name] = subprocess.Popen([sys.executable, "-m", *argv, "--cluster", str(d / "cluster.toml")],
+                                               env=env, stdout=open(d / f"{name}.log", "wb"), stderr=subprocess.STDOUT)
+            rows += [dict(r, plane=plane)
+                     for r in asyncio.run(bench(srv.url, args.tokens, args.concurrency, args.repeats, procs))]
+        finally:
+            for p in procs.values():
+                p.terminate()
+            for p in procs.values():
+                p.wait(10)
+            srv.stop()
+    t = Table(title=f"KV transfer prefill worker -> decode worker ({SPEC}, 128 KiB/token, loopback)")
+    for c in ("data plane", "prompt tok", "MB", "conc", "transfer p50 ms", "request p50 ms", "MB/s per transfer",
+              "MB/s total", "CPU ms/MB prefill", "kv-transfer", "decode"):
         t.add_column(c, justify="right")
     for r in rows:
         cpu = r["cpu_ms_per_mb"]
-        t.add_row(str(r["prompt_tokens"]), f"{r['mb_per_transfer']:.1f}", str(r["concurrency"]),
+        t.add_row(r["plane"], str(r["prompt_tokens"]), f"{r['mb_per_transfer']:.1f}", str(r["concurrency"]),
                   f"{r['transfer_p50_ms']:.1f}", f"{r['request_p50_ms']:.1f}", f"{r['relay_mb_per_s']:.0f}",
                   f"{r['aggregate_mb_per_s']:.0f}", f"{cpu['prefill-worker']:.2f}", f"{cpu['kv-transfer']:.2f}",
                   f"{cpu['decode-worker']:.2f}")

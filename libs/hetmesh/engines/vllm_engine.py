@@ -39,6 +39,8 @@ from hetmesh.protocol import Phase
 log = logging.getLogger(__name__)
 
 CONNECTOR_MODULE = "hetmesh.engines.vllm_connector"
+FREE_KV_FILES = 8
+FREE_KV_BYTES = 1 << 30
 
 
 class VllmConfig(msgspec.Struct, kw_only=True):
@@ -163,10 +165,17 @@ class _FileSink:
 
     def __init__(self, engine: VllmEngine, request_id: str, path: str, nbytes: int) -> None:
         self.engine, self.request_id, self.path = engine, request_id, path
-        self._fd = os.open(path + ".part", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        # A landed file already loaded by its request, renamed: its tmpfs pages are reused instead of
+        # allocated and zeroed anew, which on a VM costs as much as the transfer itself.
+        reused = engine._reuse_kv_file(nbytes)
+        if reused is not None:
+            os.replace(reused, path + ".part")
+        self._fd = os.open(path + ".part", os.O_RDWR | os.O_CREAT, 0o600)
         try:
+            if os.fstat(self._fd).st_size > nbytes:
+                os.ftruncate(self._fd, nbytes)
             os.posix_fallocate(self._fd, 0, nbytes)  # tmpfs full fails here, not as SIGBUS mid-stream
-            self._map = mmap.mmap(self._fd, nbytes)
+            self._map = mmap.mmap(self._fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         except OSError as exc:
             self.discard()
             raise ValueError(f"no room for {nbytes} bytes of KV in {engine.spool}: {exc}") from exc
@@ -203,6 +212,7 @@ class VllmEngine:
         self._tracks: dict[str, _Track] = {}
         self._pending_kv: dict[str, str] = {}  # DECODE request id -> landed KV file, until submitted
         self._prefill_kv: dict[str, str] = {}  # finished PREFILL request id -> the KV file it left
+        self._free_kv: list[tuple[int, str]] = []  # (size, path): landed KV files already loaded, for reuse
         self._mapper = _KvEventMapper(config.model_name, config.block_size)
         self._pending_events = KvEventBatch()
         self._sub: Any = None
@@ -391,10 +401,32 @@ class VllmEngine:
             return
         del self._tracks[rid]
         if t.req.phase == Phase.DECODE and t.kv_path:
-            with contextlib.suppress(OSError):
-                os.unlink(t.kv_path)
+            self._recycle_kv_file(t.kv_path)
         elif t.req.phase == Phase.PREFILL and t.kv_path:
             self._prefill_kv[rid] = t.kv_path
+
+    def _recycle_kv_file(self, path: str) -> None:
+        """Keep a loaded KV file's pages for the next transfer to land in (at most FREE_KV_FILES of them,
+        FREE_KV_BYTES in all: the biggest are kept, they fit the most)."""
+        try:
+            size = os.stat(path).st_size
+            free = str(self.spool / f"free-{uuid.uuid4().hex[:12]}.kv")
+            os.replace(path, free)
+        except OSError:
+            return
+        self._free_kv.append((size, free))
+        self._free_kv.sort(reverse=True)
+        while len(self._free_kv) > FREE_KV_FILES or sum(n for n, _ in self._free_kv) > FREE_KV_BYTES:
+            _, drop = self._free_kv.pop()
+            with contextlib.suppress(OSError):
+                os.unlink(drop)
+
+    def _reuse_kv_file(self, nbytes: int) -> str | None:
+        """The free KV file that fits nbytes most tightly, or the biggest one when none is big enough."""
+        if not self._free_kv:
+            return None
+        fits = [i for i, (n, _) in enumerate(self._free_kv) if n >= nbytes]
+        return self._free_kv.pop(fits[-1] if fits else 0)[1]
 
     def _account(self, t: _Track, cached: int, reason: str | None) -> None:
         if reason == "abort":
@@ -419,7 +451,8 @@ class VllmEngine:
         try:
             with open(p, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                data = memoryview(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)) if size else memoryview(b"")
+                data = (memoryview(mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                                             prot=mmap.PROT_READ)) if size else memoryview(b""))
         except FileNotFoundError:
             return None
         with contextlib.suppress(OSError):
