@@ -88,6 +88,7 @@ class Scheduler:
         self.metrics.registry.register(metrics.Snapshot(self._snapshot))
         self.http: metrics.MetricsServer | None = None
         self.started = False
+        self._submits: set[asyncio.Task[None]] = set()  # submits being placed and dispatched
         self.events: EventBatcher
         self.bus: Bus
         self.queue: WorkQueue
@@ -248,6 +249,19 @@ class Scheduler:
 
     # --- placement ----------------------------------------------------------------------
     async def on_submit(self, req: InferenceRequest, m: Msg) -> None:
+        # Each submit in a task of its own: nats-py runs one subscription's callbacks one at a time, and a
+        # submit waits on Redis and on the work queue's PubAck; placement stays atomic all the same (`place`).
+        t = asyncio.create_task(self._submit(req, m))
+        self._submits.add(t)
+        t.add_done_callback(self._submits.discard)
+
+    async def _submit(self, req: InferenceRequest, m: Msg) -> None:
+        try:
+            await self._answer(req, m)
+        except Exception:
+            log.exception("submit %s failed", req.request_id)
+
+    async def _answer(self, req: InferenceRequest, m: Msg) -> None:
         if not self.tracing:
             headers = {REQUEST_ID: req.request_id}
             if m.headers:
@@ -272,22 +286,25 @@ class Scheduler:
 
     async def place(self, req: InferenceRequest, headers: dict[str, str] | None = None) -> SubmitReply:
         """Place `req` and dispatch its WorkItems. `headers`: what they carry (default: the request id
-        and the current span's trace context)."""
+        and the current span's trace context).
+
+        Submits run concurrently: from reading the view to recording the assignment (`_dispatch` does
+        it first thing) there is no await, so two submits never place on the same stale view."""
         t0 = time.perf_counter()
-        views = self.state.views()
         sc = self.cfg.scheduler
-        if pool_full(req.model, views, sc.queue_factor):
-            self.refused += 1
-            self.metrics.rejected.labels("overloaded").inc()
-            return SubmitReply(request_id=req.request_id, error=ErrorInfo(
-                message=f"The workers of model {req.model!r} are at capacity; please retry.", type="server_error",
-                code="overloaded", status=503, retry_after_s=sc.retry_after_s))
         cached: dict[str, int] = {}
         if self.uses_prefix and req.block_hashes and self.redis_ok:
             try:
                 cached = await self.index.lookup(req.model, req.block_hashes, self.state.worker_ids())
             except Exception as exc:
                 self._redis_down(exc)
+        views = self.state.views()
+        if pool_full(req.model, views, sc.queue_factor):
+            self.refused += 1
+            self.metrics.rejected.labels("overloaded").inc()
+            return SubmitReply(request_id=req.request_id, error=ErrorInfo(
+                message=f"The workers of model {req.model!r} are at capacity; please retry.", type="server_error",
+                code="overloaded", status=503, retry_after_s=sc.retry_after_s))
         info = RequestInfo(
             request_id=req.request_id, model=req.model, prompt_len=len(req.prompt_tokens),
             max_tokens=req.sampling.max_tokens, cached_blocks=cached,
