@@ -123,7 +123,7 @@ async def drive(args: argparse.Namespace, port: int, gw_pid: int, peer_pid: int)
 
 
 def bench(args: argparse.Namespace) -> list[dict[str, float]]:
-    nats = servers.start_nats(jetstream=False)
+    nats = servers.start_nats()
     work = Path(tempfile.mkdtemp(prefix="hetmesh-gwbench-"))
     cluster = work / "cluster.toml"
     cluster.write_text(CLUSTER)

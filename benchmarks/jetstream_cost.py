@@ -79,7 +79,7 @@ async def measure(nc: nats.NATS, mode: str, n: int, warmup: int) -> list[float]:
 
 
 async def run(n: int) -> dict[str, dict[str, float]]:
-    srv = servers.start_nats(jetstream=True)
+    srv = servers.start_nats()
     try:
         nc = await nats.connect(srv.url)
         res = {}

@@ -100,6 +100,24 @@ class KvTransferConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     max_wire_bytes: int = 0
 
 
+class WorkQueueConfig(Struct, kw_only=True, forbid_unknown_fields=True):
+    """`[work_queue]`: the JetStream work-queue stream every WorkItem goes through (`hetmesh.workqueue`)."""
+
+    # file (default): queued WorkItems, the stream and its consumers survive a nats-server restart, which is
+    # what the queue is for. memory: ~0.1 ms less per item (benchmarks/jetstream_cost.py) and no disk, but a
+    # restart loses what was queued (the services re-create the stream and consumers when they reconnect).
+    storage: str = "file"
+    replicas: int = 1  # copies on a clustered JetStream (3 on the k8s 3-node NATS); <= the number of servers
+    # Bounds: a full stream refuses new items (the submit gets 503) instead of dropping queued ones.
+    max_msgs: int = 100_000
+    max_bytes: int = 1 << 30
+    max_age_s: float = 600.0  # older items are void anyway: their gateway stalled out (stall_timeout_s)
+    duplicate_window_s: float = 120.0  # a re-publish with the same Nats-Msg-Id within this is stored once
+    ack_wait_s: float = 30.0  # an item delivered but not acked within this is delivered again ...
+    max_deliver: int = 5  # ... at most this many times in all
+    publish_timeout_s: float = 5.0  # scheduler: re-publish (same dedup id) across a bus gap for this long
+
+
 class ModelConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     name: str  # the name clients put in "model"
     spec: str = "tiny-llama"  # hetmesh.costmodel model catalog id, or a path to a HF config.json
@@ -148,6 +166,7 @@ class ClusterConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     auth: AuthConfig = field(default_factory=AuthConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer: KvTransferConfig = field(default_factory=KvTransferConfig)
+    work_queue: WorkQueueConfig = field(default_factory=WorkQueueConfig)
     models: list[ModelConfig] = field(default_factory=list)
     workers: list[WorkerGroup] = field(default_factory=list)
 
@@ -172,6 +191,13 @@ class ClusterConfig(Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ValueError(f"auth key {k.name!r}: sha256 must be 64 hex digits (the key's SHA-256)")
         if self.kv_transfer.data_plane not in ("direct", "nats"):
             raise ValueError(f"kv_transfer.data_plane must be direct or nats, not {self.kv_transfer.data_plane!r}")
+        wq = self.work_queue
+        if wq.storage not in ("file", "memory"):
+            raise ValueError(f"work_queue.storage must be file or memory, not {wq.storage!r}")
+        if min(wq.replicas, wq.max_msgs, wq.max_bytes, wq.max_deliver) < 1 or min(wq.max_age_s, wq.ack_wait_s) <= 0:
+            raise ValueError("work_queue: replicas, max_msgs, max_bytes, max_deliver >= 1; max_age_s, ack_wait_s > 0")
+        if not 0 < wq.duplicate_window_s <= wq.max_age_s:
+            raise ValueError("work_queue: 0 < duplicate_window_s <= max_age_s")
         for g in self.workers:
             self.model(g.model)
             if g.count < 0 or g.devices < 1 or g.max_batch < 1:

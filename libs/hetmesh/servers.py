@@ -67,22 +67,31 @@ def find_binary(name: str) -> str:
 class ServerProcess:
     name: str
     url: str
-    proc: subprocess.Popen[bytes]
+    args: list[str]
     workdir: Path
+    proc: subprocess.Popen[bytes] | None = None
     log_path: Path = field(init=False)
 
     def __post_init__(self) -> None:
         self.log_path = self.workdir / f"{self.name}.log"
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
+    def start(self) -> ServerProcess:
+        """Start it (again: same port, same files, so a nats-server finds its JetStream store as it was)."""
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        _wait_ready(self.url, self.proc, self.name, self.log_path)
+        return self
+
+    def stop(self, keep_files: bool = False) -> None:
+        """`keep_files`: leave its folder (JetStream store, logs) for a `start()` again, as a restart would."""
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        if not keep_files:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], what: str, log: Path, timeout_s: float = 15.0) -> None:
@@ -97,39 +106,30 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], what: str, log: Path, t
     raise TimeoutError(f"{what} did not listen on {url} within {timeout_s}s")
 
 
-def start_nats(port: int | None = None, jetstream: bool = True, user: str = "", password: str = "",
-               monitor_port: int = 0) -> ServerProcess:
-    """`user`/`password`: the server requires them (what a secured deployment looks like).
+def start_nats(port: int | None = None, user: str = "", password: str = "", monitor_port: int = 0) -> ServerProcess:
+    """JetStream is always on (the work queue lives there), its store in the server's own folder.
+    `user`/`password`: the server requires them (what a secured deployment looks like).
     `monitor_port`: serve nats-server's HTTP monitoring (/connz, /varz) there."""
     port = port or free_port()
     work = Path(tempfile.mkdtemp(prefix="hetmesh-nats-"))
-    log = work / "nats-server.log"
-    args = [find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-l", str(log)]
+    args = [find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-l", str(work / "nats-server.log"),
+            "-js", "-sd", str(work / "js")]
     if user:
         args += ["--user", user, "--pass", password]
     if monitor_port:
         args += ["-m", str(monitor_port)]
-    if jetstream:
-        args += ["-js", "-sd", str(work / "js")]
-    url = f"nats://127.0.0.1:{port}"
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    _wait_ready(url, proc, "nats-server", log)
-    return ServerProcess("nats-server", url, proc, work)
+    return ServerProcess("nats-server", f"nats://127.0.0.1:{port}", args, work).start()
 
 
 def start_redis(port: int | None = None, password: str = "") -> ServerProcess:
     """`password`: the server requires it (requirepass)."""
     port = port or free_port()
     work = Path(tempfile.mkdtemp(prefix="hetmesh-redis-"))
-    log = work / "redis-server.log"
     args = [find_binary("redis-server"), "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-            "--appendonly", "no", "--dir", str(work), "--logfile", str(log)]
+            "--appendonly", "no", "--dir", str(work), "--logfile", str(work / "redis-server.log")]
     if password:
         args += ["--requirepass", password]
-    url = f"redis://127.0.0.1:{port}/0"
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    _wait_ready(url, proc, "redis-server", log)
-    return ServerProcess("redis-server", url, proc, work)
+    return ServerProcess("redis-server", f"redis://127.0.0.1:{port}/0", args, work).start()
 
 
 @contextlib.contextmanager

@@ -2,7 +2,9 @@
 
 Work subjects encode role, vendor and accelerator kind so that an operator can watch one
 pool with the `nats` CLI (`nats sub 'hetmesh.work.prefill.amd.>'`) and so that a worker
-pool can also be fed as a queue group (`hetmesh.work.<role>.<vendor>.<accelerator>`).
+pool can also be fed as one (`hetmesh.work.<role>.<vendor>.<accelerator>`). They are the
+subjects of one JetStream work-queue stream (`WORK_STREAM`); each is read through a durable
+consumer that pushes to its own `hetmesh.workq.<consumer>` subject (`hetmesh.workqueue`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ KV_TRANSFER = f"{PREFIX}.kv.transfer"
 KV_DONE = f"{PREFIX}.kv.done"  # prefill worker -> kv-transfer: a direct stream's outcome
 KV_RESYNC = f"{PREFIX}.kv.resync"  # scheduler -> all workers: republish the whole prefix cache
 EVENTS_ALL = f"{PREFIX}.event.>"
+WORK_ALL = f"{PREFIX}.work.>"  # every work subject: what the work-queue stream stores
+WORK_STREAM = "HETMESH_WORK"  # JetStream stream names may not hold '.'
 
 # Queue groups: replicas of a service share work; workers of one pool share pool work.
 SCHEDULER_QUEUE = "scheduler"
@@ -38,6 +42,18 @@ def work_pool(role: str, vendor: str, accelerator: str) -> str:
 
 def work_direct(role: str, vendor: str, accelerator: str, worker_id: str) -> str:
     return f"{work_pool(role, vendor, accelerator)}.{token_safe(worker_id)}"
+
+
+def work_consumer(work_subject: str) -> str:
+    """The durable consumer of one work subject (direct or pool): its tokens after the prefix, '_'-joined
+    (consumer names may not hold '.')."""
+    return work_subject[len(PREFIX) + 1:].replace(".", "_")
+
+
+def work_deliver(work_subject: str) -> str:
+    """Where that consumer pushes: a fixed subject, so that every worker process (and a re-created
+    consumer) meets the others there; outside `WORK_ALL`, which the stream would capture."""
+    return f"{PREFIX}.workq.{work_consumer(work_subject)}"
 
 
 def heartbeat(worker_id: str) -> str:
@@ -89,8 +105,14 @@ class SubjectRow(NamedTuple):
 TABLE: tuple[SubjectRow, ...] = (
     SubjectRow(SUBMIT, "gateway", "scheduler (queue group)", "InferenceRequest -> SubmitReply", "request/reply"),
     SubjectRow(SCHED_STATUS, "gateway (/ready)", "scheduler (queue group)", "empty -> SchedulerStatus", "request/reply"),
-    SubjectRow(f"{PREFIX}.work.<role>.<vendor>.<accelerator>.<worker_id>", "scheduler", "that worker", "WorkItem", "direct placement"),
-    SubjectRow(f"{PREFIX}.work.<role>.<vendor>.<accelerator>", "scheduler", "the pool (queue group)", "WorkItem", "any worker of the pool"),
+    SubjectRow(f"{PREFIX}.work.<role>.<vendor>.<accelerator>.<worker_id>", "scheduler (`js.publish`)", f"stream {WORK_STREAM}",
+               "WorkItem", "direct placement; work-queue stream, `Nats-Msg-Id` <request_id>-<attempt>-<phase>"),
+    SubjectRow(f"{PREFIX}.work.<role>.<vendor>.<accelerator>", "scheduler (`js.publish`)", f"stream {WORK_STREAM}",
+               "WorkItem", "any worker of the pool; same stream"),
+    SubjectRow(f"{PREFIX}.workq.work_<role>_<vendor>_<accelerator>_<worker_id>", f"stream {WORK_STREAM} (durable consumer)",
+               "that worker", "WorkItem", "push delivery; worker acks once its engine took the item"),
+    SubjectRow(f"{PREFIX}.workq.work_<role>_<vendor>_<accelerator>", f"stream {WORK_STREAM} (durable consumer)",
+               "the pool (queue group = deliver group)", "WorkItem", "one shared consumer per pool"),
     SubjectRow(f"{PREFIX}.resp.<gateway>.<request_id>-<attempt>", "workers, scheduler", "gateway", "TokenChunk | RequestError | WorkerLost", "per-request stream"),
     SubjectRow(CANCEL, "gateway", "workers, scheduler, kv-transfer", "Cancel", "broadcast"),
     SubjectRow(FINISHED, "workers", "scheduler", "FinishedBatch (JSON array of Finished)", "in-flight bookkeeping, batched"),

@@ -17,11 +17,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from urllib.parse import urlparse
 
 import httpx
+import nats
 import openai
 import pytest
 import redis
+from nats.js.api import ConsumerInfo, StorageType, StreamInfo
 
-from hetmesh import servers
+from hetmesh import servers, subjects
 from hetmesh.engines.sim import expected_completion
 from hetmesh.launcher import Mesh
 from hetmesh.protocol import SamplingParams, ServiceEvent
@@ -264,21 +266,37 @@ async def test_slow_client_does_not_stall_the_others(mesh: Mesh, aclient: openai
         sock.close()
 
 
+async def _work_stream(url: str) -> tuple[StreamInfo, list[ConsumerInfo]]:
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        return await js.stream_info(subjects.WORK_STREAM), await js.consumers_info(subjects.WORK_STREAM)
+    finally:
+        await nc.close()
+
+
 async def test_nats_server_restart_services_reconnect(mesh: Mesh, aclient: openai.AsyncOpenAI) -> None:
-    """The bus goes away and comes back on the same port: every service reconnects (with backoff);
-    requests in flight finish with their text (re-placed if their worker looked lost meanwhile);
-    requests sent while the bus is down wait for it and are served; no service died."""
+    """The bus goes away and comes back on the same port with its JetStream store (a restart): every
+    service reconnects (with backoff); requests accepted before the restart and requests sent while the
+    bus is down finish with their text; the work-queue stream is still there with what it held, and in the
+    end every WorkItem in it was taken and acked; no service died."""
     idx, ns = next((i, s) for i, s in enumerate(mesh.started_servers) if s.name == "nats-server")
-    port = urlparse(ns.url).port
     in_flight = [f"in flight over a bus restart {i} " for i in range(3)]
     tasks = [complete(aclient, p, 20) for p in in_flight]
     await asyncio.sleep(1.5)
-    ns.stop()
+    before, _ = await _work_stream(ns.url)
+    assert before.state.last_seq >= 2 * len(in_flight)  # their WorkItems (disaggregated: two each) went through it
+    ns.stop(keep_files=True)
     late = [f"sent while the bus is down {i} " for i in range(2)]
     tasks += [complete(aclient, p, 4) for p in late]
     await asyncio.sleep(1.0)
-    mesh._started[idx] = servers.start_nats(port)
+    ns.start()  # same port, same store
     rs = await asyncio.wait_for(asyncio.gather(*tasks), 90)
     assert [r.choices[0].text for r in rs] == [  # type: ignore[attr-defined]
         *(expected_text(p, 20) for p in in_flight), *(expected_text(p, 4) for p in late)]
     assert all(s.alive for s in mesh.services.values())
+    after, consumers = await _work_stream(ns.url)
+    assert after.config.storage == StorageType.FILE and after.state.last_seq > before.state.last_seq  # kept, went on
+    assert after.state.messages == 0  # work-queue retention: acked items leave the stream
+    assert consumers and all(c.num_ack_pending == 0 and c.num_pending == 0 for c in consumers)
+    assert mesh.started_servers[idx] is ns

@@ -223,7 +223,7 @@ class FakePeer:
 
 @pytest.fixture(scope="session")
 def gw_nats() -> Iterator[str]:
-    srv = servers.start_nats(jetstream=False)
+    srv = servers.start_nats()
     try:
         yield srv.url
     finally:

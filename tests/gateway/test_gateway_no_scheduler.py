@@ -19,7 +19,7 @@ WAIT_S = 2.0
 
 @pytest.fixture(scope="module")
 def lonely() -> Iterator[str]:
-    srv = servers.start_nats(jetstream=False)
+    srv = servers.start_nats()
     peer = FakePeer(srv.url, scheduler=False).start()
     try:
         yield srv.url

@@ -20,7 +20,7 @@ from hetmesh.protocol import Cancel, KvEvent
 
 @pytest.fixture(scope="module")
 def secured() -> Iterator[tuple[str, str]]:
-    nats_srv = servers.start_nats(jetstream=False, user="mesh", password="s3cret-nats")
+    nats_srv = servers.start_nats(user="mesh", password="s3cret-nats")
     redis_srv = servers.start_redis(password="s3cret-redis")
     try:
         yield nats_srv.url, redis_srv.url

@@ -42,6 +42,7 @@ from hetmesh.protocol import (
     WorkItem,
 )
 from hetmesh.tokenizer import ByteTokenizer
+from hetmesh.workqueue import MSG_ID, msg_id
 
 TOK = ByteTokenizer()
 MODEL = "tiny"
@@ -52,6 +53,9 @@ CLUSTER = f"""
 [mesh]
 time_scale = 1.0
 heartbeat_interval_s = 0.2
+
+[work_queue]
+ack_wait_s = 1.0  # short: the redelivery test waits for one
 
 [[models]]
 name = "{MODEL}"
@@ -81,13 +85,22 @@ name = "spare"
 model = "{MODEL}"
 accelerator = "amd-mi300x"
 role = "both"
+
+[[workers]]
+name = "late"
+model = "{MODEL}"
+accelerator = "nvidia-a100-80g"
+role = "both"
 """
 
 WORKERS = {"agg-0": ("both", "nvidia", "nvidia-h100"), "pre-0": ("prefill", "nvidia", "nvidia-rubin-cpx"),
            "dec-0": ("decode", "nvidia", "nvidia-rubin-vr200"), "spare-0": ("both", "amd", "amd-mi300x")}
+LATE = "late-0"  # not started with the others: work waits in the queue for it
 
 
 def direct(worker_id: str) -> str:
+    if worker_id == LATE:
+        return subjects.work_direct("both", "nvidia", "nvidia-a100-80g", LATE)
     return subjects.work_direct(*WORKERS[worker_id], worker_id)
 
 
@@ -523,6 +536,62 @@ async def test_decode_whose_kv_never_lands_prefills_locally(tap: tuple[Tap, nats
     assert t.event(item.request.request_id, "kv_fallback") is not None
     done = await t.until(lambda: next((f for f in t.finished if f.request_id == item.request.request_id), None))
     assert done.finish_reason == "length"
+
+
+async def test_work_item_waits_in_the_queue_for_a_worker_not_yet_up(mesh: Mesh, tap: tuple[Tap, nats.NATS]) -> None:
+    """Published (and acknowledged by the stream) before its worker ever subscribed: not lost, the worker
+    takes it when it comes."""
+    t, nc = tap
+    item = make_item("queued before its worker was up", 8, decode_worker=LATE)
+    stored = await nc.jetstream().publish(direct(LATE), encode(item), headers={MSG_ID: msg_id(item)})
+    assert stored.stream == subjects.WORK_STREAM
+    await asyncio.sleep(0.5)
+    assert final(t, item) is None
+    mesh.spawn(LATE, "hetmesh.worker", "--worker-id", LATE)
+    last = await t.until(lambda: final(t, item), timeout_s=60)
+    assert isinstance(last, TokenChunk) and last.worker_id == LATE
+    assert text_of(t, item)[1] == expected(item)[1]
+
+
+async def test_duplicate_and_redelivered_work_items_run_once(mesh: Mesh, tap: tuple[Tap, nats.NATS]) -> None:
+    """The same item published twice with its dedup id is stored once; delivered to a worker that does not
+    ack in time (stopped) it is delivered again; published once more under another id the stream cannot
+    tell apart. The worker runs it once and acks and drops every copy."""
+    t, nc = tap
+    js = nc.jetstream()
+    item = make_item("only once, please", 6, decode_worker=LATE)
+    rid = item.request.request_id
+    consumer = subjects.work_consumer(direct(LATE))
+    await t.until(lambda: any(h.worker_id == LATE for h in t.heartbeats), timeout_s=60)
+    before = (await js.consumer_info(subjects.WORK_STREAM, consumer)).num_redelivered
+    proc = mesh.procs[LATE]
+    os.kill(proc.pid, signal.SIGSTOP)  # the delivery sits unread in its socket; ack_wait (1 s) runs out
+    try:
+        first = await js.publish(direct(LATE), encode(item), headers={MSG_ID: msg_id(item)})
+        again = await js.publish(direct(LATE), encode(item), headers={MSG_ID: msg_id(item)})
+        assert again.duplicate and again.seq == first.seq
+        for _ in range(150):
+            if (await js.consumer_info(subjects.WORK_STREAM, consumer)).num_redelivered > before:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("JetStream did not redeliver the unacked item")
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    await js.publish(direct(LATE), encode(item), headers={MSG_ID: "another-id"})
+    last = await t.until(lambda: final(t, item))
+    assert isinstance(last, TokenChunk) and text_of(t, item)[1] == expected(item)[1]
+    def dups() -> list[ServiceEvent]:
+        return [e for e in t.events if e.request_id == rid and e.kind == "duplicate_work"]
+
+    await t.until(lambda: len(dups()) >= 2)  # the redelivery and the copy under another id
+    assert any(int(e.detail["deliveries"]) > 1 for e in dups())  # type: ignore[arg-type]
+    await asyncio.sleep(0.5)  # a second run would have shown by now
+    assert [e.kind for e in t.events if e.request_id == rid].count("accepted") == 1
+    assert len([f for f in t.finished if f.request_id == rid]) == 1
+    assert len([c for c in chunks_of(t, item) if isinstance(c, TokenChunk) and c.finish_reason]) == 1
+    info = await js.consumer_info(subjects.WORK_STREAM, consumer)
+    assert info.num_ack_pending == 0 and info.num_pending == 0  # every copy acked: nothing left to redeliver
 
 
 async def test_sigterm_finishes_in_flight_then_exits(mesh: Mesh, tap: tuple[Tap, nats.NATS]) -> None:

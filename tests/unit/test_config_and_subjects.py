@@ -1,8 +1,10 @@
 from pathlib import Path
 
 import pytest
+from nats.js.api import RetentionPolicy, StorageType
 
-from hetmesh import config, subjects
+from hetmesh import config, subjects, workqueue
+from hetmesh.protocol import InferenceRequest, Phase, Placement, SamplingParams, WorkItem
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,3 +46,36 @@ def test_work_subjects_encode_vendor_and_accelerator() -> None:
 
 def test_readme_subject_table_is_the_code_table() -> None:
     assert subjects.markdown_table() in (ROOT / "README.md").read_text()
+
+
+def test_work_queue_names_and_config(tmp_path: Path) -> None:
+    direct = subjects.work_direct("decode", "nvidia", "nvidia-h100", "h100-0")
+    pool = subjects.work_pool("decode", "nvidia", "nvidia-h100")
+    assert subjects.work_consumer(direct) == "work_decode_nvidia_nvidia-h100_h100-0"
+    # Pushed outside the stream's subjects (else the stream would store its own deliveries).
+    assert subjects.work_deliver(pool) == "hetmesh.workq.work_decode_nvidia_nvidia-h100"
+    assert not subjects.work_deliver(pool).startswith(subjects.WORK_ALL[:-1])
+    sc = workqueue.stream_config(config.WorkQueueConfig())
+    assert sc.subjects == [subjects.WORK_ALL] and sc.retention == RetentionPolicy.WORK_QUEUE
+    assert sc.storage == StorageType.FILE and sc.max_msgs and sc.max_bytes and sc.max_age  # bounded
+    cc = workqueue.consumer_config(pool, config.WorkQueueConfig(), pool=True)
+    assert cc.deliver_group == cc.durable_name and cc.filter_subject == pool
+    assert workqueue.consumer_config(direct, config.WorkQueueConfig(), pool=False).deliver_group is None
+    bad = tmp_path / "c.toml"
+    bad.write_text('[work_queue]\nstorage = "disk"\n')
+    with pytest.raises(ValueError, match="storage"):
+        config.load(bad)
+    bad.write_text('[work_queue]\nstorage = "memory"\nmax_age_s = 60\nduplicate_window_s = 120\n')
+    with pytest.raises(ValueError, match="duplicate_window_s"):
+        config.load(bad)
+
+
+def test_item_ids_and_recent_ids() -> None:
+    req = InferenceRequest(request_id="r1", model="m", prompt_tokens=[1], block_hashes=[], sampling=SamplingParams(max_tokens=1),
+                           reply_subject="x", arrival_ts=0.0, attempt=2)
+    place = Placement(mode="disaggregated", decode_worker="d", prefill_worker="p")
+    ids = {workqueue.msg_id(WorkItem(request=req, phase=ph, placement=place)) for ph in (Phase.PREFILL, Phase.DECODE)}
+    assert ids == {"r1-2-prefill", "r1-2-decode"}
+    seen = workqueue.RecentIds(limit=2)
+    assert seen.add("a") and not seen.add("a") and seen.add("b") and seen.add("c")
+    assert len(seen) == 2 and seen.add("a")  # the oldest was forgotten first

@@ -2,7 +2,8 @@
 
 It folds worker heartbeats into a `ClusterState`, mirrors workers' KV events into the Redis
 prefix index, and for each submitted request asks the configured policy for a placement,
-then publishes `WorkItem`s to the chosen workers' direct subjects. A worker whose heartbeats
+then publishes `WorkItem`s to the chosen workers' direct subjects on the JetStream work queue
+(`hetmesh.workqueue`: it answers the submit once the stream has stored them). A worker whose heartbeats
 stop leaves the view; every request it held gets a `WorkerLost` on its reply subject, so the
 gateway can resubmit it (nothing streamed yet) or end it with an error — never a hang.
 
@@ -25,7 +26,7 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 
 from hetmesh import config, metrics, subjects, telemetry
-from hetmesh.bus import REQUEST_ID, Bus, EventBatcher, encode
+from hetmesh.bus import REQUEST_ID, Bus, EventBatcher, encode, headers_for
 from hetmesh.kvindex.index import PrefixIndex
 from hetmesh.placement import ClusterState, Decision, RequestInfo, WorkerView, make_policy, pool_full
 from hetmesh.protocol import (
@@ -46,6 +47,7 @@ from hetmesh.protocol import (
     WorkItem,
 )
 from hetmesh.runtime import run_service
+from hetmesh.workqueue import WorkQueue, msg_id
 
 log = logging.getLogger("hetmesh.scheduler")
 
@@ -86,8 +88,10 @@ class Scheduler:
         self.metrics.registry.register(metrics.Snapshot(self._snapshot))
         self.http: metrics.MetricsServer | None = None
         self.started = False
+        self._submits: set[asyncio.Task[None]] = set()  # submits being placed and dispatched
         self.events: EventBatcher
         self.bus: Bus
+        self.queue: WorkQueue
         self.index: PrefixIndex
         self.placed = 0
         self.refused = 0
@@ -98,6 +102,8 @@ class Scheduler:
         self.bus = await Bus.for_mesh(self.cfg.mesh, f"scheduler-{self.instance}")
         self.index = PrefixIndex.for_mesh(self.cfg.mesh, self.cfg.scheduler.prefix_ttl_s)
         self.events = EventBatcher(self.bus, "scheduler")
+        self.queue = WorkQueue(self.bus, self.cfg.work_queue)
+        await self.queue.ensure()  # before taking requests: their WorkItems need the stream
         await self._probe_redis()
         await self.bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
         await self.bus.subscribe(subjects.KV_EVENTS_ALL, KvEvent, self.on_kv_event)
@@ -243,6 +249,19 @@ class Scheduler:
 
     # --- placement ----------------------------------------------------------------------
     async def on_submit(self, req: InferenceRequest, m: Msg) -> None:
+        # Each submit in a task of its own: nats-py runs one subscription's callbacks one at a time, and a
+        # submit waits on Redis and on the work queue's PubAck; placement stays atomic all the same (`place`).
+        t = asyncio.create_task(self._submit(req, m))
+        self._submits.add(t)
+        t.add_done_callback(self._submits.discard)
+
+    async def _submit(self, req: InferenceRequest, m: Msg) -> None:
+        try:
+            await self._answer(req, m)
+        except Exception:
+            log.exception("submit %s failed", req.request_id)
+
+    async def _answer(self, req: InferenceRequest, m: Msg) -> None:
         if not self.tracing:
             headers = {REQUEST_ID: req.request_id}
             if m.headers:
@@ -267,22 +286,25 @@ class Scheduler:
 
     async def place(self, req: InferenceRequest, headers: dict[str, str] | None = None) -> SubmitReply:
         """Place `req` and dispatch its WorkItems. `headers`: what they carry (default: the request id
-        and the current span's trace context)."""
+        and the current span's trace context).
+
+        Submits run concurrently: from reading the view to recording the assignment (`_dispatch` does
+        it first thing) there is no await, so two submits never place on the same stale view."""
         t0 = time.perf_counter()
-        views = self.state.views()
         sc = self.cfg.scheduler
-        if pool_full(req.model, views, sc.queue_factor):
-            self.refused += 1
-            self.metrics.rejected.labels("overloaded").inc()
-            return SubmitReply(request_id=req.request_id, error=ErrorInfo(
-                message=f"The workers of model {req.model!r} are at capacity; please retry.", type="server_error",
-                code="overloaded", status=503, retry_after_s=sc.retry_after_s))
         cached: dict[str, int] = {}
         if self.uses_prefix and req.block_hashes and self.redis_ok:
             try:
                 cached = await self.index.lookup(req.model, req.block_hashes, self.state.worker_ids())
             except Exception as exc:
                 self._redis_down(exc)
+        views = self.state.views()
+        if pool_full(req.model, views, sc.queue_factor):
+            self.refused += 1
+            self.metrics.rejected.labels("overloaded").inc()
+            return SubmitReply(request_id=req.request_id, error=ErrorInfo(
+                message=f"The workers of model {req.model!r} are at capacity; please retry.", type="server_error",
+                code="overloaded", status=503, retry_after_s=sc.retry_after_s))
         info = RequestInfo(
             request_id=req.request_id, model=req.model, prompt_len=len(req.prompt_tokens),
             max_tokens=req.sampling.max_tokens, cached_blocks=cached,
@@ -313,7 +335,17 @@ class Scheduler:
                               expected_cached_tokens=decision.expected_cached_tokens,
                               policy=self.policy.name, reason=decision.reason,
                               predicted_ttft_s=decision.predicted_ttft_s, predicted_tpot_s=decision.predicted_tpot_s)
-        await self._dispatch(req, decision, placement, headers)
+        try:
+            await self._dispatch(req, decision, placement, headers)
+        except Exception as exc:  # the work queue did not store it within publish_timeout_s (bus away, stream full)
+            log.warning("request %s: work queue refused its WorkItem: %r", req.request_id, exc)
+            self._forget(req.request_id)
+            # A decode half may already be queued: no worker should run it for a client that got a 503.
+            await self.bus.publish(subjects.CANCEL, Cancel(request_id=req.request_id), req.request_id)
+            self.metrics.rejected.labels("work_queue").inc()
+            return SubmitReply(request_id=req.request_id, error=ErrorInfo(
+                message=f"the work queue did not take the request: {exc!r}", type="server_error",
+                code="work_queue_unavailable", status=503, retry_after_s=sc.retry_after_s))
         m = self.metrics
         m.placements.labels(self.policy.name, decision.mode).inc()
         m.placement_seconds.observe(time.perf_counter() - t0)
@@ -347,9 +379,14 @@ class Scheduler:
         hb = self.state.heartbeat(worker_id)
         assert hb is not None, "policies only pick workers from the view"
         if headers is None:
-            await self.bus.publish(hb.work_subject, item, item.request.request_id)
-        else:
-            await self.bus.nc.publish(hb.work_subject, encode(item), headers=headers)
+            headers = headers_for(item.request.request_id) or {}
+        await self.queue.publish(hb.work_subject, encode(item), headers, msg_id(item))
+
+    def _forget(self, rid: str) -> None:
+        fl = self.inflight.pop(rid, None)
+        if fl is not None:
+            for w in fl.workers:
+                self.by_worker.get(w, set()).discard(rid)
 
     # --- bookkeeping --------------------------------------------------------------------
     async def on_finished(self, batch: FinishedBatch, _m: Msg) -> None:
@@ -364,10 +401,7 @@ class Scheduler:
                 del self.inflight[f.request_id]
 
     async def on_cancel(self, c: Cancel, _m: Msg) -> None:
-        fl = self.inflight.pop(c.request_id, None)
-        if fl is not None:
-            for w in fl.workers:
-                self.by_worker.get(w, set()).discard(c.request_id)
+        self._forget(c.request_id)
 
     async def _event(self, request_id: str, kind: str, **detail: str | int | float | bool | None) -> None:
         self.events.add(ServiceEvent(service="scheduler", instance=self.instance, request_id=request_id, kind=kind,

@@ -1,6 +1,8 @@
 """Worker: the asyncio shell around one engine (one accelerator instance: a GPU or a server).
 
-It takes WorkItems from its direct and pool subjects, streams TokenChunks straight to the
+It takes WorkItems from its direct and pool subjects through their durable consumers on the
+JetStream work queue (`hetmesh.workqueue`: acked once the engine has taken the item, a redelivered
+or re-published copy acked and dropped), streams TokenChunks straight to the
 gateway, heartbeats its load, publishes its prefix cache's KV events, aborts on Cancel, and
 plays its part in disaggregated serving: a PREFILL item ends by shipping the KV (kv-transfer
 names the decode worker's KV port and the bytes go there directly, or kv-transfer relays them);
@@ -47,6 +49,7 @@ from hetmesh.protocol import (
     WorkItem,
 )
 from hetmesh.runtime import run_service
+from hetmesh.workqueue import RecentIds, WorkQueue, msg_id
 
 log = logging.getLogger("hetmesh.worker")
 
@@ -59,6 +62,7 @@ RESYNC_BATCH = 20_000  # block hashes per KvEvent when republishing a whole cach
 STALE_S = 120.0
 
 _enc = msgspec.json.Encoder()
+_work_dec = msgspec.json.Decoder(WorkItem)
 
 
 class _Decode:
@@ -96,6 +100,8 @@ class Worker:
         self.http: metrics.MetricsServer | None = None
         self.received: dict[str, float] = {}  # request id -> when its WorkItem arrived (time.time())
         self.bus: Bus
+        self.queue: WorkQueue
+        self.taken = RecentIds()  # ids (msg_id) of the WorkItems this worker took: a copy is dropped
         self.events: EventBatcher
         self.finished_out: Batcher  # Finished records, batched: only the scheduler's bookkeeping reads them
         self.tasks: dict[str, asyncio.Task[None]] = {}  # request id -> the task serving it
@@ -139,10 +145,11 @@ class Worker:
             await self.kv_port.start(kvc.listen_host, kvc.listen_port, kvc.advertise_host)
         # The index must forget whatever an earlier incarnation of this worker held.
         await self._publish_kv_events(force_cleared=True)
-        self._work_subs = [
-            await self.bus.subscribe(self.work_subject, WorkItem, self.on_work),
-            await self.bus.subscribe(self.pool_subject, WorkItem, self.on_work, queue=self.pool_subject),
-        ]
+        # The stream may not exist yet (this worker started before any scheduler): make it, then the consumers.
+        self.queue = WorkQueue(self.bus, self.cfg.work_queue)
+        await self.queue.ensure()
+        self._work_subs = [await self.queue.consume(self.work_subject, False, self.on_work_msg),
+                           await self.queue.consume(self.pool_subject, True, self.on_work_msg)]
         await nc.flush()
         self._loops = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._kv_event_loop())]
         await self._heartbeat()
@@ -279,6 +286,27 @@ class Worker:
                                        completion_tokens=completion_tokens))
 
     # ------------------------------------------------------------------ work intake
+    async def on_work_msg(self, m: Msg) -> None:
+        """One delivery from the work queue. Acked after on_work: by then the engine has the item (or the
+        item was answered with an error), and a worker that dies later is the scheduler's WorkerLost case."""
+        try:
+            item = _work_dec.decode(m.data)
+        except msgspec.DecodeError as exc:
+            log.warning("dropping an undecodable work item on %s: %s", m.subject, exc)
+            await m.term()  # never redelivered
+            return
+        try:
+            if self.taken.add(msg_id(item)):
+                await self.on_work(item, m)
+            else:  # redelivered (its ack was lost or late) or published again: its side effects happened
+                await self._event(item.request.request_id, "duplicate_work", phase=item.phase.value,
+                                  attempt=item.request.attempt, deliveries=m.metadata.num_delivered)
+        except Exception:
+            log.exception("taking work item %s failed", m.subject)
+        finally:
+            with contextlib.suppress(Exception):
+                await m.ack()
+
     async def on_work(self, item: WorkItem, m: Msg) -> None:
         rid = item.request.request_id
         received = time.time()
