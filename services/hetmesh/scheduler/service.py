@@ -366,10 +366,12 @@ class Scheduler:
         if d.prefill_worker is None:
             await self._send(d.decode_worker, WorkItem(request=req, phase=Phase.FULL, placement=placement), headers)
         else:
-            # Decode first: it can reserve KV space before the prefill side starts shipping.
-            await self._send(d.decode_worker, WorkItem(request=req, phase=Phase.DECODE, placement=placement), headers)
-            await self._send(d.prefill_worker, WorkItem(request=req, phase=Phase.PREFILL, placement=placement),
-                             headers)
+            # Decode first (it can reserve KV space before the prefill side starts shipping): both go out in
+            # this order on the one connection, and their two PubAcks are awaited together, not one by one.
+            await asyncio.gather(
+                self._send(d.decode_worker, WorkItem(request=req, phase=Phase.DECODE, placement=placement), headers),
+                self._send(d.prefill_worker, WorkItem(request=req, phase=Phase.PREFILL, placement=placement),
+                           headers))
         self.placed += 1
         await self._event(rid, "placed", mode=d.mode, prefill_worker=d.prefill_worker,
                           decode_worker=d.decode_worker, cached_tokens=d.expected_cached_tokens,
