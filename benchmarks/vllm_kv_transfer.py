@@ -200,8 +200,9 @@ def main() -> None:
         finally:
             mesh.stop()
     sizes = sorted({r["nbytes"] for r in rows})
-    tcp = tcp_baseline(sizes, args.repeats, keep=False)
-    tcp_kept = tcp_baseline(sizes, args.repeats, keep=True)
+    time.sleep(10)  # vLLM's engine processes take a few seconds to go; the baselines get a quiet machine
+    tcp = tcp_baseline(sizes, 3 * args.repeats, keep=False)
+    tcp_kept = tcp_baseline(sizes, 3 * args.repeats, keep=True)
     table = []
     for plane in args.planes:
         for n in args.tokens:
