@@ -22,11 +22,7 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import statistics
-import struct
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,7 +32,6 @@ from rich.console import Console
 from rich.table import Table
 
 BLOCK = 128
-PIECE = 1 << 20
 CLUSTER = """
 [mesh]
 heartbeat_timeout_s = 5.0
@@ -68,62 +63,6 @@ engine = "vllm"
 [workers.vllm]
 kv_cache_gib = 2
 """
-
-
-def tcp_sink(port: int, keep: bool) -> None:
-    """The baseline's receiving process: read length-prefixed payloads, ack each; `keep`: into a fresh
-    buffer of the payload's size (kept until the next one), else into one reused 1 MiB buffer."""
-    srv = socket.create_server(("127.0.0.1", port))
-    conn, _ = srv.accept()
-    buf = bytearray(PIECE)
-    view = memoryview(buf)
-    while True:
-        head = conn.recv(8, socket.MSG_WAITALL)
-        if len(head) < 8:
-            return
-        left = struct.unpack("!Q", head)[0]
-        if keep:
-            buf = bytearray(left)
-            view = memoryview(buf)
-        off = 0
-        while left:
-            got = conn.recv_into(view[off:] if keep else view, left if keep else min(left, PIECE))
-            if not got:
-                return
-            left -= got
-            off += got if keep else 0
-        conn.sendall(b"k")
-
-
-def tcp_baseline(sizes: list[int], repeats: int, keep: bool) -> dict[int, float]:
-    """MB/s per payload size over loopback TCP between this process and a sink process."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    sink = subprocess.Popen([sys.executable, __file__, "--tcp-sink", str(port)] + (["--keep"] if keep else []))
-    try:
-        for _ in range(100):
-            try:
-                conn = socket.create_connection(("127.0.0.1", port))
-                break
-            except OSError:
-                time.sleep(0.05)
-        out: dict[int, float] = {}
-        for n in sizes:
-            data = memoryview(os.urandom(n))
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                conn.sendall(struct.pack("!Q", n))
-                for off in range(0, n, PIECE):
-                    conn.sendall(data[off:off + PIECE])
-                assert conn.recv(1) == b"k"
-                times.append(time.perf_counter() - t0)
-            out[n] = n / 1e6 / statistics.median(times)
-        conn.close()
-        return out
-    finally:
-        sink.wait(10)
 
 
 async def mesh_transfers(mesh: Any, texts: dict[int, str], repeats: int) -> list[dict[str, Any]]:
@@ -170,15 +109,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="results/vllm_kv_transfer.json")
     ap.add_argument("--planes", nargs="+", default=["direct", "nats"], choices=["direct", "nats"])
-    ap.add_argument("--tcp-sink", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--keep", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.tcp_sink:
-        tcp_sink(args.tcp_sink, args.keep)
-        return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from hetmesh.engines.vllm_tiny import build
     from hetmesh.launcher import Mesh
+    from hetmesh.loadgen import raw_tcp_mb_per_s
     from hetmesh.tokenizer import HFTokenizer
 
     d = Path(tempfile.mkdtemp(prefix="hetmesh-vllm-kv-"))
@@ -201,8 +136,8 @@ def main() -> None:
             mesh.stop()
     sizes = sorted({r["nbytes"] for r in rows})
     time.sleep(10)  # vLLM's engine processes take a few seconds to go; the baselines get a quiet machine
-    tcp = tcp_baseline(sizes, 3 * args.repeats, keep=False)
-    tcp_kept = tcp_baseline(sizes, 3 * args.repeats, keep=True)
+    tcp = raw_tcp_mb_per_s(sizes, 3 * args.repeats, keep=False)
+    tcp_kept = raw_tcp_mb_per_s(sizes, 3 * args.repeats, keep=True)
     table = []
     for plane in args.planes:
         for n in args.tokens:
@@ -228,7 +163,7 @@ def main() -> None:
                                "target_met": all(r["ratio"] >= 0.7 for r in table if r["plane"] == "direct"),
                                "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                            "python": platform.python_version(), "device": "CPU (no GPU)"},
-                               "config": {k: v for k, v in vars(args).items() if k not in ("tcp_sink", "keep")}}, indent=1))
+                               "config": vars(args)}, indent=1))
     print(f"wrote {out}")
 
 

@@ -11,6 +11,11 @@ import asyncio
 import os
 import random
 import re
+import socket
+import statistics
+import struct
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -146,3 +151,74 @@ def percentile(xs: Iterable[float], q: float) -> float:
     """q in [0, 1]; nan when empty."""
     s = sorted(xs)
     return s[min(int(q * len(s)), len(s) - 1)] if s else float("nan")
+
+
+TCP_PIECE = 1 << 20
+
+
+def tcp_sink(port: int, keep: bool) -> None:
+    """The baseline's receiving process: read length-prefixed payloads, ack each; `keep`: into a fresh
+    buffer of the payload's size (kept until the next one), else into one reused 1 MiB buffer."""
+    srv = socket.create_server(("127.0.0.1", port))
+    conn, _ = srv.accept()
+    buf = bytearray(TCP_PIECE)
+    view = memoryview(buf)
+    while True:
+        head = conn.recv(8, socket.MSG_WAITALL)
+        if len(head) < 8:
+            return
+        left = struct.unpack("!Q", head)[0]
+        if keep:
+            buf = bytearray(left)
+            view = memoryview(buf)
+        off = 0
+        while left:
+            got = conn.recv_into(view[off:] if keep else view, left if keep else min(left, TCP_PIECE))
+            if not got:
+                return
+            left -= got
+            off += got if keep else 0
+        conn.sendall(b"k")
+
+
+def raw_tcp_mb_per_s(sizes: list[int], repeats: int, keep: bool) -> dict[int, float]:
+    """The KV benchmarks' baseline: MB/s per payload size over one loopback TCP connection from this process
+    to a sink process (sendall of 1 MiB pieces, the sink acknowledges each payload's last byte)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sink = subprocess.Popen([sys.executable, "-m", "hetmesh.loadgen", "--tcp-sink", str(port)]
+                            + (["--keep"] if keep else []))
+    try:
+        for _ in range(100):
+            try:
+                conn = socket.create_connection(("127.0.0.1", port))
+                break
+            except OSError:
+                time.sleep(0.05)
+        out: dict[int, float] = {}
+        for n in sizes:
+            data = memoryview(os.urandom(n))
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                conn.sendall(struct.pack("!Q", n))
+                for off in range(0, n, TCP_PIECE):
+                    conn.sendall(data[off:off + TCP_PIECE])
+                assert conn.recv(1) == b"k"
+                times.append(time.perf_counter() - t0)
+            out[n] = n / 1e6 / statistics.median(times)
+        conn.close()
+        return out
+    finally:
+        sink.wait(10)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="the raw TCP baseline's sink process")
+    ap.add_argument("--tcp-sink", type=int, required=True)
+    ap.add_argument("--keep", action="store_true")
+    a = ap.parse_args()
+    tcp_sink(a.tcp_sink, a.keep)
