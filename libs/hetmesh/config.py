@@ -133,6 +133,7 @@ class VllmWorkerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
 
     kv_connector: str = "hetmesh"  # hetmesh (KV bytes through kv-transfer, any platform) | nixl (GPU RDMA) | ""
     kv_cache_gib: int = 1  # CPU KV cache (VLLM_CPU_KVCACHE_SPACE)
+    cpu_reserved_cores: int = 1  # CPU: cores vLLM's OpenMP threads leave to the mesh (VLLM_CPU_NUM_OF_RESERVED_CPU)
     gpu_memory_utilization: float = 0.9
     max_model_len: int = 0  # 0: the model's max_context
     enforce_eager: bool = True

@@ -57,4 +57,4 @@ def vllm_engine(cfg: ClusterConfig, group: WorkerGroup, model: ModelConfig) -> E
         max_model_len=v.max_model_len or model.max_context, dtype=v.dtype or _VLLM_DTYPES.get(model.dtype, "auto"),
         kv_cache_gib=v.kv_cache_gib, gpu_memory_utilization=v.gpu_memory_utilization,
         enforce_eager=v.enforce_eager, tensor_parallel_size=group.devices if group.parallel == "tp" else 1,
-        kv_connector=v.kv_connector))
+        kv_connector=v.kv_connector, cpu_reserved_cores=v.cpu_reserved_cores))

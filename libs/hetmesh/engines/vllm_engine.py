@@ -59,6 +59,11 @@ class VllmConfig(msgspec.Struct, kw_only=True):
     kv_connector: str = "hetmesh"
     spool_dir: str = ""  # where KV files and the events socket live; default a fresh folder in /dev/shm
     seed: int = 0
+    # CPU: cores kept free of vLLM's OpenMP threads for the worker shell, NATS and the other services.
+    # vLLM reserves one core per rank, plus one more whenever a KV connector is set (for NIXL's
+    # threads); ours needs none, and on a small host that extra reservation would leave OpenMP on
+    # every core, where each token's trip through the mesh preempts a thread and stalls the step.
+    cpu_reserved_cores: int = 1
 
 
 SPOOL_PREFIX = "hetmesh-vllm-"
@@ -256,6 +261,8 @@ class VllmEngine:
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.kv_cache_gib))
+        if self.config.kv_connector != "nixl":
+            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(self.config.cpu_reserved_cores))
         # Subscribe before the engine binds: zmq connects to an ipc path that does not exist yet.
         self._sub = zmq.Context.instance().socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
