@@ -6,7 +6,7 @@ the records); the bytes themselves never cross NATS or a third process. A frame 
     4-byte big-endian header length | KvTransferRequest (msgspec JSON) | exactly `nbytes` raw bytes
 
 and the receiver answers one byte: ACK_OK once every byte is in its sink, ACK_REFUSED when it
-will not take the transfer (wrong worker, too big, too many at once). The receiver reads straight
+will not take the transfer (wrong worker, no room in the engine's sink, too many at once). The receiver reads straight
 into the engine's sink buffer (vLLM: an mmap of the spool file its connector loads), so a landed
 transfer has cost one copy out of the socket and nothing else.
 """
@@ -36,7 +36,6 @@ SEND_SLICE = 16 << 20
 _ZEROS = memoryview(bytes(1 << 20))  # what a simulated engine's KV is made of
 _header_dec = msgspec.json.Decoder(KvTransferRequest)
 _header_enc = msgspec.json.Encoder()
-
 
 
 class KvSink(Protocol):
