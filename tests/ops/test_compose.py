@@ -120,6 +120,9 @@ def test_every_container_runs_what_the_code_reads(path: Path) -> None:
             wid = cmd[cmd.index("--worker-id") + 1]
             group = cfg.group_of(wid)  # KeyError: a worker id the cluster file does not have
             assert module == ROLE_MODULE[group.role], f"{name}: {module} for a {group.role} worker"
+            if group.role != "prefill" and cfg.kv_transfer.data_plane == "direct":
+                # Its KV port must take connections from the prefill workers' containers.
+                assert env.get("HETMESH_KV_LISTEN_HOST") == "0.0.0.0", f"{name}: KV port on loopback only"
             by_cluster.setdefault(str(cluster_path), set()).add(wid)
     for cluster_path, wids in by_cluster.items():
         expected = {w for g in config.load(cluster_path).workers for w in g.worker_ids()}

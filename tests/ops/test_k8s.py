@@ -123,6 +123,8 @@ def test_overlay_runs_what_the_code_reads(overlay: Path) -> None:
     gen = next(g for g in kustomization(overlay)["configMapGenerator"] if g["name"] == "hetmesh-cluster")
     cfg = config.load(overlay / gen["files"][0])  # the file mounted at HETMESH_CLUSTER
     metrics_port = int(env[metrics.PORT_ENV])
+    if cfg.kv_transfer.data_plane == "direct":  # decode workers' KV port, dialled at the pod's address
+        assert env["HETMESH_KV_LISTEN_HOST"] == "0.0.0.0"
     services = {r["metadata"]["name"]: r for r in res if r["kind"] == "Service"}
     workloads = [r for r in res if r["kind"] in ("Deployment", "StatefulSet")]
     sets = {}
