@@ -75,6 +75,7 @@ class WorkerStatus(Struct, kw_only=True):
     kv_blocks_total: int
     heartbeat_age_s: float
     tokens_generated: int = 0
+    kv_endpoint: str = ""  # its KV port (direct data plane); empty: it takes no direct KV
 
 
 class SchedulerStatus(Struct, kw_only=True):

@@ -35,6 +35,8 @@ def test_status_json_is_the_schedulers_reply(mesh: Mesh) -> None:
     for w in st["details"]:
         assert w["kv_blocks_total"] > 0 and 0 <= w["kv_blocks_used"] <= w["kv_blocks_total"]
         assert w["running"] <= w["max_batch"] and w["heartbeat_age_s"] < 5
+        # Decode-capable workers take KV on their own port (direct data plane); a prefill worker has none.
+        assert bool(w["kv_endpoint"]) == (w["worker_id"] != "cpx-0"), w
 
 
 def test_status_says_why_when_nothing_answers(mesh: Mesh) -> None:

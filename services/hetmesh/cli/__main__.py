@@ -55,14 +55,15 @@ def table(status: SchedulerStatus) -> Table:
                     f"{status.in_flight} requests in flight")
     for col, justify in [("worker", "left"), ("model", "left"), ("accelerator", "left"), ("role", "left"),
                          ("engine", "left"), ("queue", "right"), ("running", "right"), ("KV blocks", "right"),
-                         ("KV use", "right"), ("tokens", "right"), ("heartbeat", "right")]:
+                         ("KV use", "right"), ("KV port", "left"), ("tokens", "right"), ("heartbeat", "right")]:
         t.add_column(col, justify=justify)  # type: ignore[arg-type]
     for w in status.details:
         kv = f"{w.kv_blocks_used}/{w.kv_blocks_total}" if w.kv_blocks_total else "-"
         use = f"{100 * w.kv_blocks_used / w.kv_blocks_total:.1f}%" if w.kv_blocks_total else "-"
         accel = w.accelerator if w.devices == 1 else f"{w.devices}x {w.accelerator}"
         t.add_row(w.worker_id, w.model, accel, w.role.value, w.engine, str(w.queue_depth),
-                  f"{w.running}/{w.max_batch}", kv, use, str(w.tokens_generated), f"{w.heartbeat_age_s:.1f}s ago")
+                  f"{w.running}/{w.max_batch}", kv, use, w.kv_endpoint or "-", str(w.tokens_generated),
+                  f"{w.heartbeat_age_s:.1f}s ago")
     return t
 
 

@@ -164,7 +164,8 @@ class Scheduler:
                 worker_id=v.worker_id, model=v.model, accelerator=v.accelerator, role=v.role, engine=hb.engine,
                 devices=v.devices, queue_depth=v.queue_depth, running=v.running, max_batch=v.max_batch,
                 kv_blocks_used=v.kv_blocks_used, kv_blocks_total=v.kv_blocks_total,
-                heartbeat_age_s=max(now - hb.ts, 0.0), tokens_generated=hb.tokens_generated))
+                heartbeat_age_s=max(now - hb.ts, 0.0), tokens_generated=hb.tokens_generated,
+                kv_endpoint=hb.kv_endpoint))
         await self.bus.respond(m, SchedulerStatus(instance=self.instance, policy=self.policy.name,
                                                   workers=[d.worker_id for d in details], details=details,
                                                   in_flight=len(self.inflight)))
