@@ -4,7 +4,7 @@ Environment overrides (for containers and tests): HETMESH_NATS_URL, HETMESH_REDI
 HETMESH_TIME_SCALE, HETMESH_POLICY, HETMESH_GATEWAY_HOST, HETMESH_KV_LISTEN_HOST,
 HETMESH_KV_ADVERTISE_HOST; secrets: HETMESH_NATS_USER,
 HETMESH_NATS_PASSWORD, HETMESH_NATS_TOKEN, HETMESH_NATS_CREDS, HETMESH_REDIS_USERNAME,
-HETMESH_REDIS_PASSWORD, and HETMESH_API_KEYS (comma-separated keys, hashed as they are read).
+HETMESH_REDIS_PASSWORD, HETMESH_KV_SECRET, and HETMESH_API_KEYS (comma-separated keys, hashed as they are read).
 """
 
 from __future__ import annotations
@@ -93,6 +93,9 @@ class KvTransferConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     listen_port: int = 0  # 0: any free port (it travels in the heartbeats)
     advertise_host: str = ""  # what prefill workers dial; empty: listen_host, or this host's address on 0.0.0.0
     stream_idle_timeout_s: float = 10.0  # a KV stream with no progress for this long fails
+    # Shared by every worker: a KV port takes only streams tagged with it (HMAC of the header).
+    # Empty: any peer that reaches the port may stream KV into it. Better from $HETMESH_KV_SECRET.
+    secret: str = ""
     chunk_bytes: int = 1 << 20  # relay
     replicas: int = 1
     # Cap on bytes actually put on the wire per transfer: sim KV for a 671B model is tens of MB
@@ -231,6 +234,8 @@ def load(path: str | os.PathLike[str] | None = None) -> ClusterConfig:
         cfg.kv_transfer.listen_host = v
     if v := env.get("HETMESH_KV_ADVERTISE_HOST"):
         cfg.kv_transfer.advertise_host = v
+    if v := env.get("HETMESH_KV_SECRET"):
+        cfg.kv_transfer.secret = v
     for var, attr in (("HETMESH_NATS_USER", "nats_user"), ("HETMESH_NATS_PASSWORD", "nats_password"),
                       ("HETMESH_NATS_TOKEN", "nats_token"), ("HETMESH_NATS_CREDS", "nats_creds_file"),
                       ("HETMESH_REDIS_USERNAME", "redis_username"), ("HETMESH_REDIS_PASSWORD", "redis_password")):

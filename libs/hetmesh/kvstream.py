@@ -3,9 +3,13 @@
 kv-transfer coordinates (it knows each decode worker's KV endpoint from its heartbeats and keeps
 the records); the bytes themselves never cross NATS or a third process. A frame is
 
-    4-byte big-endian header length | KvTransferRequest (msgspec JSON) | exactly `nbytes` raw bytes
+    4-byte big-endian header length | KvTransferRequest (msgspec JSON) | 32-byte tag | `nbytes` raw bytes
 
-and the receiver answers one byte: ACK_OK once every byte is in its sink, ACK_REFUSED when it
+where the tag is HMAC-SHA256 of the header under the cluster's KV secret (`HETMESH_KV_SECRET`;
+zeros when none is set): a receiver with a secret takes no transfer whose sender does not know it,
+so nobody else on the network can put KV, and with it the next tokens, into its engine. The
+bytes themselves are not authenticated (that would cost a hash pass over every byte); an
+attacker on the path is TLS's problem, not this one's. The receiver answers one byte: ACK_OK once every byte is in its sink, ACK_REFUSED when it
 will not take the transfer (wrong worker, no room in the engine's sink, too many at once). The receiver reads straight
 into the engine's sink buffer (vLLM: an mmap of the spool file its connector loads), so a landed
 transfer has cost one copy out of the socket and nothing else.
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import socket
 import struct
@@ -36,6 +41,14 @@ SEND_SLICE = 16 << 20
 _ZEROS = memoryview(bytes(1 << 20))  # what a simulated engine's KV is made of
 _header_dec = msgspec.json.Decoder(KvTransferRequest)
 _header_enc = msgspec.json.Encoder()
+TAG = 32
+
+
+def frame_header(header: KvTransferRequest, secret: bytes = b"") -> bytes:
+    """What precedes the KV bytes on the wire: length, header, tag."""
+    head = _header_enc.encode(header)
+    tag = hmac.digest(secret, head, "sha256") if secret else bytes(TAG)
+    return struct.pack("!I", len(head)) + head + tag
 
 
 class KvSink(Protocol):
@@ -77,7 +90,7 @@ def _tune(sock: socket.socket) -> None:
 
 
 async def send(endpoint: str, header: KvTransferRequest, payload: bytes | memoryview | None,
-               idle_timeout_s: float = 10.0) -> None:
+               idle_timeout_s: float = 10.0, secret: bytes = b"") -> None:
     """Stream one transfer to a decode worker's receiver and wait for its ack. `payload` None: send
     header.nbytes zero bytes (a simulated engine's KV: the size is real, the content is not).
     Raises ConnectionError when the receiver refused or did not take every byte."""
@@ -90,8 +103,7 @@ async def send(endpoint: str, header: KvTransferRequest, payload: bytes | memory
         _tune(sock)
         async with asyncio.timeout(idle_timeout_s) as deadline:
             await loop.sock_connect(sock, addr)
-            head = _header_enc.encode(header)
-            await loop.sock_sendall(sock, struct.pack("!I", len(head)) + head)
+            await loop.sock_sendall(sock, frame_header(header, secret))
             if payload is not None and len(payload) != header.nbytes:
                 raise ValueError(f"payload is {len(payload)} bytes, header says {header.nbytes}")
             # In slices, so that the idle deadline moves with progress; memoryview slices copy nothing.
@@ -123,8 +135,10 @@ class Receiver:
     `failed(header, why)` every one that broke off after its header (sender gone, idle timeout)."""
 
     def __init__(self, worker_id: str, open_sink: Callable[[KvTransferRequest], KvSink], landed: Landed,
-                 failed: Failed, idle_timeout_s: float = 10.0, max_concurrent: int = 64) -> None:
+                 failed: Failed, idle_timeout_s: float = 10.0, max_concurrent: int = 64,
+                 secret: bytes = b"") -> None:
         self.worker_id = worker_id
+        self.secret = secret
         self.open_sink = open_sink
         self.landed = landed
         self.failed = failed
@@ -183,8 +197,12 @@ class Receiver:
                 (size,) = struct.unpack("!I", raw)
                 if size > MAX_HEADER:
                     raise ValueError(f"header of {size} bytes")
-                header = _header_dec.decode(await self._exactly(loop, conn, size))
+                head = await self._exactly(loop, conn, size)
+                tag = await self._exactly(loop, conn, TAG)
+                header = _header_dec.decode(head)
                 try:
+                    if self.secret and not hmac.compare_digest(tag, hmac.digest(self.secret, head, "sha256")):
+                        raise ValueError("sender does not know the cluster's KV secret")
                     if header.dst_worker != self.worker_id:
                         raise ValueError(f"transfer for {header.dst_worker}, this is {self.worker_id}")
                     if header.nbytes < 0:

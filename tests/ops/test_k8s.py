@@ -151,6 +151,10 @@ def test_overlay_runs_what_the_code_reads(overlay: Path) -> None:
             continue
         # Workers: a StatefulSet per worker group; pod name <group>-<ordinal> is the worker id.
         assert w["kind"] == "StatefulSet" and arg(c, "--worker-id") == "$(POD_NAME)"
+        # Every worker gets the one KV secret (senders tag with it, KV ports check it), from a Secret.
+        kv_secret = next(e for e in c["env"] if e["name"] == "HETMESH_KV_SECRET")
+        assert kv_secret["valueFrom"]["secretKeyRef"]["name"] == "hetmesh-kv"
+        assert "HETMESH_KV_SECRET" in env_read_by_code()
         assert w["spec"]["serviceName"] in services
         group = next(g for g in cfg.workers if g.name == w["metadata"]["name"])
         assert module == ROLE_MODULE[group.role]

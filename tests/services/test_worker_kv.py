@@ -48,6 +48,7 @@ TOK = ByteTokenizer()
 MODEL = "tiny"
 BS = 16
 KV_LANDED_TIMEOUT_S = 2.0
+KV_SECRET = "kv-secret-for-the-test"  # the direct mesh's; the relay mesh has none
 
 CLUSTER = f"""
 [mesh]
@@ -105,7 +106,8 @@ def direct(worker_id: str) -> str:
 
 
 class Mesh:
-    def __init__(self, nats_url: str, cluster: Path, logs: Path) -> None:
+    def __init__(self, nats_url: str, cluster: Path, logs: Path, **env: str) -> None:
+        self.env = env
         self.nats_url = nats_url
         self.cluster = cluster
         self.logs = logs
@@ -113,7 +115,7 @@ class Mesh:
 
     def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         env = servers.env_with(HETMESH_NATS_URL=self.nats_url,
-                               HETMESH_KV_LANDED_TIMEOUT_S=str(KV_LANDED_TIMEOUT_S))
+                               HETMESH_KV_LANDED_TIMEOUT_S=str(KV_LANDED_TIMEOUT_S), **self.env)
         out = open(self.logs / f"{name}.log", "wb")  # the child process writes it
         p = subprocess.Popen([sys.executable, "-m", *args, "--cluster", str(self.cluster)], env=env, stdout=out,
                              stderr=subprocess.STDOUT)
@@ -132,10 +134,10 @@ class Mesh:
                 p.wait()
 
 
-def _run_mesh(d: Path, cluster: str, workers: list[str]) -> Iterator[Mesh]:
+def _run_mesh(d: Path, cluster: str, workers: list[str], **env: str) -> Iterator[Mesh]:
     nats_srv = servers.start_nats()
     (d / "cluster.toml").write_text(cluster)
-    m = Mesh(nats_srv.url, d / "cluster.toml", d)
+    m = Mesh(nats_srv.url, d / "cluster.toml", d, **env)
     try:
         m.spawn("kv-transfer", "hetmesh.kv_transfer", "--instance", "kvx-test")
         for wid in workers:
@@ -151,7 +153,7 @@ def _run_mesh(d: Path, cluster: str, workers: list[str]) -> Iterator[Mesh]:
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     """The default data plane: KV streams straight from the prefill worker into the decode worker's KV port."""
-    yield from _run_mesh(tmp_path_factory.mktemp("worker-kv"), CLUSTER, list(WORKERS))
+    yield from _run_mesh(tmp_path_factory.mktemp("worker-kv"), CLUSTER, list(WORKERS), HETMESH_KV_SECRET=KV_SECRET)
 
 
 @pytest.fixture(scope="module")
@@ -453,8 +455,7 @@ async def test_kv_stream_that_breaks_off_makes_the_decode_prefill_locally(tap: t
                                dst_worker="dec-0", num_tokens=len(item.request.prompt_tokens), nbytes=1 << 20,
                                chunk_bytes=0, first_token_ids=[])
     _, writer = await asyncio.open_connection(*_kv_port(t, "dec-0"))
-    head = msgspec.json.encode(header)
-    writer.write(len(head).to_bytes(4, "big") + head + bytes(1 << 19))
+    writer.write(kvstream.frame_header(header, KV_SECRET.encode()) + bytes(1 << 19))
     await writer.drain()
     writer.close()
     last = await t.until(lambda: final(t, item), timeout_s=KV_LANDED_TIMEOUT_S)  # before the KV timeout
@@ -469,9 +470,12 @@ async def test_garbage_on_the_kv_port_is_refused_and_the_worker_serves_on(tap: t
     host, port = _kv_port(t, "dec-0")
     wrong = KvTransferRequest(transfer_id="x", request_id="x", model=MODEL, src_worker="p", dst_worker="agg-0",
                               num_tokens=1, nbytes=10, chunk_bytes=0, first_token_ids=[])
-    head = msgspec.json.encode(wrong)
-    for junk in (b"\xff" * 64, (1 << 31).to_bytes(4, "big"), len(head).to_bytes(4, "big") + head,
-                 (5).to_bytes(4, "big") + b"{nope"):
+    right = msgspec.structs.replace(wrong, dst_worker="dec-0")
+    key = KV_SECRET.encode()
+    # Well-formed frames are told they are refused: for another worker, or (the same frame as a real
+    # transfer's) without the cluster's KV secret or with another one.
+    refused = (kvstream.frame_header(wrong, key), kvstream.frame_header(right), kvstream.frame_header(right, b"guess"))
+    for junk in (b"\xff" * 64, (1 << 31).to_bytes(4, "big"), (5).to_bytes(4, "big") + b"{nope" + bytes(32), *refused):
         reader, writer = await asyncio.open_connection(host, port)
         writer.write(junk)
         await writer.drain()
@@ -481,7 +485,7 @@ async def test_garbage_on_the_kv_port_is_refused_and_the_worker_serves_on(tap: t
         except ConnectionResetError:  # closed with our junk unread
             answer = b""
         assert answer in (b"", kvstream.ACK_REFUSED)  # never an ACK_OK
-        assert (answer == kvstream.ACK_REFUSED) == (junk.endswith(head))  # a well-formed stranger is told so
+        assert (answer == kvstream.ACK_REFUSED) == (junk in refused)
         writer.close()
     # Still alive: a P/D request through the same port works.
     await _disaggregated(t, nc)

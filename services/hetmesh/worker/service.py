@@ -141,7 +141,8 @@ class Worker:
         kvc = self.cfg.kv_transfer
         if kvc.data_plane == "direct" and self.role != Role.PREFILL:
             self.kv_port = kvstream.Receiver(self.worker_id, self._open_sink, self._stream_landed,
-                                             self._stream_failed, kvc.stream_idle_timeout_s)
+                                             self._stream_failed, kvc.stream_idle_timeout_s,
+                                             secret=kvc.secret.encode())
             await self.kv_port.start(kvc.listen_host, kvc.listen_port, kvc.advertise_host)
         # The index must forget whatever an earlier incarnation of this worker held.
         await self._publish_kv_events(force_cleared=True)
@@ -529,7 +530,8 @@ class Worker:
                          t0: float) -> None:
         """The direct data plane: the bytes go to the decode worker's KV port; kv-transfer hears how it went."""
         try:
-            await kvstream.send(endpoint, treq, data, self.cfg.kv_transfer.stream_idle_timeout_s)
+            kvc = self.cfg.kv_transfer
+            await kvstream.send(endpoint, treq, data, kvc.stream_idle_timeout_s, kvc.secret.encode())
         except Exception as exc:
             await self.bus.publish(subjects.KV_DONE, KvTransferDone(
                 transfer_id=treq.transfer_id, request_id=treq.request_id, nbytes=0,
