@@ -458,11 +458,12 @@ async def test_kv_stream_that_breaks_off_makes_the_decode_prefill_locally(tap: t
     writer.write(kvstream.frame_header(header, KV_SECRET.encode()) + bytes(1 << 19))
     await writer.drain()
     writer.close()
-    last = await t.until(lambda: final(t, item), timeout_s=KV_LANDED_TIMEOUT_S)  # before the KV timeout
+    last = await t.until(lambda: final(t, item))
     assert isinstance(last, TokenChunk) and last.finish_reason == "length"
     assert text_of(t, item)[1] == expected(item)[1]
-    fallback = t.event(rid, "kv_fallback")
-    assert fallback is not None and "broke off" in str(fallback.detail["reason"])
+    fallback = await t.until(lambda: t.event(rid, "kv_fallback"))
+    # The port's own verdict, not the decode's KV timeout ("did not land within ...").
+    assert "broke off" in str(fallback.detail["reason"]), fallback.detail
 
 
 async def test_garbage_on_the_kv_port_is_refused_and_the_worker_serves_on(tap: tuple[Tap, nats.NATS]) -> None:
