@@ -9,10 +9,12 @@ where the tag is HMAC-SHA256 of the header under the cluster's KV secret (`HETME
 zeros when none is set): a receiver with a secret takes no transfer whose sender does not know it,
 so nobody else on the network can put KV, and with it the next tokens, into its engine. The
 bytes themselves are not authenticated (that would cost a hash pass over every byte); an
-attacker on the path is TLS's problem, not this one's. The receiver answers one byte: ACK_OK once every byte is in its sink, ACK_REFUSED when it
-will not take the transfer (wrong worker, no room in the engine's sink, too many at once). The receiver reads straight
-into the engine's sink buffer (vLLM: an mmap of the spool file its connector loads), so a landed
-transfer has cost one copy out of the socket and nothing else.
+attacker on the path is TLS's problem, not this one's.
+
+The receiver answers one byte: ACK_OK once every byte is in its sink, ACK_REFUSED when it will
+not take the transfer (wrong worker, unknown secret, no room in the engine's sink, too many at
+once). It reads straight into the engine's sink buffer (vLLM: an mmap of the spool file its
+connector loads), so a landed transfer has cost one copy out of the socket and nothing else.
 """
 
 from __future__ import annotations

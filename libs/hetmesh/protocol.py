@@ -254,6 +254,14 @@ class KvLanded(Struct, kw_only=True):
     cached_tokens: int = 0  # copied from KvTransferRequest
     direct: bool = False  # the bytes came by the KV stream and already sit in the engine's sink
 
+    @classmethod
+    def of(cls, req: KvTransferRequest, *, nbytes: int = 0, chunks: int = 0, duration_s: float = 0.0,
+           ok: bool = True, error: str | None = None, direct: bool = False) -> KvLanded:
+        """How transfer `req` ended, with the first tokens it carries for the decode side."""
+        return cls(transfer_id=req.transfer_id, request_id=req.request_id, src_worker=req.src_worker, nbytes=nbytes,
+                   chunks=chunks, duration_s=duration_s, first_token_ids=req.first_token_ids,
+                   first_text=req.first_text, ok=ok, error=error, cached_tokens=req.cached_tokens, direct=direct)
+
 
 class ServiceEvent(Struct, kw_only=True):
     """A service's own record of what it did with a request; `nats sub 'hetmesh.event.>'` shows them."""

@@ -200,11 +200,8 @@ class KvTransferService:
             if not t.direct:  # a direct stream's receiver already knows; the relay tells it here
                 # Flush the relayed chunks before KvLanded so they are ahead of it on the wire.
                 await self.bus.nc.flush(timeout=30)
-                await self.bus.publish(subjects.kv_landed(req.dst_worker), KvLanded(
-                    transfer_id=req.transfer_id, request_id=req.request_id, src_worker=req.src_worker,
-                    nbytes=t.bytes, chunks=t.chunks, duration_s=duration, first_token_ids=req.first_token_ids,
-                    first_text=req.first_text, ok=ok, error=t.error, cached_tokens=req.cached_tokens),
-                    req.request_id)
+                await self.bus.publish(subjects.kv_landed(req.dst_worker), KvLanded.of(
+                    req, nbytes=t.bytes, chunks=t.chunks, duration_s=duration, ok=ok, error=t.error), req.request_id)
             rec = TransferRecord(transfer_id=req.transfer_id, request_id=req.request_id, src=req.src_worker,
                                  dst=req.dst_worker, nbytes=t.bytes, chunks=t.chunks, duration_s=duration, ok=ok,
                                  error=t.error, direct=t.direct)

@@ -26,7 +26,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from hetmesh import config, engines, kvstream, metrics, subjects, telemetry
-from hetmesh.bus import Batcher, Bus, EventBatcher
+from hetmesh.bus import Batcher, Bus, EventBatcher, decode
 from hetmesh.costmodel import CostModel, accelerator, model_spec
 from hetmesh.engines.base import Engine, EngineError, EngineOutput, EngineRequest
 from hetmesh.protocol import (
@@ -62,7 +62,6 @@ RESYNC_BATCH = 20_000  # block hashes per KvEvent when republishing a whole cach
 STALE_S = 120.0
 
 _enc = msgspec.json.Encoder()
-_work_dec = msgspec.json.Decoder(WorkItem)
 
 
 class _Decode:
@@ -291,7 +290,7 @@ class Worker:
         """One delivery from the work queue. Acked after on_work: by then the engine has the item (or the
         item was answered with an error), and a worker that dies later is the scheduler's WorkerLost case."""
         try:
-            item = _work_dec.decode(m.data)
+            item = decode(m.data, WorkItem)
         except msgspec.DecodeError as exc:
             log.warning("dropping an undecodable work item on %s: %s", m.subject, exc)
             await m.term()  # never redelivered
@@ -514,10 +513,8 @@ class Worker:
             # Tell the decode worker right away instead of letting it wait for its timeout.
             msg = f"KV transfer {self.worker_id} -> {dst} failed: {exc!r}"
             log.warning("%s", msg)
-            await self.bus.publish(subjects.kv_landed(dst), KvLanded(
-                transfer_id=treq.transfer_id, request_id=rid, src_worker=self.worker_id, nbytes=0, chunks=0,
-                duration_s=time.perf_counter() - t0, first_token_ids=out.token_ids, first_text=out.text,
-                ok=False, error=msg, cached_tokens=out.cached_tokens), rid)
+            await self.bus.publish(subjects.kv_landed(dst), KvLanded.of(
+                treq, duration_s=time.perf_counter() - t0, ok=False, error=msg), rid)
             await self._event(rid, "kv_failed", phase="prefill", dst=dst, message=msg)
             return
         self.kv_bytes_sent += nbytes
@@ -529,17 +526,18 @@ class Worker:
     async def _stream_kv(self, endpoint: str, treq: KvTransferRequest, data: bytes | memoryview | None,
                          t0: float) -> None:
         """The direct data plane: the bytes go to the decode worker's KV port; kv-transfer hears how it went."""
+        kvc = self.cfg.kv_transfer
         try:
-            kvc = self.cfg.kv_transfer
             await kvstream.send(endpoint, treq, data, kvc.stream_idle_timeout_s, kvc.secret.encode())
         except Exception as exc:
-            await self.bus.publish(subjects.KV_DONE, KvTransferDone(
-                transfer_id=treq.transfer_id, request_id=treq.request_id, nbytes=0,
-                duration_s=time.perf_counter() - t0, ok=False, error=repr(exc)), treq.request_id)
+            await self._kv_done(treq, t0, repr(exc))
             raise
+        await self._kv_done(treq, t0, None)
+
+    async def _kv_done(self, treq: KvTransferRequest, t0: float, error: str | None) -> None:
         await self.bus.publish(subjects.KV_DONE, KvTransferDone(
-            transfer_id=treq.transfer_id, request_id=treq.request_id, nbytes=treq.nbytes,
-            duration_s=time.perf_counter() - t0), treq.request_id)
+            transfer_id=treq.transfer_id, request_id=treq.request_id, nbytes=0 if error else treq.nbytes,
+            duration_s=time.perf_counter() - t0, ok=error is None, error=error), treq.request_id)
 
     async def _send_kv(self, subject: str, nbytes: int, chunk: int, kv: bytes | None = None) -> int:
         """Put nbytes of KV on the wire in chunks: the engine's own bytes, or (sim) zeros of the real size."""
@@ -710,16 +708,10 @@ class Worker:
         self.kv_sinks[tid] = sink
         self.recv[tid] = [float(header.nbytes), 1.0, time.monotonic()]
         self.kv_bytes_received += header.nbytes
-        self._landed(KvLanded(
-            transfer_id=tid, request_id=header.request_id, src_worker=header.src_worker, nbytes=header.nbytes,
-            chunks=1, duration_s=seconds, first_token_ids=header.first_token_ids, first_text=header.first_text,
-            cached_tokens=header.cached_tokens, direct=True))
+        self._landed(KvLanded.of(header, nbytes=header.nbytes, chunks=1, duration_s=seconds, direct=True))
 
     async def _stream_failed(self, header: KvTransferRequest, why: str) -> None:
-        self._landed(KvLanded(
-            transfer_id=header.transfer_id, request_id=header.request_id, src_worker=header.src_worker, nbytes=0,
-            chunks=0, duration_s=0.0, first_token_ids=header.first_token_ids, first_text=header.first_text,
-            ok=False, error=why, cached_tokens=header.cached_tokens))
+        self._landed(KvLanded.of(header, ok=False, error=why))
 
     def _landed(self, landed: KvLanded) -> None:
         d = self.decodes.get(landed.request_id)
