@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 import nats
 import pytest
+from tests.kvpeer import answer_to
 
 from hetmesh import kvstream, servers, subjects
 from hetmesh.bus import decode_events, encode
@@ -477,17 +478,9 @@ async def test_garbage_on_the_kv_port_is_refused_and_the_worker_serves_on(tap: t
     # transfer's) without the cluster's KV secret or with another one.
     refused = (kvstream.frame_header(wrong, key), kvstream.frame_header(right), kvstream.frame_header(right, b"guess"))
     for junk in (b"\xff" * 64, (1 << 31).to_bytes(4, "big"), (5).to_bytes(4, "big") + b"{nope" + bytes(32), *refused):
-        reader, writer = await asyncio.open_connection(host, port)
-        writer.write(junk)
-        await writer.drain()
-        writer.write_eof()
-        try:
-            answer = await asyncio.wait_for(reader.read(), 15)
-        except ConnectionResetError:  # closed with our junk unread
-            answer = b""
+        answer = await answer_to(host, port, junk, 15)
         assert answer in (b"", kvstream.ACK_REFUSED)  # never an ACK_OK
         assert (answer == kvstream.ACK_REFUSED) == (junk in refused)
-        writer.close()
     # Still alive: a P/D request through the same port works.
     await _disaggregated(t, nc)
 

@@ -22,14 +22,17 @@ def test_seed_case_cluster_shape() -> None:
     assert by["amd-mi308x"].count == 2 and by["amd-mi308x"].devices == 8
 
 
-def test_unknown_field_and_unknown_model_rejected(tmp_path: Path) -> None:
+def assert_rejected(tmp_path: Path, cluster: str, error: type[Exception], match: str) -> None:
     bad = tmp_path / "c.toml"
-    bad.write_text('[mesh]\nnats = "x"\n')
-    with pytest.raises(Exception, match="nats"):
+    bad.write_text(cluster)
+    with pytest.raises(error, match=match):
         config.load(bad)
-    bad.write_text('[[models]]\nname="a"\n[[workers]]\nname="w"\nmodel="b"\naccelerator="amd-mi300x"\n')
-    with pytest.raises(KeyError, match="b"):
-        config.load(bad)
+
+
+def test_unknown_field_and_unknown_model_rejected(tmp_path: Path) -> None:
+    assert_rejected(tmp_path, '[mesh]\nnats = "x"\n', Exception, "nats")
+    assert_rejected(tmp_path, '[[models]]\nname="a"\n[[workers]]\nname="w"\nmodel="b"\naccelerator="amd-mi300x"\n',
+                    KeyError, "b")
 
 
 def test_env_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -61,13 +64,9 @@ def test_work_queue_names_and_config(tmp_path: Path) -> None:
     cc = workqueue.consumer_config(pool, config.WorkQueueConfig(), pool=True)
     assert cc.deliver_group == cc.durable_name and cc.filter_subject == pool
     assert workqueue.consumer_config(direct, config.WorkQueueConfig(), pool=False).deliver_group is None
-    bad = tmp_path / "c.toml"
-    bad.write_text('[work_queue]\nstorage = "disk"\n')
-    with pytest.raises(ValueError, match="storage"):
-        config.load(bad)
-    bad.write_text('[work_queue]\nstorage = "memory"\nmax_age_s = 60\nduplicate_window_s = 120\n')
-    with pytest.raises(ValueError, match="duplicate_window_s"):
-        config.load(bad)
+    assert_rejected(tmp_path, '[work_queue]\nstorage = "disk"\n', ValueError, "storage")
+    assert_rejected(tmp_path, '[work_queue]\nstorage = "memory"\nmax_age_s = 60\nduplicate_window_s = 120\n',
+                    ValueError, "duplicate_window_s")
 
 
 def test_item_ids_and_recent_ids() -> None:

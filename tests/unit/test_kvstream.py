@@ -8,6 +8,7 @@ import os
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tests.kvpeer import answer_to
 
 from hetmesh import kvstream
 from hetmesh.protocol import KvTransferRequest
@@ -105,16 +106,7 @@ def test_a_stream_cut_short_fails_and_frees_its_sink() -> None:
 ))
 def test_no_bytes_from_a_stranger_get_in(junk: bytes) -> None:
     async def body(endpoint, landed, failed, sinks):  # type: ignore[no-untyped-def]
-        host, port = kvstream.split_endpoint(endpoint)
-        r, w = await asyncio.open_connection(host, port)
-        w.write(junk)
-        await w.drain()
-        w.write_eof()
-        try:
-            answer = await asyncio.wait_for(r.read(), 5)
-        except ConnectionResetError:
-            answer = b""
-        w.close()
+        answer = await answer_to(*kvstream.split_endpoint(endpoint), junk, 5)
         assert answer in (b"", kvstream.ACK_REFUSED) and not landed
         # ...and the port still takes a real transfer.
         await kvstream.send(endpoint, header(100), bytes(range(100)), secret=SECRET)
