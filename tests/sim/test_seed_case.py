@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hetmesh.sim.casestudy import SEED, SEED_RATIO, Workload, calibrate_seed, reproduce
+from hetmesh.sim.casestudy import PRIOR, SEED, SEED_RATIO, Workload, calibrate_seed, prior_point, reproduce
 
 
 @pytest.fixture(scope="module")
@@ -34,3 +34,19 @@ def test_the_gain_depends_on_the_workload() -> None:
     wl = Workload(output_len=1024)
     r = reproduce(wl, calibrate_seed(wl))
     assert r["ratio"] < 1.2
+
+
+def test_prior_map_says_which_priors_still_reproduce_the_seed() -> None:
+    # benchmarks/seed_priors.py maps these; here one point of each kind, short runs
+    kw = {"seeds": (1,), "requests_per_client": 12}
+    shipped = prior_point(PRIOR["overhead_s"], PRIOR["memory"], **kw)
+    assert shipped["reproduces"]
+    assert shipped["ratio"] == pytest.approx(reproduce(Workload())["ratio"], rel=1e-9)
+    assert shipped["compute"] == pytest.approx({k: v.compute for k, v in calibrate_seed(Workload()).items()})
+    assert shipped["cost_x_lb"] > 1.4 and shipped["static_x_lb"] > 1.4
+    # a memory-efficient stack gives a split ratio far from the seed's
+    far = prior_point(PRIOR["overhead_s"], 0.85, **kw)
+    assert far["reachable"] and not far["reproduces"] and far["ratio"] < SEED_RATIO - 0.1
+    # a 40 ms step overhead leaves the MI300X figure out of reach of any compute efficiency
+    assert prior_point(0.04, PRIOR["memory"], **kw) == {"overhead_s": 0.04, "memory": PRIOR["memory"],
+                                                        "reachable": False}
