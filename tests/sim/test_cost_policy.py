@@ -78,3 +78,24 @@ def test_no_candidates_means_no_placement() -> None:
     assert pol.place(req(100), [view("p-0", "nvidia-rubin-cpx", Role.PREFILL)]) is None
     with pytest.raises(ValueError):
         make_policy("cost", objective="cheapest")
+
+
+def test_a_prefill_is_charged_for_the_decodes_queued_where_it_would_run() -> None:
+    # The seed cluster (shipped DeepSeek-R1 factors) hit by a burst of 4K prompts, the views updated
+    # as the scheduler's optimistic accounting does. Each MI308X soon holds decodes waiting for their
+    # KV; a 6 s prefill there would hold all of them up, so every prompt goes to the MI300X, although
+    # its queue (prefills this policy put there, which a new one does not delay) keeps growing.
+    pol = make_policy("cost", ttft_slo_s=10.0, tpot_slo_s=0.15)
+    queued = {"mi300x": 0, "mi308x-0": 0, "mi308x-1": 0}
+    prefilled_on = []
+    for i in range(10):
+        ws = [view(w, f"amd-{w.split('-')[0]}", queue=q, model="deepseek-r1", max_batch=128)
+              for w, q in queued.items()]
+        d = pol.place(RequestInfo(request_id=str(i), model="deepseek-r1", prompt_len=4096, max_tokens=256,
+                                  block_size=16), ws)
+        assert d is not None
+        prefilled_on.append(d.prefill_worker or d.decode_worker)
+        for w in set(d.workers):
+            queued[w] += 1
+    assert prefilled_on == ["mi300x"] * 10
+    assert queued["mi308x-0"] >= 4 and queued["mi308x-1"] >= 4

@@ -11,15 +11,19 @@ take either phase) with the cost model:
 The prefill backlog and each worker's prefill share are the policy's own bookkeeping of what
 it placed (prefill seconds it predicted, drained in real time, read off `RequestInfo.arrival`);
 batch sizes, memory and roles come from the `WorkerView`s. Objectives: "throughput" takes the
-lowest e2e time (in a closed loop, the highest throughput; the one that frees the cluster
-soonest otherwise), preferring placements inside the SLOs; "latency" takes the lowest TTFT
-among the placements that meet both SLOs (or the least violating one).
+lowest e2e time plus the delay the placement puts on others (the prefill time on P for every
+sequence it holds up there: P's running batch and the decodes queued on it, not the prefills
+this policy queued ahead of it; and D's slower steps), preferring placements inside the SLOs
+(in a closed loop, the highest throughput; the one that frees the cluster soonest otherwise);
+"latency" takes the lowest TTFT among the placements that meet both SLOs (or the least
+violating one).
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -39,15 +43,16 @@ _INF = float("inf")
 
 
 class _Book:
-    """What this policy placed on one worker: prefill seconds queued and a decaying prefill share."""
+    """What this policy placed on one worker: prefill seconds queued, when each queued prefill is
+    due to start, and a decaying prefill share."""
 
-    __slots__ = ("acc", "busy_until", "first", "last")
+    __slots__ = ("acc", "busy_until", "last", "starts")
 
     def __init__(self) -> None:
         self.busy_until = 0.0
+        self.starts: deque[float] = deque()  # predicted start of each prefill placed here, in order
         self.acc = 0.0  # prefill seconds placed, exponentially decayed over the share window
         self.last = 0.0
-        self.first = -1.0  # first placement anywhere: the share's warm-up starts there
 
 
 class CostPolicy:
@@ -110,6 +115,18 @@ class CostPolicy:
         span = self.window * (1.0 - math.exp(-max(now - self._t0, 1e-3) / self.window))
         return min(b.acc * math.exp(-max(now - b.last, 0.0) / self.window) / max(span, 1.0), 0.95)
 
+    def _stalled(self, w: WorkerView, now: float) -> int:
+        """Sequences a prefill placed on w now would hold up: its running batch and the decodes queued
+        there (waiting for their KV or a slot). The prefills queued ahead of it, which this policy
+        placed and which a new prefill does not delay, are not counted."""
+        b = self._books.get(w.worker_id)
+        queued_prefills = 0
+        if b is not None:
+            while b.starts and b.starts[0] <= now:
+                b.starts.popleft()
+            queued_prefills = len(b.starts)
+        return w.running + max(w.queue_depth - queued_prefills, 0)
+
     def _link(self, p: WorkerView, d: WorkerView) -> float:
         key = (p.accelerator, p.devices, d.accelerator, d.devices)
         bw = self._links.get(key)
@@ -167,6 +184,7 @@ class CostPolicy:
         tpot_ext = {w.worker_id: self._tpot(req, w, now) for w in dec}
         tpot_of = {k: v[0] for k, v in tpot_ext.items()}
         fits = {w.worker_id: self._fits(req, w) for w in dec}
+        stalled = {w.worker_id: self._stalled(w, now) for w in pre}
         # (e2e, ttft, tpot, P, D, delay imposed on others: decodes stalled behind the prefill on P
         # plus the slower steps of D's batch)
         options: list[tuple[float, float, float, WorkerView, WorkerView, float]] = []
@@ -174,7 +192,7 @@ class CostPolicy:
             if w.role == Role.BOTH and w.worker_id in tpot_of:
                 ttft = pf_of[w.worker_id][0]
                 tpot = tpot_of[w.worker_id]
-                ext = pf_of[w.worker_id][1] * w.running + tpot_ext[w.worker_id][1]
+                ext = pf_of[w.worker_id][1] * stalled[w.worker_id] + tpot_ext[w.worker_id][1]
                 options.append((ttft + (n_out - 1) * tpot, ttft, tpot, w, w, ext))
         if n_out > 1 or not options:
             kv_bytes = req.prompt_len * self._cm(pre[0]).kv_bytes_per_token()
@@ -187,7 +205,7 @@ class CostPolicy:
                     ttft = pf_of[p.worker_id][0]
                     tpot = tpot_of[d.worker_id]
                     xfer = transfer_time(kv_bytes, self._link(p, d))
-                    ext = pf_of[p.worker_id][1] * p.running + tpot_ext[d.worker_id][1]
+                    ext = pf_of[p.worker_id][1] * stalled[p.worker_id] + tpot_ext[d.worker_id][1]
                     options.append((ttft + xfer + (n_out - 1) * tpot, ttft, tpot, p, d, ext))
         if not options:
             return None
@@ -218,6 +236,7 @@ class CostPolicy:
 
     def _commit(self, wid: str, pf: float, now: float) -> None:
         b = self._book(wid)
+        b.starts.append(max(b.busy_until, now))
         b.busy_until = max(b.busy_until, now) + pf
         b.acc = b.acc * math.exp(-max(now - b.last, 0.0) / self.window) + pf
         b.last = now
