@@ -19,6 +19,7 @@ from hetmesh.sim.casestudy import (
     Workload,
     calibrate_seed,
     compare,
+    compare_mean,
     engine_sweep,
 )
 from hetmesh.sim.report import write_json
@@ -50,11 +51,14 @@ def main() -> int:
         ("rubin", RUBIN_WORKLOAD, RUBIN_SLO, {}),
     ):
         cluster = "rubin" if name == "rubin" else "case-study"
-        rows = compare(cluster, wl, slo, **kw)
+        # the case study sits near a ceiling where one short trace moves a policy 1-2%: mean of 3 seeds
+        rows = compare(cluster, wl, slo, **kw) if cluster == "rubin" else compare_mean(cluster, wl, slo, **kw)
         base = next(r for r in rows if r["label"].startswith("least_loaded"))["output_tok_s_steady"]
         desc = ("1x MI300X + 2x MI308X (8 GPUs each), DeepSeek-R1 FP8" if cluster == "case-study"
                 else "2x Rubin VR200 + 4x Rubin CPX (8 GPUs each), Llama-3.1-70B")
-        console.print(_table(f"{name}: {desc}; {wl}; SLO TTFT {slo.ttft_s}s TPOT {slo.tpot_s}s", rows, base))
+        runs_note = "" if cluster == "rubin" else " (mean of trace seeds 1-3, 20 requests per client)"
+        console.print(_table(f"{name}: {desc}; {wl}{runs_note}; SLO TTFT {slo.ttft_s}s TPOT {slo.tpot_s}s", rows,
+                             base))
         out[name] = {"cluster": desc, "workload": dataclasses.asdict(wl), "slo": dataclasses.asdict(slo),
                      "runs": [{k: v for k, v in r.items()} for r in rows]}
     # the workers' step budget and prefill order (set alike for every policy and the calibration)

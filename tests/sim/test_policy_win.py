@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
-import numpy as np
 import pytest
 
 from hetmesh.sim.casestudy import (
@@ -13,30 +10,17 @@ from hetmesh.sim.casestudy import (
     COST_LABEL,
     LB_LABEL,
     SPLIT_LABEL,
+    VS_SPLIT,
     Workload,
     calibrate_seed,
     compare,
+    compare_mean,
+    cost_shortfalls,
 )
-
-# On the case-study cluster the static split sits near the ceiling the MI300X's prefill puts on
-# throughput (docs/costmodel.md), and a single 150-request trace moves either policy by 1-2%. So
-# the case-study cells are means over three trace seeds of 20 requests per client, and there the
-# cost policy must match the split's throughput within 2% (and beat the load-balancing policies);
-# on goodput it must match the split at the seed load and beat it by half again at twice that
-# load, where the split's prefill queue breaks the TTFT SLO. On the Rubin cluster it must beat
-# every policy outright.
-SEEDS = (1, 2, 3)
-STATIC_THROUGHPUT = {"case-study": 0.98, "case-study@seed": 0.98, "rubin": 1.0}
-STATIC_GOODPUT = {"case-study": 1.5, "case-study@seed": 0.98, "rubin": 1.0}
 
 
 def _mean_rows(wl: Workload) -> list[dict]:
-    """compare() on the case-study cluster, throughput and goodput averaged over SEEDS."""
-    effs = calibrate_seed(Workload())
-    runs = [compare("case-study", dataclasses.replace(wl, seed=s, requests_per_client=20), CASE_SLO, effs)
-            for s in SEEDS]
-    return [{**first, **{k: float(np.mean([r[i][k] for r in runs])) for k in ("output_tok_s_steady", "goodput_tok_s")}}
-            for i, first in enumerate(runs[0])]
+    return compare_mean("case-study", wl, CASE_SLO, calibrate_seed(Workload()))
 
 
 @pytest.fixture(scope="module", params=["case-study", "case-study@seed", "rubin"])
@@ -48,17 +32,14 @@ def rows(request: pytest.FixtureRequest) -> tuple[str, list[dict]]:
 
 
 def test_cost_beats_every_other_policy_on_throughput_and_goodput(rows: tuple[str, list[dict]]) -> None:
+    # the bar, and why it is "match" against the static split on the case-study cluster: VS_SPLIT
     case, runs = rows
-    cost = next(r for r in runs if r["label"] == COST_LABEL)
-    for r in runs:
-        if r is cost:
-            continue
-        if r["label"] == SPLIT_LABEL and case != "rubin":
-            assert cost["output_tok_s_steady"] >= STATIC_THROUGHPUT[case] * r["output_tok_s_steady"], case
-            assert cost["goodput_tok_s"] >= STATIC_GOODPUT[case] * r["goodput_tok_s"], case
-        else:
-            assert cost["output_tok_s_steady"] > r["output_tok_s_steady"], (case, r["label"])
-            assert cost["goodput_tok_s"] > r["goodput_tok_s"], (case, r["label"])
+    assert cost_shortfalls(case, runs) == []
+    # the bar can be missed: 3% below the split on the case study, below the load balancer on Rubin
+    factor, by = (0.97, SPLIT_LABEL) if case != "rubin" else (0.75, LB_LABEL)
+    slower = [{**r, "output_tok_s_steady": factor * r["output_tok_s_steady"]} if r["label"] == COST_LABEL else r
+              for r in runs]
+    assert any(by in m for m in cost_shortfalls(case, slower))
 
 
 def test_cost_mixes_aggregated_and_disaggregated_placements(rows: tuple[str, list[dict]]) -> None:
@@ -88,4 +69,4 @@ def test_the_shipped_seed_cluster_file_runs_the_winning_setup() -> None:
     ws = workers_from_config(cfg)
     live, _ = simulate(ws, "cost", Workload().closed_loop(len(ws)), SimConfig(), slo)
     rows = compare("case-study", Workload(), slo, calibrate_seed(Workload()), only=(SPLIT_LABEL,))
-    assert live["output_tok_s_steady"] >= STATIC_THROUGHPUT["case-study@seed"] * rows[0]["output_tok_s_steady"]
+    assert live["output_tok_s_steady"] >= VS_SPLIT["case-study@seed"][0] * rows[0]["output_tok_s_steady"]

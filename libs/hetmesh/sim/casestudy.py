@@ -197,6 +197,58 @@ def compare(cluster: str = "case-study", wl: Workload | None = None, slo: Slo | 
     return rows
 
 
+TRACE_SEEDS = (1, 2, 3)
+# What "cost wins" means (tests/sim/test_policy_win.py): it beats every other policy on throughput
+# and goodput, except that on the case-study cluster the static split sits near the ceiling the
+# MI300X's prefill puts on throughput (docs/costmodel.md), so there cost must match the split's
+# throughput within 2% (means over TRACE_SEEDS), match its goodput at the seed load and beat it by
+# half again at twice that load, where the split's prefill queue breaks the TTFT SLO.
+# case -> (x the split's throughput, x the split's goodput)
+VS_SPLIT = {"case-study": (0.98, 1.5), "case-study@seed": (0.98, 0.98), "rubin": (1.0, 1.0)}
+
+
+def cost_shortfalls(case: str, rows: list[dict[str, Any]]) -> list[str]:
+    """Where cost misses the bar of VS_SPLIT / the other policies in `rows` (compare's); [] = it wins."""
+    cost = next(r for r in rows if r["label"] == COST_LABEL)
+    out = []
+    for r in rows:
+        if r is cost:
+            continue
+        for key, what in (("output_tok_s_steady", 0), ("goodput_tok_s", 1)):
+            if r["label"] == SPLIT_LABEL and VS_SPLIT[case][what] != 1.0:
+                ok = cost[key] >= VS_SPLIT[case][what] * r[key]
+            else:
+                ok = cost[key] > r[key]
+            if not ok:
+                out.append(f"{case}: cost {key} {cost[key]:.1f} vs {r['label']} {r[key]:.1f}")
+    return out
+
+
+def compare_mean(cluster: str, wl: Workload, slo: Slo, effs: Mapping[str, Efficiency] | None = None,
+                 seeds: tuple[int, ...] = TRACE_SEEDS, requests_per_client: int = 20,
+                 only: Collection[str] | None = None) -> list[dict[str, Any]]:
+    """compare() over several trace seeds (a 150-request closed loop moves a policy by 1-2%): each
+    row's throughput, goodput, SLO attainment and p50 latencies are means over the seeds, its modes
+    sums, and `per_seed` keeps each seed's throughput."""
+    runs = [compare(cluster, dataclasses.replace(wl, seed=s, requests_per_client=requests_per_client), slo, effs,
+                    only=only) for s in seeds]
+    out = []
+    for i, first in enumerate(runs[0]):
+        rs = [r[i] for r in runs]
+        modes: dict[str, int] = {}
+        for r in rs:
+            for k, v in r["modes"].items():
+                modes[k] = modes.get(k, 0) + v
+        out.append({"label": first["label"], "layout": first["layout"], "modes": modes, "seeds": list(seeds),
+                    "requests_per_client": requests_per_client,
+                    **{k: float(np.mean([r[k] for r in rs])) for k in ("output_tok_s_steady", "goodput_tok_s",
+                                                                       "slo_attainment")},
+                    "ttft_s": {"p50": float(np.mean([r["ttft_s"]["p50"] for r in rs]))},
+                    "tpot_s": {"p50": float(np.mean([r["tpot_s"]["p50"] for r in rs]))},
+                    "per_seed": [r["output_tok_s_steady"] for r in rs]})
+    return out
+
+
 ENGINE_SETTINGS = [(8192, "fcfs"), (4096, "fcfs"), (2048, "fcfs"), (8192, "shortest"), (4096, "shortest"),
                    (2048, "shortest")]
 
@@ -222,12 +274,11 @@ def engine_sweep(settings: list[tuple[int, str]] = ENGINE_SETTINGS, seeds: tuple
                 x["static"].append(runs[SPLIT_LABEL] / lb)
                 x["cost"].append(runs[COST_LABEL] / lb)
             wins = {}
-            for cluster, kw in (("case-study", {"effs": effs}), ("rubin", {})):
-                rs = compare(cluster, **kw)
-                c = next(s for s in rs if s["label"] == COST_LABEL)
-                wins[cluster] = all(c["output_tok_s_steady"] > s["output_tok_s_steady"]
-                                    and c["goodput_tok_s"] > s["goodput_tok_s"] for s in rs if s is not c)
-                wins[f"{cluster} cost tok/s"] = c["output_tok_s_steady"]
+            for cluster in ("case-study", "rubin"):
+                rs = (compare_mean(cluster, CASE_WORKLOAD, CASE_SLO, effs) if cluster == "case-study"
+                      else compare(cluster))
+                wins[cluster] = not cost_shortfalls(cluster, rs)
+                wins[f"{cluster} cost tok/s"] = next(s for s in rs if s["label"] == COST_LABEL)["output_tok_s_steady"]
             rows.append({"chunk_tokens": chunk, "prefill_order": order, "reproduction_ratio": r["ratio"],
                          "load_balanced": r["predicted"]["load_balanced"],
                          "disaggregated": r["predicted"]["disaggregated"],
