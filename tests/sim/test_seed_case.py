@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from hetmesh.sim.casestudy import PRIOR, SEED, SEED_RATIO, Workload, calibrate_seed, prior_point, reproduce
+from hetmesh.sim.casestudy import (
+    PRIOR,
+    SEED,
+    SEED_RATIO,
+    Workload,
+    calibrate_seed,
+    feasibility_point,
+    reproduce,
+)
 
 
 @pytest.fixture(scope="module")
@@ -36,17 +44,21 @@ def test_the_gain_depends_on_the_workload() -> None:
     assert r["ratio"] < 1.2
 
 
-def test_prior_map_says_which_priors_still_reproduce_the_seed() -> None:
-    # benchmarks/seed_priors.py maps these; here one point of each kind, short runs
+def test_feasibility_map_says_which_assumptions_still_reproduce_the_seed() -> None:
+    # benchmarks/seed_feasibility.py maps these; here one point of each kind, short runs
     kw = {"seeds": (1,), "requests_per_client": 12}
-    shipped = prior_point(PRIOR["overhead_s"], PRIOR["memory"], **kw)
+    shipped = feasibility_point(**kw)
     assert shipped["reproduces"]
     assert shipped["ratio"] == pytest.approx(reproduce(Workload())["ratio"], rel=1e-9)
     assert shipped["compute"] == pytest.approx({k: v.compute for k, v in calibrate_seed(Workload()).items()})
     assert shipped["cost_x_lb"] > 1.4 and shipped["static_x_lb"] > 1.4
     # a memory-efficient stack gives a split ratio far from the seed's
-    far = prior_point(PRIOR["overhead_s"], 0.85, **kw)
+    far = feasibility_point(memory=0.85, **kw)
     assert far["reachable"] and not far["reproduces"] and far["ratio"] < SEED_RATIO - 0.1
     # a 40 ms step overhead leaves the MI300X figure out of reach of any compute efficiency
-    assert prior_point(0.04, PRIOR["memory"], **kw) == {"overhead_s": 0.04, "memory": PRIOR["memory"],
-                                                        "reachable": False}
+    out_of_reach = feasibility_point(overhead_s=0.04, **kw)
+    assert out_of_reach == {"input_len": 4096, "output_len": 256, "clients_per_server": 4, "overhead_s": 0.04,
+                            "memory": PRIOR["memory"], "reachable": False}
+    # so does a workload whose prefill share is small: 1K-token prompts give the split almost nothing
+    short = feasibility_point(Workload(input_len=1024), **kw)
+    assert short["reachable"] and not short["reproduces"] and short["static_x_lb"] < 1.25
