@@ -25,10 +25,12 @@ import string
 import tempfile
 import time
 import tomllib
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
@@ -145,6 +147,22 @@ def summarize_live(done: list[Done], scale: float) -> dict[str, Any]:
             "tpot_s": {"p50": percentile(tpot, 0.5), "p90": percentile(tpot, 0.9), "mean": statistics.fmean(tpot)}}
 
 
+def _modes(m: dict[str, int]) -> str:
+    return f"{m.get('aggregated', 0)}:{m.get('disaggregated', 0)}"
+
+
+def placement_modes(url: str) -> dict[str, int]:
+    """The scheduler's placements by kind (aggregated / disaggregated), from its /metrics."""
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    out: dict[str, int] = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if smp.name == "hetmesh_scheduler_placements_total":
+                out[smp.labels["mode"]] = out.get(smp.labels["mode"], 0) + int(smp.value)
+    return out
+
+
 def run_live(text: str, wl: Workload, work: list[tuple[int, int]]) -> dict[str, Any]:
     d = Path(tempfile.mkdtemp(prefix="hetmesh-live-seed-"))
     (d / "cluster.toml").write_text(text)
@@ -157,9 +175,11 @@ def run_live(text: str, wl: Workload, work: list[tuple[int, int]]) -> dict[str, 
         servers = sum(g.count for g in cfg.workers)
         done = asyncio.run(drive(mesh, cfg.models[0].name, work, wl.clients_per_server * servers))
         cpu, wall = cpu_seconds(pids) - c0, time.perf_counter() - w0
+        modes = placement_modes(mesh.metrics_urls()["scheduler"])
     finally:
         mesh.stop()
     s = summarize_live(done, cfg.mesh.time_scale)
+    s["modes"] = modes
     s["mesh_cpu_cores"] = cpu / wall
     s["logs"] = str(d / "logs")
     return s
@@ -206,7 +226,7 @@ def main() -> None:
     t = Table(title=f"seed case on the live mesh (time scale {args.time_scale:g}, heartbeat {args.heartbeat_s:g} s "
                     f"wall, {len(work)} requests, virtual seconds)")
     for c in ("configuration", "live tok/s", "sim tok/s", "live/sim", "x LB live", "x LB sim", "TTFT p50 live/sim",
-              "TPOT p50 live/sim", "errors"):
+              "TPOT p50 live/sim", "agg/disagg live/sim", "errors"):
         t.add_column(c, justify="right")
     for r in rows:
         lv, sm = r["live"], r["sim"]
@@ -217,7 +237,7 @@ def main() -> None:
                   f"{r['live_over_sim']:.3f}", f"{r['x_lb_live']:.2f}", f"{r['x_lb_sim']:.2f}",
                   f"{lv['ttft_s']['p50']:.2f} / {sm['ttft_s']['p50']:.2f}",
                   f"{lv['tpot_s']['p50'] * 1e3:.0f} / {sm['tpot_s']['p50'] * 1e3:.0f} ms",
-                  f"{lv['errors']}+{lv['short']}")
+                  f"{_modes(lv['modes'])} / {_modes(sm['modes'])}", f"{lv['errors']}+{lv['short']}")
     con.print(t)
     res = {"rows": rows, "workload": wl.describe(), "time_scale": args.time_scale,
            "heartbeat_interval_s": args.heartbeat_s, "cluster_base": str(BASE.relative_to(ROOT)),
