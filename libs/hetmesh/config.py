@@ -70,6 +70,9 @@ class AuthConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     keys: list[ApiKey] = field(default_factory=list)
     default_rpm: int = 0  # 0: unlimited
     default_tpm: int = 0
+    # true: every gateway replica draws on one set of buckets per key, in the cluster's Redis;
+    # false (or no Redis configured): each gateway process limits on its own
+    shared_limits: bool = True
 
 
 class SchedulerConfig(Struct, kw_only=True, forbid_unknown_fields=True):

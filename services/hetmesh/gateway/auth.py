@@ -93,43 +93,68 @@ class Authenticator:
                                            type="invalid_request_error", code="invalid_api_key", status=401))
         return Verdict(key=state)
 
+    @property
+    def limited(self) -> bool:
+        """Some key has a requests or tokens per minute limit."""
+        return any(s.requests is not None or s.tokens is not None for s in self.keys.values())
+
     @staticmethod
     def admit(v: Verdict, prompt_tokens: int, now: float) -> Verdict:
-        """Take one request and the prompt's tokens from the key's buckets, or fill in the 429."""
-        s = v.key
-        if s is None:
-            return v
-        rq, tk = s.requests, s.tokens
-        waits: list[tuple[float, str, float]] = []
-        if rq is not None:
-            waits.append((rq.wait_s(1, now), "requests", rq.per_minute))
-        if tk is not None:
-            waits.append((tk.wait_s(prompt_tokens, now), "tokens", tk.per_minute))
-        wait, kind, limit = max(waits, default=(0.0, "", 0.0))
-        if wait > 0:
-            s.rate_limited += 1
-            unit = "RPM" if kind == "requests" else "TPM"
-            v.error = ErrorInfo(
-                message=f"Rate limit reached for key {s.key.name!r} on {kind} per min ({unit}): Limit {limit:g}. "
-                        f"Please try again in {wait:.3g}s.",
-                type=kind, code="rate_limit_exceeded", status=429, retry_after_s=wait)
-        else:
-            if rq is not None:
-                rq.take(1, now)
-            if tk is not None:
-                tk.take(prompt_tokens, now)
-        if rq is not None:
-            v.headers["x-ratelimit-limit-requests"] = str(int(rq.per_minute))
-            v.headers["x-ratelimit-remaining-requests"] = str(rq.remaining())
-        if tk is not None:
-            v.headers["x-ratelimit-limit-tokens"] = str(int(tk.per_minute))
-            v.headers["x-ratelimit-remaining-tokens"] = str(tk.remaining())
-        return v
+        """Take one request and the prompt's tokens from the key's buckets in this process, or fill in the 429."""
+        return decide(v, take_local(v.key, prompt_tokens, now) if v.key is not None else [])
 
     @staticmethod
     def charge_completion(v: Verdict, completion_tokens: int, now: float) -> None:
         if v.key is not None and v.key.tokens is not None and completion_tokens > 0:
             v.key.tokens.take(completion_tokens, now)
+
+
+@dataclass(frozen=True, slots=True)
+class Take:
+    """One bucket's answer to an admission: seconds to wait (0: taken) and what is left after it."""
+
+    kind: str  # "requests" | "tokens"
+    limit: float  # per minute
+    wait_s: float
+    remaining: int
+
+
+def wants(s: KeyState, prompt_tokens: int) -> list[tuple[str, TokenBucket, int]]:
+    """What an admission takes from each of the key's buckets: one request, the prompt's tokens."""
+    return [(kind, b, n) for kind, b, n in (("requests", s.requests, 1), ("tokens", s.tokens, prompt_tokens))
+            if b is not None]
+
+
+def take_local(s: KeyState, prompt_tokens: int, now: float) -> list[Take]:
+    """Admission against the key's buckets in this process: all of them or none."""
+    ws = wants(s, prompt_tokens)
+    waits = [b.wait_s(n, now) for _, b, n in ws]
+    ok = max(waits, default=0.0) <= 0
+    out = []
+    for (kind, b, n), w in zip(ws, waits, strict=True):
+        if ok:
+            b.take(n, now)
+        out.append(Take(kind, b.per_minute, w, b.remaining()))
+    return out
+
+
+def decide(v: Verdict, takes: list[Take]) -> Verdict:
+    """The 429 (if any bucket makes the request wait) and the x-ratelimit headers, from the buckets' answers."""
+    s = v.key
+    if s is None:
+        return v
+    worst = max(takes, key=lambda t: t.wait_s, default=None)
+    if worst is not None and worst.wait_s > 0:
+        s.rate_limited += 1
+        unit = "RPM" if worst.kind == "requests" else "TPM"
+        v.error = ErrorInfo(
+            message=f"Rate limit reached for key {s.key.name!r} on {worst.kind} per min ({unit}): Limit "
+                    f"{worst.limit:g}. Please try again in {worst.wait_s:.3g}s.",
+            type=worst.kind, code="rate_limit_exceeded", status=429, retry_after_s=worst.wait_s)
+    for t in takes:
+        v.headers[f"x-ratelimit-limit-{t.kind}"] = str(int(t.limit))
+        v.headers[f"x-ratelimit-remaining-{t.kind}"] = str(t.remaining)
+    return v
 
 
 def retry_after_headers(seconds: float) -> dict[str, str]:

@@ -49,8 +49,9 @@ from hetmesh.protocol import (
 )
 
 from . import core
-from .auth import Authenticator, Verdict, retry_after_headers
+from .auth import Authenticator, Verdict, decide, retry_after_headers, take_local
 from .core import ApiError, Formatter, Prepared, Reassembler
+from .limits import SharedBuckets
 from .schemas import ChatCompletionRequest, CompletionRequest, error_body, from_validation
 
 log = logging.getLogger("hetmesh.gateway")
@@ -150,6 +151,8 @@ class Gateway:
         self.closing = False
         self.reply_prefix = subjects.reply_to(self.instance, "")
         self.auth = Authenticator(cfg.auth)
+        # one key, one limit across every gateway replica (Redis), unless configured per process
+        self.limits = SharedBuckets.from_mesh(cfg.mesh) if self.auth.limited and cfg.auth.shared_limits else None
         self.active = 0  # Calls in flight (admission control)
         self.refused = {"overloaded": 0, "rate_limited": 0, "unauthorized": 0, "too_large": 0}
 
@@ -172,6 +175,25 @@ class Gateway:
             await self.events.close()
         if self.bus is not None:
             await self.bus.close()
+        if self.limits is not None:
+            await self.limits.close()
+
+    async def admit(self, v: Verdict, prompt_tokens: int) -> Verdict:
+        """The key's rate limits: shared through Redis where the cluster has it, else this process's."""
+        if v.key is None:
+            return v
+        now = time.monotonic()
+        takes = (await self.limits.take(v.key, prompt_tokens, now) if self.limits is not None
+                 else take_local(v.key, prompt_tokens, now))
+        return decide(v, takes)
+
+    def charge_completion(self, v: Verdict, completion_tokens: int) -> None:
+        if v.key is None:
+            return
+        if self.limits is not None:
+            self.spawn(self.limits.charge(v.key, completion_tokens, time.monotonic()))
+        else:
+            self.auth.charge_completion(v, completion_tokens, time.monotonic())
 
     def spawn(self, coro: Any) -> None:
         """Fire-and-forget publishes (events, cancels) that must outlive a cancelled request task."""
@@ -316,7 +338,7 @@ class Gateway:
                                                      retry_after_s=gc.retry_after_s), span)
         if self.active >= gc.max_inflight:
             return self.reject(model.name, self.overloaded(), span)
-        verdict = self.auth.admit(verdict, len(prep.prompt_tokens), time.monotonic())
+        verdict = await self.admit(verdict, len(prep.prompt_tokens))
         if verdict.error is not None:
             self.refused["rate_limited"] += 1
             return self.reject(model.name, verdict.error, span, verdict.headers)
@@ -556,7 +578,7 @@ class Call:
 
     def _finished(self) -> None:
         u = self.usage()
-        self.gw.auth.charge_completion(self.verdict, u.completion_tokens, time.monotonic())
+        self.gw.charge_completion(self.verdict, u.completion_tokens)
         self.gw.event(self.rid, "finished", finish_reason=self.reasm.finish_reason,
                       completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens,
                       attempts=self.req.attempt + 1, duration_ms=round((time.perf_counter() - self.t0) * 1e3, 3))

@@ -1,0 +1,149 @@
+"""Per-key rate limits shared by gateway replicas through a real redis-server: the Lua buckets agree
+with the local ones, two gateways grant a key its limit once, and a Redis outage falls back to
+per-gateway limits instead of failing requests."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Iterator
+
+import openai
+import pytest
+import redis.asyncio as aioredis
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetmesh import servers
+from hetmesh.config import ApiKey, AuthConfig, hash_key
+from hetmesh.gateway.auth import Authenticator, KeyState, TokenBucket
+from hetmesh.gateway.limits import PREFIX, SharedBuckets, bucket_key
+
+from .conftest import FakePeer, GatewayProc, cluster_text, run_gateway
+
+
+def key_state(rpm: int = 0, tpm: int = 0) -> tuple[str, KeyState]:
+    """A fresh key (its own buckets, whatever Redis already holds) and its state."""
+    key = "sk-" + secrets.token_hex(8)
+    auth = Authenticator(AuthConfig(keys=[ApiKey(name="k", sha256=hash_key(key), rpm=rpm, tpm=tpm)]))
+    v = auth.authenticate(f"Bearer {key}")
+    assert v.key is not None
+    return key, v.key
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
+
+
+# (seconds since the last operation, amount, admit or charge)
+ops = st.lists(st.tuples(st.floats(0, 90, allow_nan=False), st.integers(1, 400), st.booleans()), min_size=1,
+               max_size=25)
+
+
+@settings(max_examples=30, deadline=None)
+@given(ops=ops, per_minute=st.sampled_from([3, 60, 250, 10_000]))
+def test_the_lua_bucket_is_the_local_bucket(redis_url: str, ops: list[tuple[float, int, bool]],
+                                            per_minute: int) -> None:
+    # Driven with the same clock, the shared bucket and auth.TokenBucket give the same waits and levels
+    # (to Lua's 14 significant digits of the stored clock).
+    _, s = key_state(tpm=per_minute)
+    local = TokenBucket(float(per_minute))
+
+    async def go() -> None:
+        shared = SharedBuckets(aioredis.from_url(redis_url, decode_responses=True))
+        try:
+            t = 1_000_000.0
+            for dt, n, admit in ops:
+                t += dt
+                key = bucket_key(s, "tokens")
+                if admit:
+                    want = local.wait_s(n, t)
+                    if want <= 0:
+                        local.take(n, t)
+                    got = await shared._call("admit", [(key, per_minute, n)], repr(t))
+                    assert got is not None and got[0] == pytest.approx(want, abs=1e-3)
+                else:
+                    local.take(n, t)
+                    got = await shared._call("charge", [(key, per_minute, n)], repr(t))
+                    assert got is not None
+                assert got[1] == pytest.approx(local.level, abs=1e-3)
+        finally:
+            await shared.close()
+
+    run(go())
+
+
+def test_two_gateways_share_one_limit(redis_url: str) -> None:
+    _, s = key_state(rpm=3, tpm=1000)
+
+    async def go() -> None:
+        a = SharedBuckets(aioredis.from_url(redis_url, decode_responses=True))
+        b = SharedBuckets(aioredis.from_url(redis_url, decode_responses=True))
+        try:
+            granted = [await gw.take(s, 10, 0.0) for gw in (a, b, a)]
+            assert all(t.wait_s == 0 for takes in granted for t in takes)
+            assert [t.remaining for t in granted[-1]] == [0, 1000 - 30]
+            refused = await b.take(s, 10, 0.0)
+            assert refused[0].kind == "requests" and 0 < refused[0].wait_s <= 20  # one request per 20 s
+            assert refused[1].wait_s == 0 and refused[1].remaining == 970  # all or nothing: no tokens taken
+            await a.charge(s, 5000, 0.0)  # a completion puts the key in debt, seen by the other replica
+            after = await b.take(s, 10, 0.0)
+            assert after[1].wait_s > 0
+            ttl = await a.client.ttl(bucket_key(s, "tokens"))
+            # kept until it would be full again: from -4030 back to 1000 at 1000 a minute is 301.8 s
+            assert 300 < ttl <= 303
+            assert a.fallbacks == b.fallbacks == 0
+            assert all(k.startswith(PREFIX) for k in await a.client.keys(f"{PREFIX}*"))
+        finally:
+            await a.close()
+            await b.close()
+
+    run(go())
+
+
+def test_redis_down_falls_back_to_the_gateways_own_buckets() -> None:
+    _, s = key_state(rpm=2)
+
+    async def go() -> None:
+        dead = SharedBuckets(aioredis.from_url(f"redis://127.0.0.1:{servers.free_port()}/0", decode_responses=True,
+                                               socket_connect_timeout=0.5))
+        try:
+            assert [t.wait_s for t in await dead.take(s, 1, 0.0)] == [0]
+            assert dead.fallbacks == 1 and dead.down_until > 0
+            assert [t.wait_s for t in await dead.take(s, 1, 0.0)] == [0]  # local buckets, no Redis call
+            assert (await dead.take(s, 1, 0.0))[0].wait_s > 0  # still limited: per gateway
+            assert dead.fallbacks == 3
+        finally:
+            await dead.close()
+
+    run(go())
+
+
+@pytest.fixture(scope="module")
+def two_gateways(gw_nats: str, peer: FakePeer, redis_url: str,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, GatewayProc, GatewayProc]]:
+    key = "sk-" + secrets.token_hex(8)
+    auth = f'[[auth.keys]]\nname = "shared"\nsha256 = "{hash_key(key)}"\nrpm = 3\n'
+    toml = cluster_text("", auth)
+    with (run_gateway(gw_nats, tmp_path_factory.mktemp("gwa"), "gwa", cluster_toml=toml,
+                      HETMESH_REDIS_URL=redis_url) as a,
+          run_gateway(gw_nats, tmp_path_factory.mktemp("gwb"), "gwb", cluster_toml=toml,
+                      HETMESH_REDIS_URL=redis_url) as b):
+        yield key, a, b
+
+
+def test_a_key_gets_its_limit_once_across_gateway_processes(two_gateways: tuple[str, GatewayProc, GatewayProc]
+                                                             ) -> None:
+    key, a, b = two_gateways
+
+    def chat(gw: GatewayProc) -> str:
+        c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0, timeout=20)
+        r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        return r.choices[0].message.content or ""
+
+    assert [chat(gw) for gw in (a, b, a)] == ["abcd"] * 3
+    for gw in (b, a):
+        with pytest.raises(openai.RateLimitError) as e:
+            chat(gw)
+        assert e.value.code == "rate_limit_exceeded"
+        assert e.value.response.headers["x-ratelimit-remaining-requests"] == "0"
