@@ -151,6 +151,14 @@ class Cancel(Struct, kw_only=True):
     reason: str = "client_disconnected"
 
 
+class Resume(Struct, kw_only=True):
+    """Gateway -> all workers: this attempt's stream has a hole (the bus went away while tokens were on
+    it); whoever published chunks to `reply_subject` publishes those from `from_index` on again."""
+
+    reply_subject: str
+    from_index: int
+
+
 class Finished(Struct, kw_only=True):
     """Worker -> scheduler when a request leaves the worker, so in-flight bookkeeping ends."""
 

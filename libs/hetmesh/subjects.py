@@ -17,6 +17,7 @@ SUBMIT = f"{PREFIX}.sched.submit"  # request/reply: InferenceRequest -> SubmitRe
 SCHED_STATUS = f"{PREFIX}.sched.status"  # request/reply, empty -> SchedulerStatus
 FINISHED = f"{PREFIX}.sched.finished"
 CANCEL = f"{PREFIX}.cancel"
+RESUME = f"{PREFIX}.resume"
 HEARTBEAT_ALL = f"{PREFIX}.heartbeat.*"
 KV_EVENTS_ALL = f"{PREFIX}.kv.events.*"
 KV_TRANSFER = f"{PREFIX}.kv.transfer"
@@ -115,6 +116,7 @@ TABLE: tuple[SubjectRow, ...] = (
                "the pool (queue group = deliver group)", "WorkItem", "one shared consumer per pool"),
     SubjectRow(f"{PREFIX}.resp.<gateway>.<request_id>-<attempt>", "workers, scheduler", "gateway", "TokenChunk | RequestError | WorkerLost", "per-request stream"),
     SubjectRow(CANCEL, "gateway", "workers, scheduler, kv-transfer", "Cancel", "broadcast"),
+    SubjectRow(RESUME, "gateway", "workers", "Resume", "broadcast: republish a stream's chunks after a bus gap"),
     SubjectRow(FINISHED, "workers", "scheduler", "FinishedBatch (JSON array of Finished)", "in-flight bookkeeping, batched"),
     SubjectRow(f"{PREFIX}.heartbeat.<worker_id>", "workers", "scheduler", "Heartbeat", "liveness + load"),
     SubjectRow(f"{PREFIX}.kv.events.<worker_id>", "workers", "scheduler (-> Redis index)", "KvEvent", "prefix blocks stored/removed"),

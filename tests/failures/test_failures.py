@@ -300,3 +300,30 @@ async def test_nats_server_restart_services_reconnect(mesh: Mesh, aclient: opena
     assert after.state.messages == 0  # work-queue retention: acked items leave the stream
     assert consumers and all(c.num_ack_pending == 0 and c.num_pending == 0 for c in consumers)
     assert mesh.started_servers[idx] is ns
+
+
+async def test_nats_restart_mid_stream_loses_no_token(mesh: Mesh) -> None:
+    """A stream that has sent tokens cannot start over when the bus restarts under it. Chunks published
+    while the bus was away are lost, so the gateway asks the workers to publish them again (Resume),
+    and the client gets every token, in order, once."""
+    ns = next(s for s in mesh.started_servers if s.name == "nats-server")
+    prompt, n = "a stream across a bus restart ", 40  # about 0.2 s a token
+    body = {"model": "pd", "prompt": prompt, "max_tokens": n, "stream": True, "ignore_eos": True}
+    got: list[dict] = []
+    done = False
+    async with httpx.AsyncClient(base_url=mesh.url, timeout=90) as http:
+        async with http.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    got.append(json.loads(line[6:]))
+                    if len(got) == 3:
+                        ns.stop(keep_files=True)
+                        await asyncio.sleep(1.5)  # tokens keep coming out of the engine meanwhile
+                        ns.start()
+    assert all("error" not in c for c in got), [c for c in got if "error" in c]
+    assert done
+    assert "".join(c["choices"][0]["text"] for c in got) == expected_text(prompt, n)
+    assert all(s.alive for s in mesh.services.values())

@@ -111,6 +111,12 @@ class ClusterState:
         self._views = None
         return self._workers.pop(worker_id, None) is not None
 
+    def touch_all(self, seen: float) -> None:
+        """Count every worker as heard from at `seen`: after the scheduler's own bus outage, the heartbeats
+        it missed say nothing about the workers."""
+        for e in self._workers.values():
+            e.seen = max(e.seen, seen)
+
     def expire(self, now: float) -> list[str]:
         dead = [w for w, e in self._workers.items() if now - e.seen > self.timeout_s]
         for w in dead:

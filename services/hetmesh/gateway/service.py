@@ -41,6 +41,7 @@ from hetmesh.protocol import (
     Placement,
     RequestError,
     ResponseEvent,
+    Resume,
     SchedulerStatus,
     ServiceEvent,
     SubmitReply,
@@ -87,6 +88,12 @@ async def read_body(request: Request, limit: int) -> bytes:
 # How often a waiting request asks the server whether its client is still there. A poll, not a
 # watcher task per request: requests shorter than this never pay for the check at all.
 DISCONNECT_POLL_S = 0.2
+# A stream that already sent tokens cannot start over; a hole in it is filled by asking the workers
+# to publish its chunks again (protocol.Resume): at once after a bus reconnect, after RESUME_HOLE_S
+# with a chunk waiting for a missing one, after RESUME_IDLE_S of silence, then every RESUME_EVERY_S.
+RESUME_HOLE_S = 0.5
+RESUME_IDLE_S = 2.0
+RESUME_EVERY_S = 1.0
 
 
 class ClientGone(Exception):
@@ -267,6 +274,10 @@ class Gateway:
         if self.bus is not None:
             self.spawn(self.bus.publish(subjects.CANCEL, Cancel(request_id=rid, reason=reason), rid))
 
+    def resume(self, reply_subject: str, from_index: int) -> None:
+        if self.bus is not None and self.bus.nc.is_connected:
+            self.spawn(self.bus.publish(subjects.RESUME, Resume(reply_subject=reply_subject, from_index=from_index)))
+
     # --- HTTP side ------------------------------------------------------------------------
     def authenticate(self, request: Request) -> Verdict:
         v = self.auth.authenticate(request.headers.get("authorization"))
@@ -377,6 +388,8 @@ class Call:
         self.placement: Placement | None = None
         self.delivered = False  # some token reached the client: no more retries
         self.gap_retries = 0  # attempts started because the bus reconnected (they do not use up max_attempts)
+        self.resume_at = float("inf")  # when to ask the workers to publish this stream again (once delivered)
+        self.resumes = 0
         self.cancelled = False
         self.closed = False
         self.first_token_at: float | None = None
@@ -477,7 +490,8 @@ class Call:
                 elif type(ev) is RequestError and not ev.retryable:
                     return ev.error
                 elif ev is BUS_GAP and self.delivered:
-                    continue  # tokens went out: it cannot start over; the stall timeout ends it if need be
+                    self.resume_at = loop.time()  # tokens went out: it cannot start over, so fill the hole
+                    continue
                 else:  # WorkerLost, a retryable RequestError, or BUS_GAP
                     if ev is BUS_GAP:
                         # Chunks or the reply may have been published while this gateway was disconnected
@@ -491,11 +505,20 @@ class Call:
                     ready.clear()
                     deadline = loop.time() + stall
                     break
+            if self.delivered:
+                if ready:
+                    self.resume_at = loop.time() + (RESUME_HOLE_S if self.reasm.pending else RESUME_IDLE_S)
+                elif self.reasm.pending:
+                    self.resume_at = min(self.resume_at, loop.time() + RESUME_HOLE_S)
             if ready and not items:
                 return ready
             if items:
                 continue
             now = loop.time()
+            if now >= self.resume_at:
+                self.resumes += 1
+                self.gw.resume(self.req.reply_subject, self.reasm.next_index)
+                self.resume_at = now + RESUME_EVERY_S
             if now >= self.next_disconnect_check:
                 if await self.request.is_disconnected():
                     raise ClientGone
@@ -506,7 +529,7 @@ class Call:
                 self.cancelled = True
                 return ErrorInfo(message=f"no response from the mesh for {stall:g}s", type="server_error",
                                  code="timeout", status=504)
-            await self.box.wait(min(deadline, self.next_disconnect_check) - now)
+            await self.box.wait(min(deadline, self.next_disconnect_check, self.resume_at) - now)
             if self.box.items:
                 deadline = loop.time() + stall
 
@@ -581,7 +604,8 @@ class Call:
         self.gw.charge_completion(self.verdict, u.completion_tokens)
         self.gw.event(self.rid, "finished", finish_reason=self.reasm.finish_reason,
                       completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens,
-                      attempts=self.req.attempt + 1, duration_ms=round((time.perf_counter() - self.t0) * 1e3, 3))
+                      attempts=self.req.attempt + 1, resumes=self.resumes,
+                      duration_ms=round((time.perf_counter() - self.t0) * 1e3, 3))
 
     def _error(self, info: ErrorInfo) -> Response:
         self._error_event(info)

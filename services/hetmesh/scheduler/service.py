@@ -100,6 +100,7 @@ class Scheduler:
 
     async def start(self) -> None:
         self.bus = await Bus.for_mesh(self.cfg.mesh, f"scheduler-{self.instance}")
+        self.bus.on_reconnect.append(self._on_reconnect)
         self.index = PrefixIndex.for_mesh(self.cfg.mesh, self.cfg.scheduler.prefix_ttl_s)
         self.events = EventBatcher(self.bus, "scheduler")
         self.queue = WorkQueue(self.bus, self.cfg.work_queue)
@@ -176,10 +177,23 @@ class Scheduler:
             log.info("worker %s joined (%s x%d, %s)", hb.worker_id, hb.accelerator, hb.devices, hb.role)
             await self._event("", "worker_joined", worker_id=hb.worker_id, accelerator=hb.accelerator)
 
+    async def _on_reconnect(self) -> None:
+        # The workers reconnect too, each on its own backoff: one more heartbeat timeout from now before
+        # silence counts again, rather than failing their streams for the bus's outage.
+        self.state.touch_all(time.monotonic() + self.cfg.mesh.heartbeat_timeout_s)
+
     async def _expire_loop(self) -> None:
         period = max(self.cfg.mesh.heartbeat_interval_s / 2, 0.05)
+        was_down = False
         while True:
             await asyncio.sleep(period)
+            if not self.bus.nc.is_connected:
+                was_down = True  # no heartbeats can arrive: silence now says nothing about the workers
+                continue
+            if was_down:  # back before the reconnect hook ran: same grace
+                was_down = False
+                await self._on_reconnect()
+                continue
             for worker_id in self.state.expire(time.monotonic()):
                 await self.worker_lost(worker_id)
 

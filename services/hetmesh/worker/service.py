@@ -42,6 +42,7 @@ from hetmesh.protocol import (
     KvTransferRequest,
     Phase,
     RequestError,
+    Resume,
     Role,
     ServiceEvent,
     TokenChunk,
@@ -50,6 +51,8 @@ from hetmesh.protocol import (
 )
 from hetmesh.runtime import run_service
 from hetmesh.workqueue import RecentIds, WorkQueue, msg_id
+
+from .replay import ReplayLog
 
 log = logging.getLogger("hetmesh.worker")
 
@@ -118,6 +121,7 @@ class Worker:
         self._subs: list[Any] = []
         self._work_subs: list[Any] = []
         self._loops: list[asyncio.Task[None]] = []
+        self.replay = ReplayLog()
         self.kv_bytes_sent = 0
         self.kv_bytes_received = 0
         self._zeros = b""
@@ -132,6 +136,7 @@ class Worker:
         nc = self.bus.nc
         self._subs += [
             await self.bus.subscribe(subjects.CANCEL, Cancel, self.on_cancel),
+            await self.bus.subscribe(subjects.RESUME, Resume, self.on_resume),
             await self.bus.subscribe(subjects.kv_landed(self.worker_id), KvLanded, self.on_kv_landed),
             await self.bus.subscribe(subjects.KV_RESYNC, KvResync, self.on_kv_resync),
             await nc.subscribe(subjects.kv_recv(self.worker_id), cb=self.on_kv_recv,
@@ -271,7 +276,15 @@ class Worker:
     async def _send(self, subject: str, msg: msgspec.Struct) -> None:
         # Per-request traffic goes without headers: the request id is in every body, and header
         # encoding plus trace-context injection would cost more CPU than the message itself.
-        await self.bus.nc.publish(subject, _enc.encode(msg))
+        data = _enc.encode(msg)
+        if type(msg) is TokenChunk:  # kept, to be sent again if the stream gets a hole (on_resume)
+            self.replay.add(subject, msg.index, len(msg.token_ids), data)
+        await self.bus.nc.publish(subject, data)
+
+    async def on_resume(self, r: Resume, _m: Msg) -> None:
+        """A gateway lost part of a stream (a bus gap): publish what this worker sent on it again."""
+        for data in self.replay.since(r.reply_subject, r.from_index):
+            await self.bus.nc.publish(r.reply_subject, data)
 
     async def _error(self, item: WorkItem, message: str, *, retryable: bool, status: int = 500,
                      code: str | None = None, etype: str = "server_error") -> None:

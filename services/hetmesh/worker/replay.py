@@ -1,0 +1,36 @@
+"""What a worker published on each response stream, kept so that a hole can be filled.
+
+Token chunks travel on core NATS: a chunk published while the bus restarts, or while the gateway
+was resubscribing, is gone. The gateway sees the hole (its reassembler waits for a missing
+index, or the bus told it about a reconnect) and broadcasts `Resume(reply_subject, from_index)`;
+every worker that published on that subject sends those chunks again, and the gateway's
+reassembler drops what it already has. Pure bookkeeping; the worker's shell publishes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class ReplayLog:
+    """Encoded TokenChunks per reply subject, oldest stream evicted first past either bound."""
+
+    def __init__(self, max_bytes: int = 64 << 20, max_streams: int = 4096) -> None:
+        self.max_bytes = max_bytes
+        self.max_streams = max_streams
+        self.streams: OrderedDict[str, list[tuple[int, int, bytes]]] = OrderedDict()  # (index, tokens, data)
+        self.bytes = 0
+
+    def add(self, subject: str, index: int, tokens: int, data: bytes) -> None:
+        chunks = self.streams.get(subject)
+        if chunks is None:
+            chunks = self.streams[subject] = []
+        chunks.append((index, tokens, data))
+        self.bytes += len(data)
+        while self.streams and (self.bytes > self.max_bytes or len(self.streams) > self.max_streams):
+            _, old = self.streams.popitem(last=False)
+            self.bytes -= sum(len(d) for _, _, d in old)
+
+    def since(self, subject: str, from_index: int) -> list[bytes]:
+        """The chunks holding any token at or after `from_index`, and the finish marker if it is there."""
+        return [d for i, n, d in self.streams.get(subject, ()) if i + n > from_index or i >= from_index]
