@@ -90,10 +90,12 @@ async def read_body(request: Request, limit: int) -> bytes:
 DISCONNECT_POLL_S = 0.2
 # A stream that already sent tokens cannot start over; a hole in it is filled by asking the workers
 # to publish its chunks again (protocol.Resume): at once after a bus reconnect, after RESUME_HOLE_S
-# with a chunk waiting for a missing one, after RESUME_IDLE_S of silence, then every RESUME_EVERY_S.
+# with a chunk waiting for a missing one, after RESUME_IDLE_S of silence; then again after RESUME_EVERY_S,
+# doubling up to RESUME_MAX_S while nothing new comes (a long wait for KV is silence too).
 RESUME_HOLE_S = 0.5
 RESUME_IDLE_S = 2.0
 RESUME_EVERY_S = 1.0
+RESUME_MAX_S = 8.0
 
 
 class ClientGone(Exception):
@@ -390,6 +392,7 @@ class Call:
         self.gap_retries = 0  # attempts started because the bus reconnected (they do not use up max_attempts)
         self.resume_at = float("inf")  # when to ask the workers to publish this stream again (once delivered)
         self.resumes = 0
+        self.resume_every = RESUME_EVERY_S
         self.cancelled = False
         self.closed = False
         self.first_token_at: float | None = None
@@ -508,6 +511,7 @@ class Call:
             if self.delivered:
                 if ready:
                     self.resume_at = loop.time() + (RESUME_HOLE_S if self.reasm.pending else RESUME_IDLE_S)
+                    self.resume_every = RESUME_EVERY_S
                 elif self.reasm.pending:
                     self.resume_at = min(self.resume_at, loop.time() + RESUME_HOLE_S)
             if ready and not items:
@@ -518,7 +522,8 @@ class Call:
             if now >= self.resume_at:
                 self.resumes += 1
                 self.gw.resume(self.req.reply_subject, self.reasm.next_index)
-                self.resume_at = now + RESUME_EVERY_S
+                self.resume_at = now + self.resume_every
+                self.resume_every = min(2 * self.resume_every, RESUME_MAX_S)
             if now >= self.next_disconnect_check:
                 if await self.request.is_disconnected():
                     raise ClientGone
