@@ -289,7 +289,7 @@ def engine_sweep(settings: list[tuple[int, str]] = ENGINE_SETTINGS, seeds: tuple
     return rows
 
 
-# ---- is 1.6x reachable? The priors the seed does not pin down (benchmarks/seed_priors.py) ----
+# ---- is 1.6x reachable? What the seed does not pin down (benchmarks/seed_feasibility.py) ----
 
 # Issue 3's tolerance for the reproduction: load balanced and split within 15%, their ratio within 0.1.
 REPRO_TOLERANCE = {"throughput": 0.15, "ratio": 0.1}

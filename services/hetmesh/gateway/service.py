@@ -50,7 +50,7 @@ from hetmesh.protocol import (
 )
 
 from . import core
-from .auth import Authenticator, Verdict, decide, retry_after_headers, take_local
+from .auth import Authenticator, Verdict, decide, retry_after_headers
 from .core import ApiError, Formatter, Prepared, Reassembler
 from .limits import SharedBuckets
 from .schemas import ChatCompletionRequest, CompletionRequest, error_body, from_validation
@@ -189,12 +189,9 @@ class Gateway:
 
     async def admit(self, v: Verdict, prompt_tokens: int) -> Verdict:
         """The key's rate limits: shared through Redis where the cluster has it, else this process's."""
-        if v.key is None:
-            return v
-        now = time.monotonic()
-        takes = (await self.limits.take(v.key, prompt_tokens, now) if self.limits is not None
-                 else take_local(v.key, prompt_tokens, now))
-        return decide(v, takes)
+        if self.limits is None or v.key is None:
+            return self.auth.admit(v, prompt_tokens, time.monotonic())
+        return decide(v, await self.limits.take(v.key, prompt_tokens, time.monotonic()))
 
     def charge_completion(self, v: Verdict, completion_tokens: int) -> None:
         if v.key is None:
