@@ -49,7 +49,7 @@ def test_cost_mixes_aggregated_and_disaggregated_placements(rows: tuple[str, lis
 
 def test_cost_over_the_load_balancer_at_the_seed_workload() -> None:
     # The issue asks for >= 1.6x; what the policy reaches here is ~1.54x (docs/costmodel.md and
-    # benchmarks/seed_priors.py explain the ceiling). Pinned at what holds, so a regression below
+    # benchmarks/seed_feasibility.py explain the ceiling). Pinned at what holds, so a regression below
     # the seed's 1.53x fails.
     runs = {r["label"]: r["output_tok_s_steady"] for r in _mean_rows(Workload())}
     assert runs[COST_LABEL] / runs[LB_LABEL] >= 1.53
