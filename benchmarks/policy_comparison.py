@@ -69,7 +69,7 @@ def main() -> int:
               "cost wins case-study", "cost tok/s Rubin", "cost wins Rubin"):
         t.add_column(c, justify="right")
     for r in rows:
-        t.add_row(str(r["chunk_tokens"]), r["prefill_order"], f"{r['reproduction_ratio']:.3f}",
+        t.add_row(str(r["step_tokens"]), r["prefill_order"], f"{r['reproduction_ratio']:.3f}",
                   f"{r['static_x_lb']:.3f}", f"{r['cost_x_lb']:.3f}", f"{r['cost_x_lb_min']:.3f}..{r['cost_x_lb_max']:.3f}",
                   str(r["case-study"]), f"{r['rubin cost tok/s']:.0f}", str(r["rubin"]))
     console.print(t)

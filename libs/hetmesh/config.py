@@ -1,7 +1,7 @@
 """The one config loader: a cluster file (TOML) -> typed `ClusterConfig`.
 
 Environment overrides (for containers and tests): HETMESH_NATS_URL, HETMESH_REDIS_URL,
-HETMESH_TIME_SCALE, HETMESH_POLICY, HETMESH_GATEWAY_HOST, HETMESH_KV_LISTEN_HOST,
+HETMESH_TIME_SCALE, HETMESH_POLICY, HETMESH_EFFICIENCY, HETMESH_GATEWAY_HOST, HETMESH_KV_LISTEN_HOST,
 HETMESH_KV_ADVERTISE_HOST; secrets: HETMESH_NATS_USER,
 HETMESH_NATS_PASSWORD, HETMESH_NATS_TOKEN, HETMESH_NATS_CREDS, HETMESH_REDIS_USERNAME,
 HETMESH_REDIS_PASSWORD, HETMESH_KV_SECRET, and HETMESH_API_KEYS (comma-separated keys, hashed as they are read).
@@ -13,6 +13,7 @@ import hashlib
 import os
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from msgspec import Struct, field
@@ -81,10 +82,18 @@ class SchedulerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     ttft_slo_s: float = 2.0
     tpot_slo_s: float = 0.1
     prefix_ttl_s: float = 600.0
+    # More options of the chosen policy (e.g. cost: share_window_s, top_k); an unknown one is refused.
+    options: dict[str, Any] = field(default_factory=dict)
     # Admission: a model's pool takes at most (max_batch * (1 + queue_factor)) requests per worker;
     # past that a submit is refused (503 + Retry-After) instead of queueing without bound.
     queue_factor: float = 4.0
     retry_after_s: float = 1.0
+
+
+class CostModelConfig(Struct, kw_only=True, forbid_unknown_fields=True):
+    """`[costmodel]`: what every worker's cost model and the cost policy share (hetmesh.wiring)."""
+
+    efficiency: str = ""  # efficiency factors JSON (hetmesh.costmodel.save_efficiencies); empty: the shipped ones
 
 
 class KvTransferConfig(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -157,6 +166,8 @@ class WorkerGroup(Struct, kw_only=True, forbid_unknown_fields=True):
     engine: str = "sim"  # sim | vllm
     max_batch: int = 64
     kv_blocks: int = 0  # 0: as many as fit in memory after weights (cost model)
+    step_tokens: int = 8192  # one engine step's token budget (vLLM's max_num_batched_tokens)
+    prefill_order: str = "fcfs"  # sim engine: which queued prompt starts next, fcfs | shortest
     vllm: VllmWorkerConfig = field(default_factory=VllmWorkerConfig)
 
     @property
@@ -172,6 +183,7 @@ class ClusterConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    costmodel: CostModelConfig = field(default_factory=CostModelConfig)
     kv_transfer: KvTransferConfig = field(default_factory=KvTransferConfig)
     work_queue: WorkQueueConfig = field(default_factory=WorkQueueConfig)
     models: list[ModelConfig] = field(default_factory=list)
@@ -209,6 +221,15 @@ class ClusterConfig(Struct, kw_only=True, forbid_unknown_fields=True):
             self.model(g.model)
             if g.count < 0 or g.devices < 1 or g.max_batch < 1:
                 raise ValueError(f"worker group {g.name!r}: count >= 0, devices >= 1, max_batch >= 1")
+            if g.step_tokens < g.max_batch:
+                raise ValueError(f"worker group {g.name!r}: step_tokens must be >= max_batch")
+            if g.parallel not in ("tp", "ep", "dp") or g.prefill_order not in ("fcfs", "shortest"):
+                raise ValueError(f"worker group {g.name!r}: parallel is tp | ep | dp, prefill_order fcfs | shortest")
+        from hetmesh.placement.policies import (
+            check_options,  # placement imports the protocol, not this module
+        )
+
+        check_options(self.scheduler.policy, self.scheduler.options)
         return self
 
 
@@ -231,6 +252,8 @@ def load(path: str | os.PathLike[str] | None = None) -> ClusterConfig:
         cfg.mesh.time_scale = float(v)
     if v := env.get("HETMESH_POLICY"):
         cfg.scheduler.policy = v
+    if v := env.get("HETMESH_EFFICIENCY"):
+        cfg.costmodel.efficiency = v
     if v := env.get("HETMESH_GATEWAY_HOST"):
         cfg.gateway.host = v
     if v := env.get("HETMESH_KV_LISTEN_HOST"):

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from hetmesh import subjects
-from hetmesh.engines.sim import expected_completion
+from hetmesh.engines.sampling import expected_completion
 from hetmesh.launcher import Mesh
 from hetmesh.protocol import SamplingParams
 from hetmesh.tokenizer import ByteTokenizer, render_chat

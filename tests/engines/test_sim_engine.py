@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 import pytest
 
+from hetmesh.batching import Settings, Step
 from hetmesh.costmodel import CostModel, accelerator, model_spec
 from hetmesh.engines.base import EngineError, EngineOutput, EngineRequest
-from hetmesh.engines.sim import Completion, SimConfig, SimEngine, expected_completion
+from hetmesh.engines.sampling import Completion, expected_completion
+from hetmesh.engines.simulated import SimEngine
 from hetmesh.kvindex.blocks import block_hashes
 from hetmesh.protocol import Phase, SamplingParams
 from hetmesh.tokenizer import ByteTokenizer
@@ -27,20 +29,24 @@ class RecordingTimer:
         self.engine: SimEngine | None = None
         self.free_blocks: list[int] = []  # the engine's free KV blocks at each step
 
-    def step_time(self, prefills: Sequence[tuple[int, int]], decode_contexts: Sequence[int]) -> float:
-        self.steps.append((list(prefills), list(decode_contexts)))
-        if self.engine is not None:
-            self.free_blocks.append(self.engine.cache.free)
-        return self.cm.step_time(prefills, decode_contexts)
+    def step_seconds(self, step: Step) -> float:
+        assert self.engine is not None
+        core = self.engine.core
+        prefills = [(n, c) for _, n, c in step.prefills]
+        contexts = [s.prompt_len + core.generated(s) for s in step.decodes or ()]
+        assert sum(contexts) == step.decode_context and len(contexts) == step.n_decode
+        self.steps.append((prefills, contexts))
+        self.free_blocks.append(core.cache.free)
+        return self.cm.step_seconds(step)
 
 
 @pytest.fixture
 async def make() -> AsyncIterator:  # type: ignore[type-arg]
     engines: list[SimEngine] = []
 
-    async def _make(**cfg: object) -> tuple[SimEngine, RecordingTimer]:
+    async def _make(time_scale: float = 1e6, **cfg: object) -> tuple[SimEngine, RecordingTimer]:
         timer = RecordingTimer()
-        e = SimEngine(TOK, timer, SimConfig(**{"time_scale": 1e6, **cfg}))  # type: ignore[arg-type]
+        e = SimEngine(TOK, timer, Settings(**cfg), time_scale=time_scale)  # type: ignore[arg-type]
         timer.engine = e
         await e.start()
         engines.append(e)
@@ -150,7 +156,7 @@ async def test_continuous_batching_bounded_by_max_batch(make) -> None:  # type: 
 
 
 async def test_long_prompt_prefills_in_chunks(make) -> None:  # type: ignore[no-untyped-def]
-    e, timer = await make(max_batched_tokens=2048, kv_blocks=1024)
+    e, timer = await make(step_tokens=2048, kv_blocks=1024)
     prompt = [ord("a") + i % 26 for i in range(5000)]
     outs = await run(e, req("long", prompt, 3))
     assert joined(outs)[0] == expect(req("long", prompt, 3))[0]
@@ -286,14 +292,16 @@ class FailingTimer(RecordingTimer):
         super().__init__()
         self.fail_at = fail_at
 
-    def step_time(self, prefills: Sequence[tuple[int, int]], decode_contexts: Sequence[int]) -> float:
+    def step_seconds(self, step: Step) -> float:
         if len(self.steps) >= self.fail_at:
             raise RuntimeError("accelerator fell off the bus")
-        return super().step_time(prefills, decode_contexts)
+        return super().step_seconds(step)
 
 
 async def test_a_failing_engine_ends_every_stream_with_error() -> None:
-    e = SimEngine(TOK, FailingTimer(fail_at=5), SimConfig(time_scale=1e6))
+    timer = FailingTimer(fail_at=5)
+    e = SimEngine(TOK, timer, time_scale=1e6)
+    timer.engine = e
     await e.start()
     try:
         await e.submit(req("a", "one", 100, ignore_eos=True))

@@ -24,7 +24,7 @@ import redis
 from nats.js.api import ConsumerInfo, StorageType, StreamInfo
 
 from hetmesh import servers, subjects
-from hetmesh.engines.sim import expected_completion
+from hetmesh.engines.sampling import expected_completion
 from hetmesh.launcher import Mesh
 from hetmesh.protocol import SamplingParams, ServiceEvent
 from hetmesh.tokenizer import ByteTokenizer

@@ -146,8 +146,7 @@ def test_cli_writes_results_and_plots(tmp_path: Path) -> None:
 def test_prefill_order_decides_which_queued_prompt_is_served_first(order: str) -> None:
     # a 6000-token prompt is mid-prefill (4096-token steps) when a second long one and a short one queue
     trace = Trace([TraceRequest(0.0, 6000, 2), TraceRequest(0.001, 6000, 2), TraceRequest(0.002, 1000, 2)])
-    _, res = simulate(pool("x", 1, "amd-mi300x"), "round_robin", trace,
-                      SimConfig(chunk_tokens=4096, prefill_order=order))
+    _, res = simulate(pool("x", 1, "amd-mi300x", step_tokens=4096, prefill_order=order), "round_robin", trace)
     first, long2, short = sorted(res.records, key=lambda r: r.arrival)
     # a started prompt keeps going (with `shortest` the short one finishes in the same step)
     assert first.first_token < long2.first_token and first.first_token <= short.first_token
@@ -159,4 +158,4 @@ def test_prefill_order_decides_which_queued_prompt_is_served_first(order: str) -
 
 def test_an_unknown_prefill_order_is_refused() -> None:
     with pytest.raises(ValueError, match="prefill_order"):
-        Simulator(pool("x", 1, "amd-mi300x"), RoundRobin(), SimConfig(prefill_order="random"))
+        Simulator(pool("x", 1, "amd-mi300x", prefill_order="random"), RoundRobin()).run(Trace([TraceRequest(0, 10, 2)]))

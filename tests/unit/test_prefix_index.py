@@ -2,7 +2,10 @@ import asyncio
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from hetmesh.kvindex.blocks import leading_blocks
 from hetmesh.kvindex.index import PrefixIndex
 from hetmesh.protocol import KvEvent
 
@@ -55,3 +58,31 @@ async def test_concurrent_lookups_get_their_own_replies(index: PrefixIndex) -> N
         await index.apply(KvEvent(worker_id=f"w{w}", model="m", stored=list(range(w + 1))))
     got = await asyncio.gather(*(index.lookup("m", list(range(n)), [f"w{n - 1}"]) for n in range(1, 9)))
     assert got == [{f"w{n - 1}": n} for n in range(1, 9)]
+
+
+_holdings = st.dictionaries(st.sampled_from(["w0", "w1", "w2", "w3"]),
+                            st.sets(st.integers(0, 7), max_size=8), max_size=4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(held=_holdings, hashes=st.lists(st.integers(0, 7), max_size=8),
+       live=st.none() | st.sets(st.sampled_from(["w0", "w1", "w2", "w3"]), min_size=1))
+def test_the_redis_walk_is_the_python_walk(redis_url: str, held: dict[str, set[int]], hashes: list[int],
+                                          live: set[str] | None) -> None:
+    """One prefix walk: the index's Lua lookup and hetmesh.kvindex.blocks.leading_blocks (the simulator's)
+    agree on any holdings, prompt and live set."""
+
+    async def go() -> dict[str, int]:
+        idx = PrefixIndex.from_url(redis_url, ttl_s=30)
+        try:
+            await idx.r.flushdb()
+            for w, hs in held.items():
+                await idx.apply(KvEvent(worker_id=w, model="m", stored=sorted(hs)))
+            return await idx.lookup("m", hashes, live_workers=live)
+        finally:
+            await idx.close()
+
+    def holders(h: int) -> set[str]:
+        return {w for w, hs in held.items() if h in hs and (live is None or w in live)}
+
+    assert asyncio.run(go()) == leading_blocks(hashes, holders)

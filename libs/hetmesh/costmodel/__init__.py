@@ -11,6 +11,7 @@ from hetmesh.costmodel.calibrate import (
     default_efficiency,
     load_efficiencies,
     save_efficiencies,
+    server_model,
 )
 from hetmesh.costmodel.catalog import (
     DTYPE_BYTES,
@@ -39,5 +40,6 @@ __all__ = [
     "model_ids",
     "model_spec",
     "save_efficiencies",
+    "server_model",
     "transfer_time",
 ]

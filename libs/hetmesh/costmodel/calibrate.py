@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import least_squares
 
+from hetmesh.costmodel.catalog import accelerator, model_spec
 from hetmesh.costmodel.model import CostModel, Efficiency
 
 _SHIPPED = Path(__file__).resolve().parent / "efficiency.json"
@@ -58,15 +59,26 @@ def _shipped() -> dict[str, Efficiency]:
 
 
 def default_efficiency(accel_id: str, model: str | None = None) -> Efficiency:
-    """The shipped factors for an accelerator ($HETMESH_EFFICIENCY may point to another file).
+    """The shipped factors for an accelerator.
 
     A key "<accelerator>/<model>" (factors fitted for one model on one chip) wins over the
     accelerator's own key, which wins over "default".
     """
-    env = os.environ.get("HETMESH_EFFICIENCY")
-    table = load_efficiencies(env) if env else _shipped()
+    table = _shipped()
     return ((table.get(f"{accel_id}/{model}") if model else None) or table.get(accel_id) or table.get("default")
             or Efficiency())
+
+
+def server_model(accel_id: str, spec: str, *, devices: int = 1, parallel: str = "tp", dtype: str | None = None,
+                 efficiencies: Mapping[str, Efficiency] | None = None) -> CostModel:
+    """The cost model of one server: the one way the workers, the scheduler's policy and the simulator
+    build it. `efficiencies` (a calibration's, or the cluster file's [costmodel] efficiency) is looked up
+    by "<accelerator>/<model>", then "<accelerator>", then "default"; what it lacks comes from the shipped table."""
+    ms = model_spec(spec)
+    eff = None
+    if efficiencies:
+        eff = efficiencies.get(f"{accel_id}/{ms.name}") or efficiencies.get(accel_id) or efficiencies.get("default")
+    return CostModel(accelerator(accel_id), ms, devices=devices, parallel=parallel, dtype=dtype, efficiency=eff)
 
 
 def calibrate(cm: CostModel, samples: Sequence[Sample], fit_per_seq: bool = False,

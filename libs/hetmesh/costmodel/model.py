@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from hetmesh.costmodel.catalog import DTYPE_BYTES, Accelerator, ModelSpec, norm_dtype
 
@@ -42,6 +43,17 @@ class Efficiency:
             raise ValueError(f"efficiency factors must be in (0, 1.5]: {self}")
         if self.overhead_s < 0 or self.per_seq_s < 0:
             raise ValueError(f"overheads must be >= 0: {self}")
+
+
+class StepShape(Protocol):
+    """The totals of one engine step (hetmesh.batching.Step has them)."""
+
+    prefill_tokens: int
+    prefill_seqs: int
+    prefill_pairs: int
+    prefill_cached: int
+    n_decode: int
+    decode_context: int
 
 
 def transfer_time(nbytes: int, link_bytes_per_s: float, latency_s: float = DEFAULT_LINK_LATENCY_S) -> float:
@@ -239,6 +251,12 @@ class CostModel:
         seqs = prefill_seqs + decode_batch
         return self._time(self.features(tokens, seqs, prefill_pairs, decode_context,
                                         prefill_cached + decode_context, seqs))
+
+    def step_seconds(self, step: StepShape) -> float:
+        """Seconds for one batching-core step (hetmesh.batching.Step): the one step-time API of the engines
+        and the simulator."""
+        return self.step_time_totals(step.prefill_tokens, step.prefill_seqs, step.prefill_pairs,
+                                     step.prefill_cached, step.n_decode, step.decode_context)
 
     def decode_throughput(self, batch: int, context: int) -> float:
         """Output tokens/s of a steady decode batch of `batch` sequences at `context` tokens each."""

@@ -7,33 +7,22 @@ sim mesh never needs vLLM installed.
 from __future__ import annotations
 
 from hetmesh.config import ClusterConfig, ModelConfig, WorkerGroup
+from hetmesh.costmodel import CostModel
 from hetmesh.engines.base import Engine, EngineError, EngineOutput, EngineRequest, EngineStats, KvEventBatch
 
-__all__ = ["Engine", "EngineError", "EngineOutput", "EngineRequest", "EngineStats", "KvEventBatch", "create",
-           "sim_config"]
-
-MAX_SIM_KV_BLOCKS = 1 << 22  # cap on the cost model's capacity: the sim cache only holds hashes, but bound it
+__all__ = ["Engine", "EngineError", "EngineOutput", "EngineRequest", "EngineStats", "KvEventBatch", "create"]
 
 
-def sim_config(cfg: ClusterConfig, group: WorkerGroup, model: ModelConfig, cost: object) -> object:
-    from hetmesh.engines.sim import SimConfig
-
-    blocks = group.kv_blocks
-    if blocks <= 0:
-        blocks = min(MAX_SIM_KV_BLOCKS, max(1, cost.max_kv_tokens() // model.block_size))  # type: ignore[attr-defined]
-    return SimConfig(max_batch=group.max_batch, kv_blocks=blocks, block_size=model.block_size,
-                     time_scale=cfg.mesh.time_scale)
-
-
-def create(cfg: ClusterConfig, group: WorkerGroup, cost: object) -> Engine:
-    """The engine for one worker of `group`; `cost` is its hetmesh.costmodel.CostModel."""
-    from hetmesh import tokenizer
+def create(cfg: ClusterConfig, group: WorkerGroup, cost: CostModel) -> Engine:
+    """The engine for one worker of `group`; `cost` is its cost model (hetmesh.wiring.cost_model)."""
+    from hetmesh import tokenizer, wiring
 
     model = cfg.model(group.model)
     if group.engine == "sim":
-        from hetmesh.engines.sim import SimEngine
+        from hetmesh.engines.simulated import SimEngine
 
-        return SimEngine(tokenizer.load(model.tokenizer), cost, sim_config(cfg, group, model, cost))  # type: ignore[arg-type]
+        return SimEngine(tokenizer.load(model.tokenizer), cost, wiring.settings(cfg, group, cost),
+                         time_scale=cfg.mesh.time_scale)
     if group.engine == "vllm":
         return vllm_engine(cfg, group, model)
     raise EngineError(f"engine {group.engine!r} is not available (sim | vllm)")

@@ -14,6 +14,7 @@ from typing import Protocol
 
 from msgspec import Struct, field
 
+from hetmesh.batching.cache import KvEventBatch
 from hetmesh.kvstream import KvSink
 from hetmesh.protocol import Phase, SamplingParams
 
@@ -64,17 +65,6 @@ class EngineStats(Struct, kw_only=True):
     preempted: int = 0  # requests whose KV was dropped to make room (they recompute it later)
     steps: int = 0
     busy_s: float = 0.0  # simulated accelerator time spent in steps
-
-
-class KvEventBatch(Struct, kw_only=True):
-    """Net change of the prefix cache since the last drain (a block stored then evicted cancels out)."""
-
-    stored: list[int] = field(default_factory=list)
-    removed: list[int] = field(default_factory=list)
-    cleared: bool = False
-
-    def __bool__(self) -> bool:
-        return bool(self.stored or self.removed or self.cleared)
 
 
 class Engine(Protocol):

@@ -9,7 +9,7 @@ chain so that equal tokens under different models never collide.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from functools import lru_cache
 from hashlib import blake2b
 
@@ -58,3 +58,22 @@ def cached_prefix_blocks(hashes: Sequence[int], has: Callable[[int], bool]) -> i
             break
         n += 1
     return n
+
+
+def leading_blocks(hashes: Sequence[int], holders: Callable[[int], Collection[str] | None]) -> dict[str, int]:
+    """Leading blocks each worker holds: the prefix index lookup. A worker counts while it holds every
+    block so far; the walk stops at the first block nobody still in the running holds. The Redis
+    index runs this same walk in Lua (hetmesh.kvindex.index; a property test keeps them equal)."""
+    out: dict[str, int] = {}
+    alive: set[str] | None = None
+    for n, h in enumerate(hashes, 1):
+        held = holders(h)
+        if not held:
+            break
+        present = set(held) if alive is None else alive.intersection(held)
+        if not present:
+            break
+        alive = present
+        for w in alive:
+            out[w] = n
+    return out

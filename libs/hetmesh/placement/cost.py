@@ -25,7 +25,6 @@ import math
 import os
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from hetmesh.costmodel import (
     CostModel,
@@ -33,7 +32,7 @@ from hetmesh.costmodel import (
     accelerator,
     link_bandwidth,
     load_efficiencies,
-    model_spec,
+    server_model,
 )
 from hetmesh.costmodel.model import transfer_time
 from hetmesh.placement.state import Decision, RequestInfo, WorkerView
@@ -66,10 +65,8 @@ class CostPolicy:
         tpot_slo_s: float = 0.1,
         efficiencies: Mapping[str, Efficiency] | str | os.PathLike[str] | None = None,
         dtypes: Mapping[str, str] | None = None,
-        chunk_tokens: int = 8192,
         share_window_s: float = 30.0,
         top_k: int = 4,
-        **_: Any,
     ) -> None:
         if objective not in ("throughput", "latency"):
             raise ValueError("objective must be 'throughput' or 'latency'")
@@ -81,23 +78,21 @@ class CostPolicy:
         if isinstance(efficiencies, str | os.PathLike):
             efficiencies = load_efficiencies(efficiencies)
         self.effs: Mapping[str, Efficiency] = dict(efficiencies or {})
-        self.chunk = chunk_tokens
         self.window = share_window_s
         self.top_k = top_k
-        self._cms: dict[tuple[str, str, int], CostModel] = {}
+        self._cms: dict[tuple[str, str, int, str], CostModel] = {}
         self._books: dict[str, _Book] = {}
         self._links: dict[tuple[str, int, str, int], float] = {}
         self._t0 = -1.0  # time of the first placement (the share estimator's warm-up)
 
     # ---- helpers ----
     def _cm(self, w: WorkerView) -> CostModel:
-        key = (w.accelerator, w.model, w.devices)
+        key = (w.accelerator, w.model, w.devices, w.parallel)
         cm = self._cms.get(key)
         if cm is None:
-            spec = self.models.get(w.model, w.model)
-            cm = CostModel(accelerator(w.accelerator), model_spec(spec), devices=w.devices,
-                           dtype=self.dtypes.get(w.model), efficiency=self.effs.get(w.accelerator))
-            self._cms[key] = cm
+            cm = self._cms[key] = server_model(w.accelerator, self.models.get(w.model, w.model), devices=w.devices,
+                                               parallel=w.parallel, dtype=self.dtypes.get(w.model),
+                                               efficiencies=self.effs)
         return cm
 
     def _book(self, wid: str) -> _Book:
@@ -135,31 +130,48 @@ class CostPolicy:
                                                    accelerator(d.accelerator), d.devices)
         return bw
 
-    def _prefill(self, req: RequestInfo, w: WorkerView, now: float) -> tuple[float, float, int]:
-        """(TTFT on w, prefill seconds, cached tokens)."""
+    def _prefill(self, req: RequestInfo, w: WorkerView, now: float, memo: dict[tuple, float]
+                 ) -> tuple[float, float, int]:
+        """(TTFT on w, prefill seconds, cached tokens). `memo`: this request's prices by worker shape (a pool's
+        workers often share one), which keeps a placement over hundreds of workers cheap."""
         cm = self._cm(w)
         cached = req.cached_tokens(w.worker_id)
-        new = max(req.prompt_len - cached, 1)
-        ctx = req.prompt_len + req.max_tokens // 2
         riding = w.running  # decodes sharing the prefill steps
-        steps = max(math.ceil(new / self.chunk), 1)
-        pf = cm.step_time_totals(new, 1, new * cached + new * (new + 1) / 2, cached, riding, riding * ctx)
-        if steps > 1:
-            pf += (steps - 1) * cm.step_time_totals(0, 0, 0, 0, riding, riding * ctx)
+        key = (id(cm), cached, riding, w.step_tokens)
+        pf = memo.get(key)
+        if pf is None:
+            # The chunks the batching core would run, each a step beside the decodes riding along.
+            left = max(req.prompt_len - cached, 1)
+            done = cached
+            chunk = max(w.step_tokens - riding, 1)
+            ctx = riding * (req.prompt_len + req.max_tokens // 2)
+            pf = 0.0
+            while left > 0:
+                n = min(left, chunk)
+                pf += cm.step_time_totals(n, 1, n * done + n * (n + 1) // 2, done, riding, ctx)
+                done += n
+                left -= n
+            memo[key] = pf
         backlog = max(self._book(w.worker_id).busy_until - now, 0.0)
         return backlog + pf, pf, cached
 
-    def _tpot(self, req: RequestInfo, w: WorkerView, now: float) -> tuple[float, float]:
+    def _tpot(self, req: RequestInfo, w: WorkerView, now: float, memo: dict[tuple, tuple[float, float]]
+              ) -> tuple[float, float]:
         """(TPOT on w, seconds of delay this sequence adds to the others decoding there)."""
         cm = self._cm(w)
         b = w.running + w.queue_depth + 1
-        ctx = req.prompt_len + req.max_tokens // 2
         bb = min(b, w.max_batch)
-        step = cm.step_time_totals(0, 0, 0, 0, bb, bb * ctx)
-        if b > w.max_batch:  # waits for a slot: roughly b / max_batch rounds of the batch
-            step *= b / w.max_batch
+        key = (id(cm), b, w.max_batch)
+        hit = memo.get(key)
+        if hit is None:
+            ctx = req.prompt_len + req.max_tokens // 2
+            step = cm.step_time_totals(0, 0, 0, 0, bb, bb * ctx)
+            if b > w.max_batch:  # waits for a slot: roughly b / max_batch rounds of the batch
+                step *= b / w.max_batch
+            marginal = step - cm.step_time_totals(0, 0, 0, 0, bb - 1, (bb - 1) * ctx) if bb > 1 else 0.0
+            hit = memo[key] = (step, marginal)
+        step, marginal = hit
         slow = 1.0 - self._share(w.worker_id, now)
-        marginal = step - cm.step_time_totals(0, 0, 0, 0, bb - 1, (bb - 1) * ctx) if bb > 1 else 0.0
         return step / slow, (bb - 1) * max(req.max_tokens - 1, 0) * marginal / slow
 
     @staticmethod
@@ -180,8 +192,10 @@ class CostPolicy:
         if self._t0 < 0:
             self._t0 = now
         n_out = max(req.max_tokens, 1)
-        pf_of = {w.worker_id: self._prefill(req, w, now) for w in pre}
-        tpot_ext = {w.worker_id: self._tpot(req, w, now) for w in dec}
+        pf_memo: dict[tuple, float] = {}
+        tpot_memo: dict[tuple, tuple[float, float]] = {}
+        pf_of = {w.worker_id: self._prefill(req, w, now, pf_memo) for w in pre}
+        tpot_ext = {w.worker_id: self._tpot(req, w, now, tpot_memo) for w in dec}
         tpot_of = {k: v[0] for k, v in tpot_ext.items()}
         fits = {w.worker_id: self._fits(req, w) for w in dec}
         stalled = {w.worker_id: self._stalled(w, now) for w in pre}

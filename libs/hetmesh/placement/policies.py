@@ -7,7 +7,8 @@ take the request (no worker for the model, all excluded).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from hetmesh.placement.state import Decision, RequestInfo, WorkerView
@@ -97,9 +98,32 @@ POLICIES: dict[str, Callable[..., Policy]] = {
 }
 
 
-def make_policy(name: str, **kwargs: Any) -> Policy:
+def _factory(name: str) -> Callable[..., Policy]:
     try:
-        factory = POLICIES[name]
+        return POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown placement policy {name!r}; choose from {sorted(POLICIES)}") from None
-    return factory(**kwargs)
+
+
+def policy_options(name: str) -> list[str]:
+    """The options policy `name` takes."""
+    factory = _factory(name)
+    if factory is _cost_policy:
+        from hetmesh.placement.cost import CostPolicy
+
+        factory = CostPolicy  # type: ignore[assignment]
+    return [p for p in inspect.signature(factory).parameters if p != "self"]
+
+
+def check_options(name: str, options: Mapping[str, Any]) -> None:
+    """A misspelled option is an error that names it, never silently dropped."""
+    known = policy_options(name)
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"placement policy {name!r} has no option {', '.join(map(repr, unknown))}; "
+                         f"its options: {', '.join(known) or 'none'}")
+
+
+def make_policy(name: str, **kwargs: Any) -> Policy:
+    check_options(name, kwargs)
+    return _factory(name)(**kwargs)

@@ -29,6 +29,8 @@ class WorkerView(Struct, frozen=True, kw_only=True):
     kv_blocks_used: int
     block_size: int
     work_subject: str = ""
+    parallel: str = "tp"  # tp | ep | dp over the devices: the cost model prices each differently
+    step_tokens: int = 8192  # the engine's step budget (prefill chunk size)
 
     @property
     def load(self) -> int:
@@ -161,6 +163,8 @@ class ClusterState:
             kv_blocks_used=e.hb.kv_blocks_used,
             block_size=e.hb.block_size,
             work_subject=e.hb.work_subject,
+            parallel=e.hb.parallel,
+            step_tokens=e.hb.step_tokens,
         )
 
 

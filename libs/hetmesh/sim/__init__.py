@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hetmesh.placement import Policy, make_policy
-from hetmesh.sim.engine import (
+from hetmesh.sim.cluster import (
     RequestRecord,
     SimConfig,
     SimResult,
@@ -28,8 +28,9 @@ from hetmesh.sim.traces import ClosedLoop, Trace, TraceRequest, load, load_azure
 def policy_for(name: str, workers: Sequence[WorkerSpec], slo: Slo = Slo(), **kwargs: Any) -> Policy:
     """A policy as the scheduler would build it (the cost policy gets the model specs and SLOs)."""
     if name == "cost":
-        kw: dict[str, Any] = {"models": {w.model: w.spec for w in workers}, "ttft_slo_s": slo.ttft_s,
-                              "tpot_slo_s": slo.tpot_s}
+        kw: dict[str, Any] = {"models": {w.model: w.spec for w in workers},
+                              "dtypes": {w.model: w.dtype for w in workers if w.dtype},
+                              "ttft_slo_s": slo.ttft_s, "tpot_slo_s": slo.tpot_s}
         kw.update(kwargs)
         return make_policy(name, **kw)
     return make_policy(name, **kwargs)
@@ -41,8 +42,6 @@ def simulate(workers: Sequence[WorkerSpec], policy: str | Policy, trace: Trace |
              ) -> tuple[dict[str, Any], SimResult]:
     if policy == "cost" and config is not None and config.efficiencies:
         policy_kwargs.setdefault("efficiencies", config.efficiencies)  # predict with the factors it runs on
-    if policy == "cost" and config is not None:
-        policy_kwargs.setdefault("chunk_tokens", config.chunk_tokens)  # and with the workers' step budget
     pol = policy_for(policy, workers, slo, **policy_kwargs) if isinstance(policy, str) else policy
     if isinstance(trace, ClosedLoop):  # a closed loop is stateful: give each run a fresh one
         trace = ClosedLoop(**{k: getattr(trace, k) for k in ("concurrency", "total", "input_len", "output_len",

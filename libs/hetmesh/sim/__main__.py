@@ -16,7 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hetmesh import config
+from hetmesh import config, wiring
 from hetmesh.costmodel import load_efficiencies
 from hetmesh.protocol import Role
 from hetmesh.sim import ClosedLoop, SimConfig, Slo, Trace, load, simulate, synthetic, workers_from_config
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ttft-slo", type=float, default=None, help="TTFT SLO s (default: the cluster file's)")
     p.add_argument("--tpot-slo", type=float, default=None, help="TPOT SLO s (default: the cluster file's)")
     p.add_argument("--efficiency", help="efficiency factors JSON (hetmesh.costmodel.save_efficiencies)")
-    p.add_argument("--chunk-tokens", type=int, default=8192)
+    p.add_argument("--step-tokens", type=int, help="every worker's step budget (default: the cluster file's)")
     p.add_argument("--out", help="write the summaries to this JSON file")
     p.add_argument("--plots", help="write PNG plots with this path prefix")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -79,8 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         workers = [dataclasses.replace(w, role=Role(a.role)) for w in workers]
     slo = Slo(a.ttft_slo if a.ttft_slo is not None else cfg.scheduler.ttft_slo_s,
               a.tpot_slo if a.tpot_slo is not None else cfg.scheduler.tpot_slo_s)
-    simcfg = SimConfig(chunk_tokens=a.chunk_tokens,
-                       efficiencies=load_efficiencies(a.efficiency) if a.efficiency else {})
+    if a.step_tokens:
+        workers = [dataclasses.replace(w, step_tokens=a.step_tokens) for w in workers]
+    simcfg = SimConfig(efficiencies=load_efficiencies(a.efficiency) if a.efficiency else wiring.efficiencies(cfg))
     base = _trace(a)
     rates = a.rate_sweep or [1.0]
     if a.rate_sweep and not isinstance(base, Trace):
@@ -96,7 +97,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             trace = base.scaled(rate) if isinstance(base, Trace) and rate != 1.0 else base
             for name in policies:
                 task = prog.add_task(f"{name} x{rate:g}", total=a.requests)
-                kw = {"objective": a.objective} if name == "cost" else {}
+                kw = dict(cfg.scheduler.options) if name == cfg.scheduler.policy else {}
+                if name == "cost":
+                    kw["objective"] = a.objective
                 s, res = simulate(workers, name, trace, simcfg, slo,
                                   progress=lambda done, total, t=task: prog.update(t, completed=done, total=total),
                                   **kw)

@@ -34,7 +34,7 @@ MODEL = "deepseek-r1"
 # Splitwise H100 fit (hetmesh.costmodel efficiency.json "nvidia-h100"): memory and overheads only
 PRIOR = {"memory": 0.355, "overhead_s": 0.0159, "per_seq_s": 0.00026}
 MAX_BATCH = 128
-CHUNK_TOKENS = 8192  # per-step token budget of every simulated worker (max_num_batched_tokens)
+STEP_TOKENS = 8192  # per-step token budget of every simulated worker (max_num_batched_tokens)
 PREFILL_ORDER = "fcfs"  # which queued prompt every simulated worker starts next
 
 
@@ -63,7 +63,8 @@ class Workload:
 def servers(layout: str) -> list[WorkerSpec]:
     """single-mi300x | single-mi308x | load_balanced (all `both`) | disaggregated (static split) |
     flexible (all `both`: a policy may split per request)."""
-    kw: dict[str, Any] = {"model": MODEL, "devices": 8, "max_batch": MAX_BATCH}
+    kw: dict[str, Any] = {"model": MODEL, "devices": 8, "max_batch": MAX_BATCH, "step_tokens": STEP_TOKENS,
+                          "prefill_order": PREFILL_ORDER}
     if layout == "single-mi300x":
         return pool("mi300x", 1, "amd-mi300x", **kw)
     if layout == "single-mi308x":
@@ -76,7 +77,7 @@ def servers(layout: str) -> list[WorkerSpec]:
 
 
 def _simcfg(effs: Mapping[str, Efficiency]) -> SimConfig:
-    return SimConfig(chunk_tokens=CHUNK_TOKENS, prefill_order=PREFILL_ORDER, efficiencies=effs)
+    return SimConfig(efficiencies=effs)
 
 
 def _eff(compute: float, prior: Mapping[str, float] = PRIOR) -> Efficiency:
@@ -258,12 +259,12 @@ def engine_sweep(settings: list[tuple[int, str]] = ENGINE_SETTINGS, seeds: tuple
     """The workers' step budget and prefill order, set alike for every policy and for the calibration:
     recalibrate, then x LB of the static split and of cost at the seed workload (mean over trace
     seeds, longer runs than the pinned one), and whether cost still wins on both clusters."""
-    global CHUNK_TOKENS, PREFILL_ORDER
-    saved = CHUNK_TOKENS, PREFILL_ORDER
+    global STEP_TOKENS, PREFILL_ORDER
+    saved = STEP_TOKENS, PREFILL_ORDER
     rows = []
     try:
         for chunk, order in settings:
-            CHUNK_TOKENS, PREFILL_ORDER = chunk, order
+            STEP_TOKENS, PREFILL_ORDER = chunk, order
             r = reproduce(Workload())
             effs = {k: Efficiency(**v) for k, v in r["efficiency"].items()}
             x: dict[str, list[float]] = {"static": [], "cost": []}
@@ -279,13 +280,13 @@ def engine_sweep(settings: list[tuple[int, str]] = ENGINE_SETTINGS, seeds: tuple
                       else compare(cluster))
                 wins[cluster] = not cost_shortfalls(cluster, rs)
                 wins[f"{cluster} cost tok/s"] = next(s for s in rs if s["label"] == COST_LABEL)["output_tok_s_steady"]
-            rows.append({"chunk_tokens": chunk, "prefill_order": order, "reproduction_ratio": r["ratio"],
+            rows.append({"step_tokens": chunk, "prefill_order": order, "reproduction_ratio": r["ratio"],
                          "load_balanced": r["predicted"]["load_balanced"],
                          "disaggregated": r["predicted"]["disaggregated"],
                          "static_x_lb": float(np.mean(x["static"])), "cost_x_lb": float(np.mean(x["cost"])),
                          "cost_x_lb_min": min(x["cost"]), "cost_x_lb_max": max(x["cost"]), **wins})
     finally:
-        CHUNK_TOKENS, PREFILL_ORDER = saved
+        STEP_TOKENS, PREFILL_ORDER = saved
     return rows
 
 

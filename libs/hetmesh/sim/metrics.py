@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from hetmesh.sim.engine import SimResult
+from hetmesh.sim.cluster import SimResult
 
 
 @dataclass(frozen=True)

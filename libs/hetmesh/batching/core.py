@@ -1,0 +1,462 @@
+"""The batching core: one continuous-batching engine as plain data, no clock, no I/O.
+
+Shaped like vLLM v1's scheduler: `schedule(now) -> Step` picks what the next engine step
+runs (every decoding sequence plus prefill chunks under one token budget, admitting queued
+sequences while batch slots and KV blocks last); `update(step) -> Outcome` applies the step
+once it has run (prompt KV stored in the prefix cache, tokens counted, sequences finished by
+length or handed off). The live `sim` engine (hetmesh.engines.simulated) sleeps each step's
+cost-model time between the two calls and samples the tokens; the offline simulator
+(hetmesh.sim.cluster) puts the same step on an event heap. So both run this code.
+
+Decoding sequences are kept lazily: each step advances all of them by one token, so a
+sequence's length is a function of the step counter, and the core only touches it when it
+needs a new KV block or reaches its token limit (two heaps keyed by step). That keeps a step
+O(events) instead of O(batch), which the simulator needs for large fleets.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable, Sequence
+from enum import IntEnum
+from heapq import heappop, heappush
+
+from msgspec import Struct
+
+from hetmesh.batching.cache import PrefixCache
+
+PREFILL_ORDERS = ("fcfs", "shortest")
+
+
+class Kind(IntEnum):
+    FULL = 0  # prefill and decode here
+    PREFILL = 1  # prefill, sample the first token, hand off (P/D)
+    DECODE = 2  # the prompt's KV (and the first tokens) landed from a prefill worker
+
+
+class State(IntEnum):
+    WAITING = 0
+    PREFILLING = 1
+    DECODING = 2
+    DONE = 3
+
+
+class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One engine's batching settings; the cluster file's worker group fills them (hetmesh.wiring)."""
+
+    max_batch: int = 64  # sequences in the running batch
+    kv_blocks: int = 4096
+    block_size: int = 16  # tokens per KV block
+    step_tokens: int = 8192  # one step's token budget: prefill chunk tokens + one per decoding sequence
+    prefill_order: str = "fcfs"  # fcfs | shortest (fewest uncached prompt tokens first)
+    hash_blocks: int = 1  # KV blocks per prefix hash (the simulator's trace hashes cover several)
+    prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if min(self.max_batch, self.kv_blocks, self.block_size, self.hash_blocks) < 1:
+            raise ValueError("max_batch, kv_blocks, block_size and hash_blocks must be >= 1")
+        if self.step_tokens < self.max_batch:
+            raise ValueError(f"step_tokens ({self.step_tokens}) must be >= max_batch ({self.max_batch}): "
+                             "every decoding sequence takes a token of the step")
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(f"prefill_order must be one of {PREFILL_ORDERS}, not {self.prefill_order!r}")
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+class Seq:
+    """One sequence's bookkeeping in the core. `generated` and `context` of a decoding sequence
+    are read through `Core.generated` (they advance with the step counter)."""
+
+    __slots__ = ("adm", "admitted", "admitted_at", "cached_tokens", "capacity", "computed", "d0", "g0", "generated",
+                 "hashes", "kind", "max_new", "n_first", "npinned", "private", "prompt_len", "rid", "state",
+                 "target", "uncached", "ver")
+
+    def __init__(self, rid: Hashable, kind: Kind, prompt_len: int, hashes: Sequence[int], max_new: int,
+                 n_first: int = 0) -> None:
+        self.rid = rid
+        self.kind = kind
+        self.prompt_len = prompt_len
+        self.hashes = hashes  # hashes of the prompt's full hash blocks, in order
+        self.max_new = max_new  # generated tokens at which the sequence ends ("length")
+        self.n_first = n_first  # DECODE: tokens the prefill side generated
+        self.state = State.WAITING
+        self.target = prompt_len  # tokens whose KV must be present before the next sample
+        self.computed = 0  # of those, the ones whose KV is present
+        self.generated = n_first  # materialised while not decoding
+        self.cached_tokens = 0
+        self.admitted = False
+        self.admitted_at = -1.0
+        self.capacity = 0  # tokens the blocks it holds can store
+        self.npinned = 0  # leading hashes it holds a pin on
+        self.private = 0  # blocks it holds that are not keyed by a hash
+        self.adm = 0  # admission number (the running batch's order; preemption takes the newest)
+        self.ver = 0  # bumped whenever its heap entries go stale
+        self.d0 = 0  # step at which it joined decoding, with g0 tokens generated
+        self.g0 = 0
+        self.uncached = prompt_len
+
+
+class Step:
+    """What one engine step runs."""
+
+    __slots__ = ("admitted", "decode_context", "decodes", "ended", "n_decode", "prefill_cached", "prefill_pairs",
+                 "prefill_seqs", "prefill_tokens", "prefills", "tick")
+
+    def __init__(self, tick: int) -> None:
+        self.tick = tick
+        self.prefills: list[tuple[Seq, int, int]] = []  # (seq, new tokens, tokens already in KV)
+        self.decodes: list[Seq] | None = None  # the decoding sequences (when the core tracks them)
+        self.n_decode = 0
+        self.decode_context = 0  # sum of the decoding sequences' contexts
+        self.prefill_tokens = 0
+        self.prefill_seqs = 0
+        self.prefill_pairs = 0  # causal attention (query, key) pairs of the chunks
+        self.prefill_cached = 0  # KV tokens the chunks read
+        self.admitted: list[Seq] = []  # first admissions this step
+        self.ended: list[Seq] = []  # DECODEs whose first tokens already ended them, finished on admission
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.n_decode
+
+    def signature(self) -> tuple[object, ...]:
+        """The step as comparable data: chunks, decode batch, admissions."""
+        return (tuple((s.rid, n, c) for s, n, c in self.prefills), self.n_decode, self.decode_context,
+                tuple(s.rid for s in self.admitted))
+
+
+class Outcome:
+    __slots__ = ("finished", "sampled")
+
+    def __init__(self) -> None:
+        self.sampled: list[Seq] = []  # completed a prefill (or a recompute) and sampled a token
+        self.finished: list[Seq] = []  # ended this step: by length, or a PREFILL handed off
+
+
+class CoreStats:
+    __slots__ = ("preempted", "prompt_tokens_cached", "prompt_tokens_computed", "steps", "tokens_generated")
+
+    def __init__(self) -> None:
+        self.tokens_generated = 0
+        self.prompt_tokens_computed = 0
+        self.prompt_tokens_cached = 0
+        self.preempted = 0
+        self.steps = 0
+
+
+class Core:
+    def __init__(self, settings: Settings, track_decodes: bool = True) -> None:
+        self.s = settings
+        self.cache = PrefixCache(settings.kv_blocks, settings.hash_blocks)
+        self.track = track_decodes  # Step.decodes listed (the live engine samples each); the simulator needs counts
+        self.seqs: dict[Hashable, Seq] = {}  # waiting or running
+        self.running: dict[Hashable, Seq] = {}  # admission order
+        self.prefilling: dict[Hashable, Seq] = {}
+        self.decoding: dict[Hashable, Seq] = {}
+        self._resumed: deque[Seq] = deque()  # preempted: first in line
+        self._fifo: deque[Seq] = deque()
+        self._short: list[tuple[int, int, Seq]] = []  # prefill_order "shortest"
+        self.n_waiting = 0
+        # step -> [(ver, seq)]: decodes that need a new block at that step / reach max_new in it (stale when
+        # the seq's ver moved on). Every step is scheduled once in order, so buckets beat a heap.
+        self._grow_at: dict[int, list[tuple[int, Seq]]] = {}
+        self._end_at: dict[int, list[tuple[int, Seq]]] = {}
+        self._ctx_base = 0  # sum over decoding seqs of (context - step), so contexts sum to this + n * tick
+        self.tick = 0
+        self._adm = 0
+        self._arrivals = 0
+        self.stats = CoreStats()
+        self._hash_tokens = settings.block_size * settings.hash_blocks
+
+    # ------------------------------------------------------------------ requests in and out
+    def blocks_needed(self, prompt_len: int, kind: Kind, max_new: int) -> int:
+        """Blocks for the whole sequence alone: more than the engine has means it can never finish."""
+        gen = 1 if kind == Kind.PREFILL else max_new
+        return blocks_for(prompt_len + max(gen, 1), self.s.block_size)
+
+    def add(self, seq: Seq) -> None:
+        if seq.rid in self.seqs:
+            raise ValueError(f"request {seq.rid!r} is already in this engine")
+        if seq.prompt_len < 1:
+            raise ValueError("empty prompt")
+        need = self.blocks_needed(seq.prompt_len, seq.kind, seq.max_new)
+        if need > self.s.kv_blocks:
+            raise ValueError(f"request needs {need} KV blocks; this engine has {self.s.kv_blocks}")
+        full = seq.prompt_len // self._hash_tokens
+        if len(seq.hashes) > full:
+            seq.hashes = seq.hashes[:full]
+        self.seqs[seq.rid] = seq
+        self.n_waiting += 1
+        if self.s.prefill_order == "shortest":
+            hit = self.cache.hit(seq.hashes) if self.s.prefix_caching else 0
+            seq.uncached = seq.prompt_len - hit * self._hash_tokens
+            self._arrivals += 1
+            heappush(self._short, (seq.uncached, self._arrivals, seq))
+        else:
+            self._fifo.append(seq)
+
+    def abort(self, rid: Hashable) -> Seq | None:
+        s = self.seqs.get(rid)
+        if s is None:
+            return None
+        if s.state == State.WAITING:
+            self.n_waiting -= 1  # its queue entry is skipped when it comes up
+            self._done(s)
+        else:
+            self._finish(s)
+        return s
+
+    def finish(self, rid: Hashable) -> Seq | None:
+        """The shell ended a running sequence early (a stop string, EOS): free it now."""
+        s = self.seqs.get(rid)
+        if s is not None and s.state != State.WAITING:
+            self._finish(s)
+        return s
+
+    def generated(self, s: Seq) -> int:
+        return s.g0 + self.tick - s.d0 if s.state == State.DECODING else s.generated
+
+    @property
+    def idle(self) -> bool:
+        return not self.seqs
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self, now: float = 0.0) -> Step:
+        t = self.tick
+        step = Step(t)
+        preempted = self.stats.preempted
+        due = self._grow_at.pop(t, None)
+        if due:  # decodes whose next token needs a new block
+            self._grow_due(due)
+        s_ = self.s
+        n_dec = len(self.decoding)
+        budget = s_.step_tokens - n_dec
+        for s in self.prefilling.values():
+            if budget <= 0:
+                break
+            budget -= self._chunk(step, s, budget)
+        if self.stats.preempted == preempted:  # a step that had to preempt admits nothing: it would thrash
+            while self.n_waiting and len(self.running) < s_.max_batch:
+                s = self._head()
+                first = s is not None and not s.admitted
+                if s is None or not self._admit(s, now):
+                    break
+                self._pop_head(s)
+                if first:
+                    step.admitted.append(s)
+                if s.state == State.DONE:
+                    step.ended.append(s)
+                elif s.state == State.DECODING:
+                    n_dec += 1
+                    budget -= 1
+                elif budget > 0:
+                    budget -= self._chunk(step, s, budget)
+        step.n_decode = n_dec
+        step.decode_context = self._ctx_base + n_dec * t
+        if self.track:
+            step.decodes = list(self.decoding.values())
+        return step
+
+    def update(self, step: Step) -> Outcome:
+        """Apply a step that ran: prompt KV stored, tokens counted, sequences ended."""
+        out = Outcome()
+        t = step.tick
+        st = self.stats
+        st.steps += 1
+        st.tokens_generated += len(self.decoding)
+        self.tick = t + 1
+        for s, n, _ in step.prefills:
+            if s.state != State.PREFILLING:  # aborted while the step ran
+                continue
+            s.computed += n
+            st.prompt_tokens_computed += n
+            if s.computed < s.target:
+                continue
+            self._store_prompt(s)
+            s.generated += 1
+            st.tokens_generated += 1
+            out.sampled.append(s)
+            del self.prefilling[s.rid]
+            if s.kind == Kind.PREFILL or s.generated >= s.max_new:
+                self._finish(s)
+                out.finished.append(s)
+            else:
+                self._join_decoding(s, t + 1)
+        for ver, s in self._end_at.pop(t, ()):
+            if s.ver == ver:
+                self._finish(s)
+                out.finished.append(s)
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _head(self) -> Seq | None:
+        for q in (self._resumed, self._fifo):
+            while q and q[0].state != State.WAITING:
+                q.popleft()  # aborted while queued
+            if q:
+                return q[0]
+        h = self._short
+        while h and h[0][2].state != State.WAITING:
+            heappop(h)
+        return h[0][2] if h else None
+
+    def _pop_head(self, s: Seq) -> None:
+        self.n_waiting -= 1
+        if self._resumed and self._resumed[0] is s:
+            self._resumed.popleft()
+        elif self._fifo and self._fifo[0] is s:
+            self._fifo.popleft()
+        else:
+            heappop(self._short)
+
+    def _chunk(self, step: Step, s: Seq, budget: int) -> int:
+        n = min(s.target - s.computed, budget)
+        c = s.computed
+        step.prefills.append((s, n, c))
+        step.prefill_tokens += n
+        step.prefill_seqs += 1
+        step.prefill_pairs += n * c + n * (n + 1) // 2
+        step.prefill_cached += c
+        return n
+
+    def _admit(self, s: Seq, now: float) -> bool:
+        """Take s into the batch with blocks for what it must compute now plus one token; later blocks
+        come as it grows, preempting the newest sequence when the cache is full."""
+        s_ = self.s
+        cache = self.cache
+        hashes = s.hashes
+        hit = cache.hit(hashes) if s_.prefix_caching else 0
+        first = not s.admitted
+        if first and s.kind == Kind.DECODE:
+            s.target = s.prompt_len + s.n_first
+        need = blocks_for(s.target + 1, s_.block_size) - hit * s_.hash_blocks
+        for i in range(hit):
+            cache.pin(hashes[i])  # before reserving, so that making room cannot evict the prefix we hit
+        if not cache.reserve(need):
+            for i in range(hit):
+                cache.unpin(hashes[i])
+            return False
+        s.npinned = hit
+        s.private = need
+        s.capacity = (hit * s_.hash_blocks + need) * s_.block_size
+        self._adm += 1
+        s.adm = self._adm
+        self.running[s.rid] = s
+        s.admitted = True
+        if first:
+            s.admitted_at = now
+        if first and s.kind == Kind.DECODE:
+            # The KV of the prompt and first tokens landed: nothing to compute, and the prompt is a
+            # cached prefix here too.
+            s.computed = s.target
+            self._store_prompt(s)
+            if s.generated >= s.max_new:
+                self._finish(s)
+            else:
+                self._join_decoding(s, self.tick)
+        else:
+            s.computed = min(hit * self._hash_tokens, s.target - 1)  # the last token's logits give the next
+            if first:
+                s.cached_tokens = s.computed
+                self.stats.prompt_tokens_cached += s.computed
+            s.state = State.PREFILLING
+            self.prefilling[s.rid] = s
+        return True
+
+    def _join_decoding(self, s: Seq, d0: int) -> None:
+        s.state = State.DECODING
+        s.d0, s.g0 = d0, s.generated
+        ctx = s.prompt_len + s.generated
+        self._ctx_base += ctx - d0
+        self.decoding[s.rid] = s
+        s.ver += 1
+        self._at(self._grow_at, d0 + s.capacity - ctx + 1, s)
+        self._at(self._end_at, d0 + s.max_new - s.g0 - 1, s)
+
+    @staticmethod
+    def _at(buckets: dict[int, list[tuple[int, Seq]]], step: int, s: Seq) -> None:
+        b = buckets.get(step)
+        if b is None:
+            buckets[step] = [(s.ver, s)]
+        else:
+            b.append((s.ver, s))
+
+    def _leave_decoding(self, s: Seq) -> None:
+        s.generated = s.g0 + self.tick - s.d0
+        self._ctx_base -= s.prompt_len + s.g0 - s.d0
+        del self.decoding[s.rid]
+        s.ver += 1
+
+    def _grow_due(self, due: list[tuple[int, Seq]]) -> None:
+        cache = self.cache
+        bs = self.s.block_size
+        live = [s for ver, s in due if s.ver == ver]
+        if cache.free >= len(live):  # room for all: no eviction, no preemption
+            cache.private += len(live)
+            nxt = self.tick + bs
+            for s in live:
+                s.private += 1
+                s.capacity += bs
+                self._at(self._grow_at, nxt, s)
+            return
+        live.sort(key=lambda s: s.adm)  # oldest first: preemption takes the newest
+        for s in live:
+            if s.state == State.DECODING:  # not preempted by an older one's growth
+                self._grow_one(s)
+
+    def _grow_one(self, s: Seq) -> None:
+        """Room for s's next token, preempting the newest sequences if needed (s itself, maybe)."""
+        cache = self.cache
+        while not cache.reserve(1):
+            victim = next(reversed(self.running.values()))
+            self._preempt(victim)
+            if victim is s:
+                return
+        s.private += 1
+        s.capacity += self.s.block_size
+        self._at(self._grow_at, self.tick + self.s.block_size, s)
+
+    def _preempt(self, s: Seq) -> None:
+        """Drop s's KV; it goes to the front of the queue and recomputes prompt + generated tokens."""
+        self._free(s)
+        s.target = s.prompt_len + s.generated
+        s.computed = 0
+        s.state = State.WAITING
+        self.n_waiting += 1
+        self._resumed.appendleft(s)
+        self.stats.preempted += 1
+
+    def _store_prompt(self, s: Seq) -> None:
+        cache = self.cache
+        hashes = s.hashes
+        for i in range(s.npinned, len(hashes)):
+            cache.store(hashes[i])
+            s.private -= self.s.hash_blocks  # now keyed by its hash (pinned) instead of private
+        s.npinned = len(hashes)
+
+    def _free(self, s: Seq) -> None:
+        """Unpin s's prefix (it stays cached, evictable), return its private blocks, leave the batch."""
+        if s.state == State.DECODING:
+            self._leave_decoding(s)
+        else:
+            self.prefilling.pop(s.rid, None)
+        cache = self.cache
+        hashes = s.hashes
+        for i in range(s.npinned):
+            cache.unpin(hashes[i])
+        s.npinned = 0
+        cache.release(s.private)
+        s.private = 0
+        self.running.pop(s.rid, None)
+
+    def _finish(self, s: Seq) -> None:
+        self._free(s)
+        self._done(s)
+
+    def _done(self, s: Seq) -> None:
+        s.state = State.DONE
+        s.ver += 1
+        self.seqs.pop(s.rid, None)

@@ -1,0 +1,442 @@
+"""Discrete-event cluster simulator: the scheduler's own policies over N batching cores, in virtual time.
+
+Each simulated worker is the batching core the live `sim` engine runs (hetmesh.batching):
+the same admission, block-level KV memory with preemption, chunked prefill under one step
+budget, and prefix cache; each step lasts `CostModel.step_seconds(step)`. Requests reach
+workers through the very `Policy.place(RequestInfo, [WorkerView])` call the live scheduler
+makes, with views built from the cores the way heartbeats are built from engines (no
+staleness). A disaggregated request prefills on one worker, emits its first token there,
+ships its KV over the servers' NICs (`link_bandwidth`, queued per NIC) and decodes on
+another. The prefix index is the cores' own KV events, walked like the Redis index does.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from hetmesh.batching import Core, Kind, Seq, Settings, Step
+from hetmesh.config import ClusterConfig
+from hetmesh.costmodel import CostModel, Efficiency, link_bandwidth, server_model
+from hetmesh.costmodel.model import DEFAULT_LINK_LATENCY_S
+from hetmesh.kvindex.blocks import leading_blocks
+from hetmesh.placement import Policy, RequestInfo, WorkerView
+from hetmesh.protocol import Role
+from hetmesh.sim.traces import ClosedLoop, Trace, TraceRequest
+from hetmesh.wiring import kv_blocks_for
+
+_ARRIVAL, _KICK, _STEP_END, _KV_LANDED = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One simulated worker: what a cluster file's worker group says about it."""
+
+    worker_id: str
+    pool: str  # the worker group (all workers of a group are one pool)
+    model: str  # served model name
+    spec: str  # cost-model spec id / config path
+    accelerator: str
+    devices: int = 8
+    role: Role = Role.BOTH
+    max_batch: int = 64
+    parallel: str = "tp"
+    dtype: str | None = None
+    kv_tokens: int = 0  # 0: what fits after weights
+    block_size: int = 16
+    step_tokens: int = 8192
+    prefill_order: str = "fcfs"
+
+
+def workers_from_config(cfg: ClusterConfig) -> list[WorkerSpec]:
+    out: list[WorkerSpec] = []
+    for g in cfg.workers:
+        m = cfg.model(g.model)
+        for wid in g.worker_ids():
+            out.append(WorkerSpec(worker_id=wid, pool=g.name, model=m.name, spec=m.spec, accelerator=g.accelerator,
+                                  devices=g.devices, role=g.role, max_batch=g.max_batch, parallel=g.parallel,
+                                  dtype=m.dtype, kv_tokens=g.kv_blocks * m.block_size, block_size=m.block_size,
+                                  step_tokens=g.step_tokens, prefill_order=g.prefill_order))
+    return out
+
+
+def pool(name: str, n: int, accelerator: str, role: Role | str = Role.BOTH, *, model: str = "deepseek-r1",
+         spec: str | None = None, devices: int = 8, max_batch: int = 64, **kw: object) -> list[WorkerSpec]:
+    """`n` identical workers named <name>-<i>."""
+    return [WorkerSpec(worker_id=f"{name}-{i}", pool=name, model=model, spec=spec or model, accelerator=accelerator,
+                       devices=devices, role=Role(role), max_batch=max_batch, **kw)  # type: ignore[arg-type]
+            for i in range(n)]
+
+
+@dataclass
+class SimConfig:
+    """The simulator's own settings (each worker's batching is its WorkerSpec's, as in the cluster file)."""
+
+    link_latency_s: float = DEFAULT_LINK_LATENCY_S
+    efficiencies: Mapping[str, Efficiency] = field(default_factory=dict)  # accelerator id -> factors
+    prefix_caching: bool = True
+    max_time_s: float = float("inf")  # stop the run at this virtual time
+    record_steps: bool = False  # keep every worker's Step.signature() (fidelity tests)
+
+
+class _Req:
+    __slots__ = ("arrival", "cached", "decision", "dw", "finish", "first", "hashes", "mode", "n_in", "n_out", "pw",
+                 "rid")
+
+    def __init__(self, rid: int, tr: TraceRequest, arrival: float) -> None:
+        self.rid = rid
+        self.arrival = arrival
+        self.n_in = tr.input_len
+        self.n_out = tr.output_len
+        self.hashes = tr.hash_ids
+        self.cached = 0
+        self.first = -1.0
+        self.finish = -1.0
+        self.mode = ""
+        self.pw: _Worker | None = None
+        self.dw: _Worker | None = None
+        self.decision = None
+
+
+class _Worker:
+    __slots__ = ("busy", "busy_time", "cm", "core", "decode_tokens", "inbound", "kicked", "nic_free", "prefill_tokens",
+                 "spec", "step", "step_start", "steps", "view")
+
+    def __init__(self, spec: WorkerSpec, cm: CostModel, settings: Settings) -> None:
+        self.spec = spec
+        self.cm = cm
+        self.core = Core(settings, track_decodes=False)
+        self.busy = False
+        self.kicked = False
+        self.step: Step | None = None
+        self.step_start = 0.0
+        self.busy_time = 0.0
+        self.prefill_tokens = 0
+        self.decode_tokens = 0
+        self.inbound = 0  # disaggregated requests whose KV is on its way here
+        self.nic_free = 0.0
+        self.view: WorkerView | None = None
+        self.steps: list[tuple[object, ...]] | None = None
+
+
+@dataclass
+class RequestRecord:
+    arrival: float
+    first_token: float
+    finish: float
+    input_len: int
+    output_len: int
+    cached_tokens: int
+    mode: str
+    prefill_worker: str
+    decode_worker: str
+    predicted_ttft_s: float | None = None
+    predicted_tpot_s: float | None = None
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> float:
+        return (self.finish - self.first_token) / (self.output_len - 1) if self.output_len > 1 else 0.0
+
+
+@dataclass
+class WorkerStats:
+    worker_id: str
+    pool: str
+    accelerator: str
+    role: str
+    busy_s: float
+    prefill_tokens: int
+    decode_tokens: int
+    preempted: int = 0
+
+
+@dataclass
+class SimResult:
+    records: list[RequestRecord]
+    workers: list[WorkerStats]
+    start: float
+    end: float
+    kv_transfer_bytes: int
+    rejected: int
+    policy: str
+    steps: dict[str, list[tuple[object, ...]]] = field(default_factory=dict)  # with SimConfig.record_steps
+
+
+class Simulator:
+    def __init__(self, workers: Sequence[WorkerSpec], policy: Policy, config: SimConfig | None = None) -> None:
+        self.cfg = config or SimConfig()
+        self.policy = policy
+        self._specs = list(workers)
+        self.workers: list[_Worker] = []
+        self.by_id: dict[str, _Worker] = {}
+        self._links: dict[tuple[str, str], float] = {}
+        self._holders: dict[int, set[str]] = {}
+        self._dirty: set[_Worker] = set()  # cores with KV events not yet in the index
+        self._events: list[tuple[float, bool, int, int, object]] = []
+        self._seq = 0
+        self.now = 0.0
+        self.records: list[RequestRecord] = []
+        self.reqs: dict[int, _Req] = {}
+        self.kv_bytes = 0
+        self.rejected = 0
+
+    def _build(self, hash_tokens: int) -> None:
+        cms: dict[tuple, CostModel] = {}
+        for s in self._specs:
+            key = (s.accelerator, s.spec, s.devices, s.parallel, s.dtype)
+            if key not in cms:
+                cms[key] = server_model(s.accelerator, s.spec, devices=s.devices, parallel=s.parallel, dtype=s.dtype,
+                                        efficiencies=self.cfg.efficiencies)
+            cm = cms[key]
+            if hash_tokens % s.block_size:
+                raise ValueError(f"worker {s.worker_id}: the trace's hash blocks ({hash_tokens} tokens) must be a "
+                                 f"multiple of its block_size ({s.block_size})")
+            settings = Settings(max_batch=s.max_batch, kv_blocks=kv_blocks_for(s.kv_tokens // s.block_size,
+                                                                                s.block_size, cm),
+                                block_size=s.block_size, step_tokens=s.step_tokens, prefill_order=s.prefill_order,
+                                hash_blocks=hash_tokens // s.block_size, prefix_caching=self.cfg.prefix_caching)
+            w = _Worker(s, cm, settings)
+            if self.cfg.record_steps:
+                w.steps = []
+            self.workers.append(w)
+            self.by_id[s.worker_id] = w
+
+    # ---- event plumbing ----
+    def _push(self, t: float, kind: int, obj: object) -> None:
+        # Arrivals of an instant go before everything else of it, so a kicked worker sees them all.
+        self._seq += 1
+        heapq.heappush(self._events, (t, kind != _ARRIVAL, self._seq, kind, obj))
+
+    # ---- the policy's view of the cluster: what a heartbeat would say ----
+    def _views(self) -> list[WorkerView]:
+        out = []
+        for w in self.workers:
+            if w.view is None:
+                s, c = w.spec, w.core
+                w.view = WorkerView(worker_id=s.worker_id, model=s.model, accelerator=s.accelerator,
+                                    vendor=s.accelerator.split("-", 1)[0], devices=s.devices, role=s.role,
+                                    queue_depth=c.n_waiting + w.inbound, running=len(c.running),
+                                    max_batch=s.max_batch, kv_blocks_total=c.s.kv_blocks,
+                                    kv_blocks_used=c.cache.used, block_size=s.block_size, parallel=s.parallel,
+                                    step_tokens=s.step_tokens)
+            out.append(w.view)
+        return out
+
+    def _cached_blocks(self, hashes: Sequence[int]) -> dict[str, int]:
+        """Leading blocks each worker holds (the prefix index lookup), after the cores' pending KV events."""
+        if not hashes or not self.cfg.prefix_caching:
+            return {}
+        holders = self._holders
+        for w in self._dirty:
+            ev = w.core.cache.drain()
+            wid = w.spec.worker_id
+            for h in ev.stored:
+                holders.setdefault(h, set()).add(wid)
+            for h in ev.removed:
+                hs = holders.get(h)
+                if hs is not None:
+                    hs.discard(wid)
+                    if not hs:
+                        del holders[h]
+        self._dirty.clear()
+        return leading_blocks(hashes, holders.get)
+
+    # ---- request lifecycle ----
+    def _arrive(self, req: _Req, block_tokens: int) -> None:
+        self.reqs[req.rid] = req
+        info = RequestInfo(request_id=str(req.rid), model=self._model, prompt_len=req.n_in, max_tokens=req.n_out,
+                           cached_blocks=self._cached_blocks(req.hashes), block_size=block_tokens, arrival=self.now)
+        d = self.policy.place(info, self._views())
+        if d is None:
+            self._reject(req)
+            return
+        req.decision = d
+        dw = self.by_id[d.decode_worker]
+        pw = self.by_id[d.prefill_worker] if d.prefill_worker else dw
+        req.mode = "aggregated" if pw is dw else "disaggregated"
+        req.pw, req.dw = pw, dw
+        kind = Kind.FULL if pw is dw else Kind.PREFILL
+        try:
+            pw.core.add(Seq(req.rid, kind, req.n_in, req.hashes, req.n_out if kind == Kind.FULL else 1))
+            if pw is not dw:
+                need = dw.core.blocks_needed(req.n_in, Kind.DECODE, req.n_out)
+                if need > dw.core.s.kv_blocks:
+                    pw.core.abort(req.rid)
+                    raise ValueError("too long for the decode worker")
+        except ValueError:
+            self._reject(req)
+            return
+        if pw is not dw:
+            dw.inbound += 1
+            dw.view = None
+        self._wake(pw)
+
+    def _reject(self, req: _Req) -> None:
+        self.rejected += 1
+        del self.reqs[req.rid]
+        self._next()
+
+    def _wake(self, w: _Worker) -> None:
+        """New work for w: it starts a step once every event of this instant is in (as the live engine's loop
+        runs after the submits that woke it)."""
+        w.view = None
+        if not w.busy and not w.kicked:
+            w.kicked = True
+            self._push(self.now, _KICK, w)
+
+    def _start_step(self, w: _Worker) -> None:
+        w.kicked = False
+        w.view = None
+        core = w.core
+        while True:
+            step = core.schedule(self.now)
+            for s in step.ended:  # DECODEs whose first token already ended them
+                self._finished(self.reqs[s.rid])
+            if not step.empty or not step.ended:
+                break
+        self._dirty.add(w)
+        if step.empty:
+            w.busy = False
+            return
+        if w.steps is not None:
+            w.steps.append(step.signature())
+        dt = w.cm.step_seconds(step)
+        w.busy = True
+        w.step = step
+        w.step_start = self.now
+        w.prefill_tokens += step.prefill_tokens
+        w.decode_tokens += step.n_decode
+        self._push(self.now + dt, _STEP_END, w)
+
+    def _end_step(self, w: _Worker) -> None:
+        now = self.now
+        w.busy_time += now - w.step_start
+        step = w.step
+        assert step is not None
+        out = w.core.update(step)
+        reqs = self.reqs
+        for s in out.sampled:
+            r = reqs[s.rid]
+            if r.first < 0:
+                r.first = now
+                r.cached = s.cached_tokens
+        for s in out.finished:
+            r = reqs[s.rid]
+            if s.kind != Kind.PREFILL:
+                self._finished(r)
+            elif r.n_out <= 1:  # nothing left to decode: no KV to ship
+                dw = r.dw
+                assert dw is not None
+                dw.inbound -= 1
+                dw.view = None
+                self._finished(r)
+            else:
+                self._ship_kv(w, r)
+        self._start_step(w)
+
+    def _ship_kv(self, src: _Worker, r: _Req) -> None:
+        dst = r.dw
+        assert dst is not None
+        key = (src.spec.worker_id, dst.spec.worker_id)
+        bw = self._links.get(key)
+        if bw is None:
+            bw = self._links[key] = link_bandwidth(src.cm.accel, src.spec.devices, dst.cm.accel, dst.spec.devices)
+        nbytes = r.n_in * src.cm.kv_bytes_per_token()
+        self.kv_bytes += nbytes
+        start = max(self.now, src.nic_free, dst.nic_free)
+        end = start + self.cfg.link_latency_s + nbytes / bw
+        src.nic_free = dst.nic_free = end
+        self._push(end, _KV_LANDED, r)
+
+    def _landed(self, r: _Req) -> None:
+        d = r.dw
+        assert d is not None
+        d.inbound -= 1
+        d.core.add(Seq(r.rid, Kind.DECODE, r.n_in, r.hashes, r.n_out, n_first=1))
+        self._wake(d)
+
+    def _finished(self, r: _Req) -> None:
+        r.finish = self.now
+        d = r.decision
+        pw, dw = r.pw, r.dw
+        self.records.append(RequestRecord(
+            r.arrival, r.first, r.finish, r.n_in, r.n_out, r.cached, r.mode,
+            pw.spec.worker_id if pw else "", dw.spec.worker_id if dw else "",
+            getattr(d, "predicted_ttft_s", None), getattr(d, "predicted_tpot_s", None)))
+        if dw is not None:
+            dw.view = None
+        del self.reqs[r.rid]
+        self._next()
+
+    def _next(self) -> None:
+        self._finished_n += 1
+        if self._source is not None:
+            nxt = self._source.next(self.now)
+            if nxt is not None:
+                self._push(self.now, _ARRIVAL, nxt)
+
+    # ---- driver ----
+    def run(self, trace: Trace | ClosedLoop, progress: Callable[[int, int], None] | None = None) -> SimResult:
+        models = {s.model for s in self._specs}
+        if len(models) != 1:
+            raise ValueError(f"the simulator replays a one-model trace; workers serve {sorted(models)}")
+        self._model = models.pop()
+        block_tokens = trace.block_tokens
+        self._build(block_tokens)
+        self._finished_n = 0
+        self._source: ClosedLoop | None = None
+        if isinstance(trace, ClosedLoop):
+            self._source = trace
+            total = trace.total
+            for _ in range(trace.concurrency):
+                tr = trace.next(0.0)
+                if tr is not None:
+                    self._push(0.0, _ARRIVAL, tr)
+            opened = iter(())
+        else:
+            total = len(trace)
+            opened = iter(trace.requests)
+            first = next(opened, None)
+            if first is not None:
+                self._push(first.arrival, _ARRIVAL, first)
+        rid = 0
+        events = self._events
+        pop = heapq.heappop
+        tick = max(total // 200, 1)
+        t_start = events[0][0] if events else 0.0
+        while events:
+            t, _, _, kind, obj = pop(events)
+            if t > self.cfg.max_time_s:
+                break
+            self.now = t
+            if kind == _STEP_END:
+                self._end_step(obj)  # type: ignore[arg-type]
+            elif kind == _ARRIVAL:
+                tr: TraceRequest = obj  # type: ignore[assignment]
+                if self._source is None:
+                    nxt = next(opened, None)
+                    if nxt is not None:
+                        self._push(nxt.arrival, _ARRIVAL, nxt)
+                self._arrive(_Req(rid, tr, t), block_tokens)
+                rid += 1
+                if progress is not None and rid % tick == 0:
+                    progress(self._finished_n, total)
+            elif kind == _KICK:
+                w: _Worker = obj  # type: ignore[assignment]
+                if not w.busy:
+                    self._start_step(w)
+            else:
+                self._landed(obj)  # type: ignore[arg-type]
+        if progress is not None:
+            progress(self._finished_n, total)
+        end = max((r.finish for r in self.records), default=self.now)
+        stats = [WorkerStats(w.spec.worker_id, w.spec.pool, w.spec.accelerator, str(w.spec.role), w.busy_time,
+                             w.prefill_tokens, w.decode_tokens, w.core.stats.preempted) for w in self.workers]
+        steps = {w.spec.worker_id: w.steps for w in self.workers if w.steps is not None}
+        return SimResult(self.records, stats, t_start, end, self.kv_bytes, self.rejected,
+                         getattr(self.policy, "name", type(self.policy).__name__), steps)
