@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetmesh.costmodel import CostModel, Efficiency, accelerator, link_bandwidth, model_spec, transfer_time
+from hetmesh.batching import Step
+from hetmesh.costmodel import (
+    CostModel,
+    Efficiency,
+    accelerator,
+    link_bandwidth,
+    model_spec,
+    server_model,
+    transfer_time,
+)
+from hetmesh.costmodel.model import step_seconds_many
 
 IDEAL = Efficiency(compute=1.0, memory=1.0, overhead_s=0.0, per_seq_s=0.0)
 
@@ -124,3 +135,28 @@ def test_a_mixed_step_costs_less_than_separate_ones(acc: str, model: str, n: int
 def test_max_batch_shrinks_with_context(acc: str, model: str, c: int, dc: int) -> None:
     cm = _cm(acc, model)
     assert cm.max_batch(c + dc) <= cm.max_batch(c)
+
+
+_SERVERS = [("amd-mi300x", "deepseek-r1", 8, "tp"), ("amd-mi300x", "deepseek-r1", 8, "ep"),
+            ("nvidia-h100", "llama-3.1-70b", 8, "tp"), ("nvidia-h100", "llama-3.1-70b", 8, "dp"),
+            ("nvidia-rubin-cpx", "llama-3.1-70b", 1, "tp")]
+
+
+@settings(max_examples=200, deadline=None)
+@given(server=st.sampled_from(_SERVERS), new=st.integers(0, 16384), cached=st.integers(0, 32768),
+       batch=st.integers(0, 256), ctx=st.integers(1, 16384))
+def test_the_step_time_api_and_its_array_form_are_the_step_time_model(server: tuple[str, str, int, str], new: int,
+                                                                      cached: int, batch: int, ctx: int) -> None:
+    """CostModel.step_seconds (engines, simulator) and step_seconds_many (the cost policy) are the model's
+    step_time_totals, folded: equal within rounding for any step shape."""
+    acc, spec, devices, parallel = server
+    cm = server_model(acc, spec, devices=devices, parallel=parallel)
+    step = Step(0)
+    step.prefill_tokens, step.prefill_seqs = new, 1 if new else 0
+    step.prefill_pairs, step.prefill_cached = new * cached + new * (new + 1) // 2, cached if new else 0
+    step.n_decode, step.decode_context = batch, batch * ctx
+    shape = (step.prefill_tokens, step.prefill_seqs, step.prefill_pairs, step.prefill_cached, batch, batch * ctx)
+    want = cm.step_time_totals(*shape)
+    assert cm.step_seconds(step) == pytest.approx(want, rel=1e-12, abs=1e-15)
+    many = step_seconds_many(np.array([cm.coefficients()] * 2).T, *(np.array([v, v], dtype=float) for v in shape))
+    assert many.tolist() == pytest.approx([want, want], rel=1e-12, abs=1e-15)

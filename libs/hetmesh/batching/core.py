@@ -99,6 +99,9 @@ class Seq:
         self.uncached = prompt_len
 
 
+_NONE: list = []  # a shared empty list, never appended to: most steps admit and end nothing
+
+
 class Step:
     """What one engine step runs."""
 
@@ -115,8 +118,8 @@ class Step:
         self.prefill_seqs = 0
         self.prefill_pairs = 0  # causal attention (query, key) pairs of the chunks
         self.prefill_cached = 0  # KV tokens the chunks read
-        self.admitted: list[Seq] = []  # first admissions this step
-        self.ended: list[Seq] = []  # DECODEs whose first tokens already ended them, finished on admission
+        self.admitted: list[Seq] = _NONE  # first admissions this step
+        self.ended: list[Seq] = _NONE  # DECODEs whose first tokens already ended them, finished on admission
 
     @property
     def empty(self) -> bool:
@@ -246,8 +249,12 @@ class Core:
                     break
                 self._pop_head(s)
                 if first:
+                    if step.admitted is _NONE:
+                        step.admitted = []
                     step.admitted.append(s)
                 if s.state == State.DONE:
+                    if step.ended is _NONE:
+                        step.ended = []
                     step.ended.append(s)
                 elif s.state == State.DECODING:
                     n_dec += 1
@@ -394,13 +401,17 @@ class Core:
         cache = self.cache
         bs = self.s.block_size
         live = [s for ver, s in due if s.ver == ver]
-        if cache.free >= len(live):  # room for all: no eviction, no preemption
-            cache.private += len(live)
+        n = len(live)
+        if cache.total - len(cache.refs) * cache.unit - cache.private >= n:  # room for all: nothing to evict
+            cache.private += n
             nxt = self.tick + bs
+            bucket = self._grow_at.get(nxt)
+            if bucket is None:
+                bucket = self._grow_at[nxt] = []
             for s in live:
                 s.private += 1
                 s.capacity += bs
-                self._at(self._grow_at, nxt, s)
+                bucket.append((s.ver, s))
             return
         live.sort(key=lambda s: s.adm)  # oldest first: preemption takes the newest
         for s in live:

@@ -21,9 +21,12 @@ all-to-alls over the scale-up links. Efficiency factors come from calibration
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+import numpy as np
 
 from hetmesh.costmodel.catalog import DTYPE_BYTES, Accelerator, ModelSpec, norm_dtype
 
@@ -108,6 +111,7 @@ class CostModel:
             efficiency = default_efficiency(accel.id, model.name)
         self.eff = efficiency
         self.memory_utilization = memory_utilization
+        self._folded: tuple[float, ...] | None = None
 
         m = model
         wb = DTYPE_BYTES[self.dtype]
@@ -253,10 +257,40 @@ class CostModel:
                                         prefill_cached + decode_context, seqs))
 
     def step_seconds(self, step: StepShape) -> float:
-        """Seconds for one batching-core step (hetmesh.batching.Step): the one step-time API of the engines
-        and the simulator."""
-        return self.step_time_totals(step.prefill_tokens, step.prefill_seqs, step.prefill_pairs,
-                                     step.prefill_cached, step.n_decode, step.decode_context)
+        """Seconds for one batching-core step (hetmesh.batching.Step): the one step-time API of the engines,
+        the simulator and (over arrays, `step_seconds_many`) the cost policy. `step_time_totals`, folded."""
+        c = self._folded
+        if c is None:
+            c = self._folded = self.coefficients()
+        inv_r, dense_c, dense_cs, dense_m, exp_c, log_miss, exp_m, attn_pf, attn_dec, attn_m, comm, overhead, per_seq = c
+        dec_ctx = step.decode_context
+        tokens = step.prefill_tokens + step.n_decode
+        if not tokens:
+            return 0.0
+        seqs = step.prefill_seqs + step.n_decode
+        t = tokens * inv_r
+        dense = dense_c * t + dense_cs * seqs
+        expert = exp_c * t
+        if exp_m:
+            expert = max(expert, (1.0 - math.exp(log_miss * t)) * exp_m)
+        attn = attn_pf * step.prefill_pairs + attn_dec * dec_ctx
+        attn_mem = ((step.prefill_cached + dec_ctx) * inv_r + t) * attn_m
+        return (overhead + per_seq * seqs + comm * t + (dense if dense > dense_m else dense_m) + expert
+                + (attn if attn > attn_mem else attn_mem))
+
+    def coefficients(self) -> tuple[float, ...]:
+        """`step_time_totals` folded into per-server constants: one column of `step_seconds_many`'s table
+        (the order is COEFFICIENTS)."""
+        e = self.eff
+        ic, im, r = 1.0 / e.compute, 1.0 / e.memory, float(self._replicas)
+        experts = float(self.model.experts if self._moe_layers else 0)
+        return (1.0 / r, self._dense_flops_per_token / self._peak * ic, self._flops_per_logit / (r * self._peak) * ic,
+                self._fixed_bytes / self._bw * im, self._expert_flops_per_token / self._peak * ic,
+                math.log1p(-self._k_frac) if experts else 0.0,
+                self._moe_layers * experts * self._expert_bytes / self._bw * im,
+                self._attn_pf * self._full_layers / (r * self._attn_peak) * ic,
+                self._attn_dec * self._full_layers / (r * self._attn_peak) * ic,
+                self._kvpt / self._bw * im, self._comm_per_token, e.overhead_s, e.per_seq_s / r)
 
     def decode_throughput(self, batch: int, context: int) -> float:
         """Output tokens/s of a steady decode batch of `batch` sequences at `context` tokens each."""
@@ -265,3 +299,24 @@ class CostModel:
     def kv_transfer_time(self, tokens: int, link_bytes_per_s: float,
                          latency_s: float = DEFAULT_LINK_LATENCY_S) -> float:
         return transfer_time(tokens * self._kvpt, link_bytes_per_s, latency_s)
+
+
+COEFFICIENTS = ("inv_replicas", "dense_c", "dense_c_seq", "dense_m", "expert_c", "log_miss", "expert_m", "attn_c_pf",
+                "attn_c_dec", "attn_m", "comm", "overhead_s", "per_seq_s")
+
+
+def step_seconds_many(c: np.ndarray, prefill_new: np.ndarray, prefill_seqs: np.ndarray, prefill_pairs: np.ndarray,
+                      prefill_cached: np.ndarray, decode_batch: np.ndarray, decode_context: np.ndarray) -> np.ndarray:
+    """`CostModel.step_time_totals` for many (server, step) pairs at once: column i of `c` (shape
+    (len(COEFFICIENTS), n)) is server i's `coefficients()`. The same model, folded (equal to the scalar
+    path within rounding), so a policy pricing hundreds of workers per request stays cheap."""
+    inv_r, dense_c, dense_cs, dense_m, exp_c, log_miss, exp_m, attn_pf, attn_dec, attn_m, comm, overhead, per_seq = c
+    tokens = prefill_new + decode_batch
+    seqs = prefill_seqs + decode_batch
+    t = tokens * inv_r
+    # experts touched: E * (1 - (1 - k/E)^t), as a fraction folded into exp_m
+    out = (overhead + per_seq * seqs + comm * t + np.maximum(dense_c * t + dense_cs * seqs, dense_m)
+           + np.maximum(exp_c * t, (1.0 - np.exp(log_miss * t)) * exp_m)
+           + np.maximum(attn_pf * prefill_pairs + attn_dec * decode_context,
+                        ((prefill_cached + decode_context) * inv_r + t) * attn_m))
+    return np.where(tokens == 0, 0.0, out)

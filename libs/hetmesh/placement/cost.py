@@ -17,6 +17,10 @@ this policy queued ahead of it; and D's slower steps), preferring placements ins
 (in a closed loop, the highest throughput; the one that frees the cluster soonest otherwise);
 "latency" takes the lowest TTFT among the placements that meet both SLOs (or the least
 violating one).
+
+Every worker is priced at once with numpy (`step_seconds_many`, the scalar cost model's
+arithmetic over arrays), so a placement over hundreds of workers stays well under a millisecond;
+the policy's bookkeeping lives in arrays indexed by a slot per worker for the same reason.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import os
 from collections import deque
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from hetmesh.costmodel import (
     CostModel,
     Efficiency,
@@ -34,24 +40,15 @@ from hetmesh.costmodel import (
     load_efficiencies,
     server_model,
 )
-from hetmesh.costmodel.model import transfer_time
+from hetmesh.costmodel.model import COEFFICIENTS, step_seconds_many
+from hetmesh.costmodel.model import DEFAULT_LINK_LATENCY_S as LINK_LATENCY_S
+from hetmesh.placement.fleet import BOTH as _BOTH
+from hetmesh.placement.fleet import DECODE as _DECODE
+from hetmesh.placement.fleet import PREFILL as _PREFILL
+from hetmesh.placement.fleet import Fleet
 from hetmesh.placement.state import Decision, RequestInfo, WorkerView
-from hetmesh.protocol import Role
 
-_INF = float("inf")
-
-
-class _Book:
-    """What this policy placed on one worker: prefill seconds queued, when each queued prefill is
-    due to start, and a decaying prefill share."""
-
-    __slots__ = ("acc", "busy_until", "last", "starts")
-
-    def __init__(self) -> None:
-        self.busy_until = 0.0
-        self.starts: deque[float] = deque()  # predicted start of each prefill placed here, in order
-        self.acc = 0.0  # prefill seconds placed, exponentially decayed over the share window
-        self.last = 0.0
+MAX_CANDIDATES = 16  # options a Decision lists (best first) for the placement span
 
 
 class CostPolicy:
@@ -80,47 +77,49 @@ class CostPolicy:
         self.effs: Mapping[str, Efficiency] = dict(efficiencies or {})
         self.window = share_window_s
         self.top_k = top_k
-        self._cms: dict[tuple[str, str, int, str], CostModel] = {}
-        self._books: dict[str, _Book] = {}
+        self._cms: dict[tuple[str, str, int, str], int] = {}  # server shape -> row of _coef / _cm_list
+        self._cm_list: list[CostModel] = []
+        self._coef = np.zeros((0, len(COEFFICIENTS)))
         self._links: dict[tuple[str, int, str, int], float] = {}
         self._t0 = -1.0  # time of the first placement (the share estimator's warm-up)
+        # What this policy placed on each worker (a slot per worker id): prefill seconds queued until
+        # busy_until, the predicted start of each queued prefill, and a decaying prefill share (acc at last).
+        self._slots: dict[str, int] = {}
+        self._busy_until = np.zeros(16)
+        self._acc = np.zeros(16)
+        self._last = np.zeros(16)
+        self._first_start = np.full(16, math.inf)  # starts[slot][0], so only due queues are walked
+        self._queued = np.zeros(16)  # len(starts[slot])
+        self._starts: list[deque[float]] = []
+        self._fleet = Fleet(self._cm_row, self._slot, lambda: self._coef)
 
     # ---- helpers ----
-    def _cm(self, w: WorkerView) -> CostModel:
+    def _cm_row(self, w: WorkerView) -> int:
         key = (w.accelerator, w.model, w.devices, w.parallel)
-        cm = self._cms.get(key)
-        if cm is None:
-            cm = self._cms[key] = server_model(w.accelerator, self.models.get(w.model, w.model), devices=w.devices,
-                                               parallel=w.parallel, dtype=self.dtypes.get(w.model),
-                                               efficiencies=self.effs)
-        return cm
+        row = self._cms.get(key)
+        if row is None:
+            cm = server_model(w.accelerator, self.models.get(w.model, w.model), devices=w.devices,
+                              parallel=w.parallel, dtype=self.dtypes.get(w.model), efficiencies=self.effs)
+            row = self._cms[key] = len(self._cm_list)
+            self._cm_list.append(cm)
+            self._coef = np.vstack([self._coef, np.array(cm.coefficients())])
+        return row
 
-    def _book(self, wid: str) -> _Book:
-        b = self._books.get(wid)
-        if b is None:
-            b = self._books[wid] = _Book()
-        return b
+    def _cm(self, w: WorkerView) -> CostModel:
+        return self._cm_list[self._cm_row(w)]
 
-    def _share(self, wid: str, now: float) -> float:
-        """Fraction of wall time `wid` spends in prefill steps: the decayed prefill seconds placed
-        there over the decayed window (bias-corrected while less than a window has passed)."""
-        b = self._books.get(wid)
-        if b is None or self._t0 < 0:
-            return 0.0
-        span = self.window * (1.0 - math.exp(-max(now - self._t0, 1e-3) / self.window))
-        return min(b.acc * math.exp(-max(now - b.last, 0.0) / self.window) / max(span, 1.0), 0.95)
-
-    def _stalled(self, w: WorkerView, now: float) -> int:
-        """Sequences a prefill placed on w now would hold up: its running batch and the decodes queued
-        there (waiting for their KV or a slot). The prefills queued ahead of it, which this policy
-        placed and which a new prefill does not delay, are not counted."""
-        b = self._books.get(w.worker_id)
-        queued_prefills = 0
-        if b is not None:
-            while b.starts and b.starts[0] <= now:
-                b.starts.popleft()
-            queued_prefills = len(b.starts)
-        return w.running + max(w.queue_depth - queued_prefills, 0)
+    def _slot(self, wid: str) -> int:
+        s = self._slots.get(wid)
+        if s is None:
+            s = self._slots[wid] = len(self._starts)
+            self._starts.append(deque())
+            if s >= len(self._acc):
+                grow = len(self._acc)
+                self._busy_until, self._acc, self._last = (np.concatenate([a, np.zeros(grow)]) for a in
+                                                           (self._busy_until, self._acc, self._last))
+                self._first_start = np.concatenate([self._first_start, np.full(grow, math.inf)])
+                self._queued = np.concatenate([self._queued, np.zeros(grow)])
+        return s
 
     def _link(self, p: WorkerView, d: WorkerView) -> float:
         key = (p.accelerator, p.devices, d.accelerator, d.devices)
@@ -130,127 +129,134 @@ class CostPolicy:
                                                    accelerator(d.accelerator), d.devices)
         return bw
 
-    def _prefill(self, req: RequestInfo, w: WorkerView, now: float, memo: dict[tuple, float]
-                 ) -> tuple[float, float, int]:
-        """(TTFT on w, prefill seconds, cached tokens). `memo`: this request's prices by worker shape (a pool's
-        workers often share one), which keeps a placement over hundreds of workers cheap."""
-        cm = self._cm(w)
-        cached = req.cached_tokens(w.worker_id)
-        riding = w.running  # decodes sharing the prefill steps
-        key = (id(cm), cached, riding, w.step_tokens)
-        pf = memo.get(key)
-        if pf is None:
-            # The chunks the batching core would run, each a step beside the decodes riding along.
-            left = max(req.prompt_len - cached, 1)
-            done = cached
-            chunk = max(w.step_tokens - riding, 1)
-            ctx = riding * (req.prompt_len + req.max_tokens // 2)
-            pf = 0.0
-            while left > 0:
-                n = min(left, chunk)
-                pf += cm.step_time_totals(n, 1, n * done + n * (n + 1) // 2, done, riding, ctx)
-                done += n
-                left -= n
-            memo[key] = pf
-        backlog = max(self._book(w.worker_id).busy_until - now, 0.0)
-        return backlog + pf, pf, cached
-
-    def _tpot(self, req: RequestInfo, w: WorkerView, now: float, memo: dict[tuple, tuple[float, float]]
-              ) -> tuple[float, float]:
-        """(TPOT on w, seconds of delay this sequence adds to the others decoding there)."""
-        cm = self._cm(w)
-        b = w.running + w.queue_depth + 1
-        bb = min(b, w.max_batch)
-        key = (id(cm), b, w.max_batch)
-        hit = memo.get(key)
-        if hit is None:
-            ctx = req.prompt_len + req.max_tokens // 2
-            step = cm.step_time_totals(0, 0, 0, 0, bb, bb * ctx)
-            if b > w.max_batch:  # waits for a slot: roughly b / max_batch rounds of the batch
-                step *= b / w.max_batch
-            marginal = step - cm.step_time_totals(0, 0, 0, 0, bb - 1, (bb - 1) * ctx) if bb > 1 else 0.0
-            hit = memo[key] = (step, marginal)
-        step, marginal = hit
-        slow = 1.0 - self._share(w.worker_id, now)
-        return step / slow, (bb - 1) * max(req.max_tokens - 1, 0) * marginal / slow
-
-    @staticmethod
-    def _fits(req: RequestInfo, w: WorkerView) -> bool:
-        if w.kv_blocks_total <= 0:
-            return True
-        need = -(-(req.prompt_len + req.max_tokens) // max(w.block_size, 1))
-        return need <= w.kv_blocks_total - w.kv_blocks_used or w.running == 0
-
     # ---- the decision ----
     def place(self, req: RequestInfo, workers: Sequence[WorkerView]) -> Decision | None:
-        cands = [w for w in workers if w.model == req.model and w.worker_id not in req.exclude]
-        pre = [w for w in cands if w.serves(Role.PREFILL)]
-        dec = [w for w in cands if w.serves(Role.DECODE)]
-        if not pre or not dec:
+        f = self._fleet
+        f.sync(workers)
+        mask = f.model_code == f.models.get(req.model, -1)
+        for wid in req.exclude:
+            i = f.index.get(wid)
+            if i is not None:
+                mask[i] = False
+        role = f.role
+        pre = np.flatnonzero(mask & (role != _DECODE))
+        dec = np.flatnonzero(mask & (role != _PREFILL))
+        if not len(pre) or not len(dec):
             return None
         now = req.arrival
         if self._t0 < 0:
             self._t0 = now
         n_out = max(req.max_tokens, 1)
-        pf_memo: dict[tuple, float] = {}
-        tpot_memo: dict[tuple, tuple[float, float]] = {}
-        pf_of = {w.worker_id: self._prefill(req, w, now, pf_memo) for w in pre}
-        tpot_ext = {w.worker_id: self._tpot(req, w, now, tpot_memo) for w in dec}
-        tpot_of = {k: v[0] for k, v in tpot_ext.items()}
-        fits = {w.worker_id: self._fits(req, w) for w in dec}
-        stalled = {w.worker_id: self._stalled(w, now) for w in pre}
-        # (e2e, ttft, tpot, P, D, delay imposed on others: decodes stalled behind the prefill on P
-        # plus the slower steps of D's batch)
-        options: list[tuple[float, float, float, WorkerView, WorkerView, float]] = []
-        for w in pre:
-            if w.role == Role.BOTH and w.worker_id in tpot_of:
-                ttft = pf_of[w.worker_id][0]
-                tpot = tpot_of[w.worker_id]
-                ext = pf_of[w.worker_id][1] * stalled[w.worker_id] + tpot_ext[w.worker_id][1]
-                options.append((ttft + (n_out - 1) * tpot, ttft, tpot, w, w, ext))
-        if n_out > 1 or not options:
-            kv_bytes = req.prompt_len * self._cm(pre[0]).kv_bytes_per_token()
-            best_p = sorted(pre, key=lambda w: pf_of[w.worker_id][0])[: self.top_k]
-            best_d = sorted(dec, key=lambda w: tpot_of[w.worker_id])[: self.top_k]
-            for p in best_p:
-                for d in best_d:
-                    if p.worker_id == d.worker_id:
-                        continue
-                    ttft = pf_of[p.worker_id][0]
-                    tpot = tpot_of[d.worker_id]
-                    xfer = transfer_time(kv_bytes, self._link(p, d))
-                    ext = pf_of[p.worker_id][1] * stalled[p.worker_id] + tpot_ext[d.worker_id][1]
-                    options.append((ttft + xfer + (n_out - 1) * tpot, ttft, tpot, p, d, ext))
-        if not options:
+        prompt = req.prompt_len
+        c, slots = f.coef, f.slots
+        running, queue, max_batch, step_tokens, kv_total, kv_used, block_size = f.num.T
+        hit_blocks = np.zeros(len(f.ids))
+        for wid, nb in req.cached_blocks.items():
+            i = f.index.get(wid)
+            if i is not None:
+                hit_blocks[i] = nb
+        cached = np.minimum(hit_blocks * req.block_size, max(prompt - 1, 0))  # RequestInfo.cached_tokens
+        ctx = prompt + req.max_tokens // 2
+        zeros = np.zeros(len(f.ids))
+
+        # Prefill on each worker: the chunks the batching core would run, its decode batch riding along.
+        chunk = np.maximum(step_tokens - running, 1.0)
+        left = np.maximum(prompt - cached, 1.0)
+        done = cached.copy()
+        riding_ctx = running * ctx
+        pf = zeros.copy()
+        while True:
+            n = np.minimum(left, chunk)
+            pf += step_seconds_many(c, n, (n > 0) * 1.0, n * done + n * (n + 1) // 2, done, running, riding_ctx)
+            done += n
+            left -= n
+            if not left.any():
+                break
+        ttft = np.maximum(self._busy_until[slots] - now, 0.0) + pf
+
+        # Decode on each worker at its batch (running + queued + this one), slowed by its prefill share.
+        b = running + queue + 1
+        bb = np.minimum(b, max_batch)
+        both = np.concatenate([bb, bb - 1])  # this batch, and one fewer: the marginal cost of this sequence
+        both_z = np.zeros(len(both))
+        steps = step_seconds_many(f.coef2, both_z, both_z, both_z, both_z, both, both * ctx)
+        step, fewer = steps[: len(bb)], steps[len(bb):]
+        step = np.where(b > max_batch, step * (b / max_batch), step)  # waits for a slot: b / max_batch rounds
+        marginal = np.where(bb > 1, step - fewer, 0.0)
+        span = self.window * (1.0 - math.exp(-max(now - self._t0, 1e-3) / self.window))
+        share = np.minimum(self._acc[slots] * np.exp(-np.maximum(now - self._last[slots], 0.0) / self.window)
+                           / max(span, 1.0), 0.95)
+        slow = 1.0 - share
+        tpot = step / slow
+        ext_d = (bb - 1) * max(req.max_tokens - 1, 0) * marginal / slow
+        # Sequences a prefill here would hold up: the running batch and the decodes queued (for their KV or
+        # a slot), not the prefills this policy queued ahead of it.
+        for s in slots[self._first_start[slots] <= now].tolist():  # queued prefills that started by now
+            starts = self._starts[s]
+            while starts and starts[0] <= now:
+                starts.popleft()
+            self._first_start[s] = starts[0] if starts else math.inf
+            self._queued[s] = len(starts)
+        stalled = running + np.maximum(queue - self._queued[slots], 0.0)
+        ext_p = pf * stalled
+        need = np.ceil((prompt + req.max_tokens) / np.maximum(block_size, 1))
+        fits = (kv_total <= 0) | (need <= kv_total - kv_used) | (running == 0)
+
+        # Options: every `both` worker alone, then the top_k prefill x top_k decode pairs.
+        agg_i = pre[role[pre] == _BOTH]
+        ip = id_ = agg_i
+        xfer = np.zeros(len(agg_i))
+        if n_out > 1 or not len(agg_i):
+            kv_bytes = prompt * self._cm_list[int(f.rows[pre[0]])].kv_bytes_per_token()
+            best_p = pre[np.argsort(ttft[pre], kind="stable")[: self.top_k]].tolist()
+            best_d = dec[np.argsort(tpot[dec], kind="stable")[: self.top_k]].tolist()
+            pairs = [(p, d) for p in best_p for d in best_d if p != d]
+            links = f.links
+            bw = []
+            for pd in pairs:
+                v = links.get(pd)
+                if v is None:
+                    v = links[pd] = self._link(f.views[pd[0]], f.views[pd[1]])
+                bw.append(v)
+            if pairs:
+                pp, dd = np.array(pairs).T
+                ip, id_ = np.concatenate([agg_i, pp]), np.concatenate([agg_i, dd])
+                xfer = np.concatenate([xfer, LINK_LATENCY_S + kv_bytes / np.array(bw) if kv_bytes else np.zeros(len(bw))])
+        if not len(ip):
             return None
-        choice = min(options, key=lambda o: self._score(o, fits, n_out))
-        e2e, ttft, tpot, p, d, _ = choice
-        self._commit(p.worker_id, pf_of[p.worker_id][1], now)
-        agg = p.worker_id == d.worker_id
+        o_ttft, o_tpot = ttft[ip], tpot[id_]
+        o_e2e = o_ttft + xfer + (n_out - 1) * o_tpot
+        miss = ~fits[id_]
+        over = np.maximum(o_ttft / self.ttft_slo, o_tpot / self.tpot_slo if n_out > 1 else 0.0)
+        if self.objective == "latency":
+            order = np.lexsort((o_e2e, o_ttft, np.maximum(over, 1.0), miss))
+        else:  # the cluster-seconds this request costs: its own time plus the delay it puts on others
+            order = np.lexsort((o_e2e + ext_p[ip] + ext_d[id_], over > 1.0, miss))
+        k = int(order[0])
+        p, d = int(ip[k]), int(id_[k])
+        self._commit(int(slots[p]), float(pf[p]), now)
+        agg = p == d
+        ids = f.ids
+        shown = order[:MAX_CANDIDATES].tolist()  # the best options, for the placement span
+        sp, sd = ip.tolist(), id_.tolist()
         return Decision(
             mode="aggregated" if agg else "disaggregated",
-            decode_worker=d.worker_id,
-            prefill_worker=None if agg else p.worker_id,
-            expected_cached_tokens=pf_of[p.worker_id][2],
-            reason=f"cost/{self.objective}: e2e {e2e:.3f}s",
-            predicted_ttft_s=ttft,
-            predicted_tpot_s=tpot if n_out > 1 else 0.0,
-            candidates=tuple((o[3].worker_id, o[4].worker_id, o[1], o[2], o[0]) for o in options),
+            decode_worker=ids[d],
+            prefill_worker=None if agg else ids[p],
+            expected_cached_tokens=int(cached[p]),
+            reason=f"cost/{self.objective}: e2e {o_e2e[k]:.3f}s",
+            predicted_ttft_s=float(o_ttft[k]),
+            predicted_tpot_s=float(o_tpot[k]) if n_out > 1 else 0.0,
+            candidates=tuple((ids[sp[j]], ids[sd[j]], float(o_ttft[j]), float(o_tpot[j]), float(o_e2e[j]))
+                             for j in shown),
         )
 
-    def _score(self, o: tuple[float, float, float, WorkerView, WorkerView, float], fits: Mapping[str, bool],
-               n_out: int) -> tuple[float, ...]:
-        e2e, ttft, tpot, _, d, ext = o
-        miss = 0 if fits.get(d.worker_id, True) else 1
-        over = max(ttft / self.ttft_slo, (tpot / self.tpot_slo) if n_out > 1 else 0.0)
-        if self.objective == "latency":
-            return (miss, max(over, 1.0), ttft, e2e)
-        # throughput: the cluster-seconds this request costs, its own time plus the delay it puts on others
-        return (miss, 0.0 if over <= 1.0 else 1.0, e2e + ext)
-
-    def _commit(self, wid: str, pf: float, now: float) -> None:
-        b = self._book(wid)
-        b.starts.append(max(b.busy_until, now))
-        b.busy_until = max(b.busy_until, now) + pf
-        b.acc = b.acc * math.exp(-max(now - b.last, 0.0) / self.window) + pf
-        b.last = now
+    def _commit(self, slot: int, pf: float, now: float) -> None:
+        start = max(float(self._busy_until[slot]), now)
+        if not self._starts[slot]:
+            self._first_start[slot] = start
+        self._starts[slot].append(start)
+        self._queued[slot] += 1
+        self._busy_until[slot] = start + pf
+        self._acc[slot] = self._acc[slot] * math.exp(-max(now - float(self._last[slot]), 0.0) / self.window) + pf
+        self._last[slot] = now

@@ -295,12 +295,15 @@ class Simulator:
         core = w.core
         while True:
             step = core.schedule(self.now)
+            empty = not step.prefills and not step.n_decode
+            if not step.ended:
+                break
             for s in step.ended:  # DECODEs whose first token already ended them
                 self._finished(self.reqs[s.rid])
-            if not step.empty or not step.ended:
+            if not empty:
                 break
         self._dirty.add(w)
-        if step.empty:
+        if empty:
             w.busy = False
             return
         if w.steps is not None:
