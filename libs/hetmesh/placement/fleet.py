@@ -51,7 +51,7 @@ class Fleet:
             ids = self.ids
             if len(changed) * 2 <= len(workers) and all(workers[i].worker_id == ids[i] for i in changed):
                 for i in changed:
-                    self._set(i, workers[i])
+                    self._set(i, workers[i])  # reads self.views[i]: the old view
                 self.views = list(workers)
                 return
         self._rebuild(workers)
@@ -59,12 +59,15 @@ class Fleet:
     def _set(self, i: int, w: WorkerView) -> None:
         self.num[i] = (w.running, w.queue_depth, w.max_batch, w.step_tokens, w.kv_blocks_total, w.kv_blocks_used,
                        w.block_size)
-        self.rows[i] = self._row_of(w)
-        self.coef[:, i] = self._table()[self.rows[i]]
-        self._coef2 = None
-        self.links.clear()
-        self.role[i] = _ROLE[w.role]
-        self.model_code[i] = self.models.setdefault(w.model, len(self.models))
+        old = self.views[i]
+        if (w.accelerator, w.devices, w.parallel, w.model, w.role) != (old.accelerator, old.devices, old.parallel,
+                                                                      old.model, old.role):
+            self.rows[i] = self._row_of(w)  # a new server shape, model or role (rare: a re-plan)
+            self.coef[:, i] = self._table()[self.rows[i]]
+            self._coef2 = None
+            self.links.clear()
+            self.role[i] = _ROLE[w.role]
+            self.model_code[i] = self.models.setdefault(w.model, len(self.models))
 
     def _rebuild(self, workers: Sequence[WorkerView]) -> None:
         n = len(workers)
