@@ -135,8 +135,18 @@ class Outcome:
     __slots__ = ("finished", "sampled")
 
     def __init__(self) -> None:
-        self.sampled: list[Seq] = []  # completed a prefill (or a recompute) and sampled a token
-        self.finished: list[Seq] = []  # ended this step: by length, or a PREFILL handed off
+        self.sampled: list[Seq] = _NONE  # completed a prefill (or a recompute) and sampled a token
+        self.finished: list[Seq] = _NONE  # ended this step: by length, or a PREFILL handed off
+
+    def _sampled(self, s: Seq) -> None:
+        if self.sampled is _NONE:
+            self.sampled = []
+        self.sampled.append(s)
+
+    def _finished(self, s: Seq) -> None:
+        if self.finished is _NONE:
+            self.finished = []
+        self.finished.append(s)
 
 
 class CoreStats:
@@ -285,17 +295,17 @@ class Core:
             self._store_prompt(s)
             s.generated += 1
             st.tokens_generated += 1
-            out.sampled.append(s)
+            out._sampled(s)
             del self.prefilling[s.rid]
             if s.kind == Kind.PREFILL or s.generated >= s.max_new:
                 self._finish(s)
-                out.finished.append(s)
+                out._finished(s)
             else:
                 self._join_decoding(s, t + 1)
         for ver, s in self._end_at.pop(t, ()):
             if s.ver == ver:
                 self._finish(s)
-                out.finished.append(s)
+                out._finished(s)
         return out
 
     # ------------------------------------------------------------------ internals
