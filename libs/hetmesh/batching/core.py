@@ -70,8 +70,8 @@ class Seq:
     """One sequence's bookkeeping in the core. `generated` and `context` of a decoding sequence
     are read through `Core.generated` (they advance with the step counter)."""
 
-    __slots__ = ("adm", "admitted", "admitted_at", "cached_tokens", "capacity", "computed", "d0", "g0", "generated",
-                 "hashes", "kind", "max_new", "n_first", "npinned", "private", "prompt_len", "rid", "state",
+    __slots__ = ("active", "adm", "admitted", "admitted_at", "cached_tokens", "capacity", "computed", "d0", "f", "g0",
+                 "generated", "hashes", "kind", "max_new", "n_first", "npinned", "private", "prompt_len", "rid", "state",
                  "target", "uncached", "ver")
 
     def __init__(self, rid: Hashable, kind: Kind, prompt_len: int, hashes: Sequence[int], max_new: int,
@@ -96,6 +96,8 @@ class Seq:
         self.ver = 0  # bumped whenever its heap entries go stale
         self.d0 = 0  # step at which it joined decoding, with g0 tokens generated
         self.g0 = 0
+        self.f = 0  # decoding: the first step at which it needs a new block (then every block_size steps)
+        self.active = False  # decoding and past f: counted in Core._growing
         self.uncached = prompt_len
 
 
@@ -173,10 +175,16 @@ class Core:
         self._fifo: deque[Seq] = deque()
         self._short: list[tuple[int, int, Seq]] = []  # prefill_order "shortest"
         self.n_waiting = 0
-        # step -> [(ver, seq)]: decodes that need a new block at that step / reach max_new in it (stale when
-        # the seq's ver moved on). Every step is scheduled once in order, so buckets beat a heap.
-        self._grow_at: dict[int, list[tuple[int, Seq]]] = {}
+        # step -> [(ver, seq)]: decodes that need their first new block at that step / reach max_new in it
+        # (stale when the seq's ver moved on). Every step is scheduled once in order, so buckets beat a heap.
+        self._first_at: dict[int, list[tuple[int, Seq]]] = {}
         self._end_at: dict[int, list[tuple[int, Seq]]] = {}
+        # A decode needs a block every block_size steps from its f on, so the blocks step t needs are the
+        # decodes with f = t (mod block_size): counted per residue, never visited one by one while memory
+        # lasts. A decode's blocks are then cap0 + one per crossing up to _crossed (the last step whose
+        # growth is reserved), worked out when it leaves decoding.
+        self._growing = [0] * settings.block_size
+        self._crossed = -1
         self._ctx_base = 0  # sum over decoding seqs of (context - step), so contexts sum to this + n * tick
         self.tick = 0
         self._adm = 0
@@ -241,9 +249,8 @@ class Core:
         t = self.tick
         step = Step(t)
         preempted = self.stats.preempted
-        due = self._grow_at.pop(t, None)
-        if due:  # decodes whose next token needs a new block
-            self._grow_due(due)
+        if self._crossed < t:  # once per step: the blocks of the decodes that cross a block boundary now
+            self._grow(t)
         s_ = self.s
         n_dec = len(self.decoding)
         budget = s_.step_tokens - n_dec
@@ -390,7 +397,9 @@ class Core:
         self._ctx_base += ctx - d0
         self.decoding[s.rid] = s
         s.ver += 1
-        self._at(self._grow_at, d0 + s.capacity - ctx + 1, s)
+        s.f = d0 + s.capacity - ctx + 1
+        s.active = False
+        self._at(self._first_at, s.f, s)
         self._at(self._end_at, d0 + s.max_new - s.g0 - 1, s)
 
     @staticmethod
@@ -405,40 +414,40 @@ class Core:
         s.generated = s.g0 + self.tick - s.d0
         self._ctx_base -= s.prompt_len + s.g0 - s.d0
         del self.decoding[s.rid]
+        if s.active:  # the blocks it grew by
+            bs = self.s.block_size
+            k = (self._crossed - s.f) // bs + 1
+            s.private += k
+            s.capacity += k * bs
+            self._growing[s.f % bs] -= 1
+            s.active = False
         s.ver += 1
 
-    def _grow_due(self, due: list[tuple[int, Seq]]) -> None:
-        cache = self.cache
+    def _grow(self, t: int) -> None:
         bs = self.s.block_size
-        live = [s for ver, s in due if s.ver == ver]
-        n = len(live)
+        r = t % bs
+        for ver, s in self._first_at.pop(t, ()):
+            if s.ver == ver:
+                s.active = True
+                self._growing[r] += 1
+        n = self._growing[r]
+        cache = self.cache
         if cache.total - len(cache.refs) * cache.unit - cache.private >= n:  # room for all: nothing to evict
             cache.private += n
-            nxt = self.tick + bs
-            bucket = self._grow_at.get(nxt)
-            if bucket is None:
-                bucket = self._grow_at[nxt] = []
-            for s in live:
-                s.private += 1
-                s.capacity += bs
-                bucket.append((s.ver, s))
+            self._crossed = t
             return
-        live.sort(key=lambda s: s.adm)  # oldest first: preemption takes the newest
-        for s in live:
-            if s.state == State.DECODING:  # not preempted by an older one's growth
-                self._grow_one(s)
-
-    def _grow_one(self, s: Seq) -> None:
-        """Room for s's next token, preempting the newest sequences if needed (s itself, maybe)."""
-        cache = self.cache
-        while not cache.reserve(1):
-            victim = next(reversed(self.running.values()))
-            self._preempt(victim)
-            if victim is s:
-                return
-        s.private += 1
-        s.capacity += self.s.block_size
-        self._at(self._grow_at, self.tick + self.s.block_size, s)
+        # Short of memory: block by block, oldest first; preemption takes the newest (maybe the grower).
+        self._crossed = t - 1
+        growers = sorted((s for s in self.decoding.values() if s.active and s.f % bs == r), key=lambda s: s.adm)
+        for s in growers:
+            if s.state != State.DECODING:
+                continue  # preempted by an older one's growth
+            while not cache.reserve(1):
+                victim = next(reversed(self.running.values()))
+                self._preempt(victim)
+                if victim is s:
+                    break
+        self._crossed = t
 
     def _preempt(self, s: Seq) -> None:
         """Drop s's KV; it goes to the front of the queue and recomputes prompt + generated tokens."""
