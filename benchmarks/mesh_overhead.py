@@ -8,6 +8,12 @@ CPU stays small next to the mesh's on a 2-core machine.
 
     python benchmarks/mesh_overhead.py [--rates 50 500] [--seconds 8] [--out results/mesh_overhead.json]
     python benchmarks/mesh_overhead.py --tracing --out results/mesh_overhead_tracing.json
+    python benchmarks/mesh_overhead.py --pd --rates 50 200 --seconds 10 --out results/mesh_overhead_pd.json
+
+--pd measures a disaggregated pair instead (one prefill worker, one decode worker, kv-transfer on the
+direct data plane): TTFT (the prefill worker's token), the time to the second token (the decode
+worker's first, which waits for the KV), the whole request, and the KV hand-over as the workers'
+events date it (prefill_done -> kv_landed).
 
 --tracing turns OpenTelemetry on in every service (OTEL_EXPORTER_OTLP_ENDPOINT), exporting every
 span to an OTLP/HTTP receiver in its own process (like Jaeger's; its CPU is not the mesh's).
@@ -17,22 +23,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from hetmesh import subjects
+from hetmesh.bus import decode_events
 from hetmesh.launcher import Mesh
 from hetmesh.launcher.mesh import temp_log_dir
 from hetmesh.loadgen import (
+    Result,
     SSEClient,
     closed_loop,
     cpu_seconds,
@@ -63,6 +76,30 @@ count = {workers}
 max_batch = 256
 """
 
+PD_CLUSTER = """
+[mesh]
+time_scale = 1000000.0
+heartbeat_interval_s = 0.5
+[scheduler]
+policy = "{policy}"
+[[models]]
+name = "tiny-sim"
+spec = "tiny-llama"
+block_size = 16
+[[workers]]
+name = "cpx"
+model = "tiny-sim"
+accelerator = "nvidia-rubin-cpx"
+role = "prefill"
+max_batch = 256
+[[workers]]
+name = "vr200"
+model = "tiny-sim"
+accelerator = "nvidia-rubin-vr200"
+role = "decode"
+max_batch = 256
+"""
+
 
 def body(i: int) -> bytes:
     return json.dumps({"model": "tiny-sim", "prompt": f"request {i} " * 8, "max_tokens": 8, "stream": True}).encode()
@@ -72,6 +109,102 @@ def stream_body(k: int, n: int) -> bytes:
     return json.dumps({"model": "tiny-sim", "prompt": f"tokens {k} {n}", "max_tokens": 256, "stream": True,
                        "ignore_eos": True, "stream_options": {"include_usage": True}}).encode()
 
+
+def pd_body(i: int) -> bytes:
+    # ignore_eos: every request has a second token, the decode worker's first.
+    return json.dumps({"model": "tiny-sim", "prompt": f"request {i} " * 8, "max_tokens": 8, "stream": True,
+                       "ignore_eos": True}).encode()
+
+
+@dataclass(slots=True)
+class PDResult(Result):
+    second_s: float = 0.0  # to the second SSE event: the first token the decode worker streamed
+
+
+_EVENT = re.compile(rb"data: (\{.*?\})\n\n")
+
+
+class PDClient(SSEClient):
+    """SSEClient that also stamps the second token (the loadgen's client stamps only the first event)."""
+
+    async def stream(self, path: str, body: bytes) -> PDResult:
+        request = (b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                   % (path.encode(), len(body), body))
+        r, w = self.idle.pop() if self.idle else await asyncio.open_connection(self.host, self.port)
+        t0 = time.perf_counter()
+        w.write(request)
+        buf = b""
+        first = second = 0.0
+        while True:
+            data = await r.read(65536)
+            if not data:
+                if buf:
+                    self.failures.append(f"connection closed mid-response: {buf[-200:]!r}")
+                    return PDResult(first, time.perf_counter() - t0, False)
+                r, w = await asyncio.open_connection(self.host, self.port)  # a keep-alive closed under us
+                w.write(request)
+                continue
+            buf += data
+            if not second:
+                # The gateway may merge tokens that reach it together into one event: count characters
+                # (tiny-sim's byte tokenizer: one per token), not events.
+                now = time.perf_counter() - t0
+                chars = sum(len(json.loads(e)["choices"][0]["text"]) for e in _EVENT.findall(buf))
+                if chars >= 1 and not first:
+                    first = now
+                if chars >= 2:
+                    second = now
+            if buf.endswith(b"\r\n0\r\n\r\n") or (not buf.startswith(b"HTTP/1.1 200") and b"}" in buf):
+                break
+        total = time.perf_counter() - t0
+        ok = buf.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in buf and second > 0
+        if ok:
+            self.idle.append((r, w))
+        else:
+            self.failures.append(buf[-300:].decode(errors="replace"))
+            w.close()
+        return PDResult(first, total, ok, second_s=second)
+
+
+async def bench_pd(mesh: Mesh, rates: list[float], seconds: float) -> dict[str, object]:
+    """Disaggregated requests only: what the client sees of the prefill -> KV -> decode hand-over, and the
+    hand-over itself from the workers' own events (prefill_done on the prefill worker to kv_landed on the
+    decode worker: one host, one clock), which the gateway and the client's share of the CPU do not blur."""
+    import nats
+
+    client = PDClient(mesh.cfg.gateway.host, mesh.port)
+    procs = {name: s.proc.pid for name, s in mesh.services.items() if s.proc}
+    stamps: dict[str, dict[str, float]] = {}  # request id -> event kind -> its ts
+
+    async def on_events(m: Any) -> None:
+        for e in decode_events(m.data):
+            if e.kind in ("prefill_done", "kv_landed"):
+                stamps.setdefault(e.request_id, {})[e.kind] = e.ts
+
+    nc = await nats.connect(mesh.nats_url)
+    await nc.subscribe(subjects.EVENTS_ALL, cb=on_events)
+    await open_loop(client, PATH, 50, 2, pd_body)  # warm-up
+    rows = []
+    for rate in rates:
+        await asyncio.sleep(0.5)  # the warm-up's (or the previous rate's) batched events are in
+        stamps.clear()
+        c0, w0, k0 = cpu_seconds(list(procs.values())), time.perf_counter(), cpu_ticks()
+        res = await open_loop(client, PATH, rate, seconds, pd_body)
+        cpu, wall = cpu_seconds(list(procs.values())) - c0, time.perf_counter() - w0
+        await asyncio.sleep(0.5)  # the last events travel batched
+        ok = [r for r in res if isinstance(r, PDResult) and r.ok]
+        first, second, total = [r.ttft_s for r in ok], [r.second_s for r in ok], [r.total_s for r in ok]
+        handover = [d["kv_landed"] - d["prefill_done"] for d in stamps.values() if len(d) == 2]
+        row: dict[str, object] = {"rate_rps": rate, "requests": len(res), "errors": len(res) - len(ok),
+                                  "achieved_rps": len(res) / wall, "mesh_cpu_ms_per_request": cpu / max(len(ok), 1) * 1e3,
+                                  "host_steal_fraction": steal_fraction(k0, cpu_ticks()), "handovers": len(handover)}
+        for name, xs in (("ttft", first), ("second_token", second), ("e2e", total), ("kv_handover", handover)):
+            for q in (0.5, 0.9, 0.99):
+                row[f"{name}_p{int(q * 100)}_ms"] = percentile(xs, q) * 1e3
+            row[f"{name}_mean_ms"] = statistics.fmean(xs) * 1e3 if xs else float("nan")
+        rows.append(row)
+    await nc.close()
+    return {"pd": rows, "failures": client.failures[:5]}
 
 ECHO = """
 import asyncio, sys, nats
@@ -170,7 +303,11 @@ def main() -> None:
     ap.add_argument("--policy", default="prefix_aware")
     ap.add_argument("--out", default="results/mesh_overhead.json")
     ap.add_argument("--tracing", action="store_true", help="every service exports its spans over OTLP")
+    ap.add_argument("--pd", action="store_true", help="a prefill worker + a decode worker instead (P/D rows)")
     args = ap.parse_args()
+    if args.pd:
+        main_pd(args)
+        return
     d = Path(tempfile.mkdtemp(prefix="hetmesh-bench-"))
     (d / "cluster.toml").write_text(CLUSTER.format(workers=args.workers, policy=args.policy))
     env: dict[str, str] = {}
@@ -189,8 +326,7 @@ def main() -> None:
         mesh.stop()
         if sink is not None:
             sink.kill()
-    res["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                      "processor": platform.processor() or platform.machine()}
+    res["machine"] = machine()
     res["config"] = vars(args)
     tracing = "tracing on" if args.tracing else "tracing off"
     table = Table(title=f"Mesh-added TTFT (sim engine at 1e6x, {args.workers} workers, policy {args.policy}, {tracing})")
@@ -217,6 +353,42 @@ def main() -> None:
     s = res["stream"]
     con.print(f"CPU per streamed token across the mesh: {s['cpu_us_per_token']:.1f} us "  # type: ignore[index]
               f"({s['tokens']} tokens, {s['tokens_per_s']:.0f} tok/s, {s['mesh_cpu_s']:.2f} CPU-s)")  # type: ignore[index]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    con.print(f"wrote {args.out}")
+
+
+def machine() -> dict[str, object]:
+    cpu = ""
+    with contextlib.suppress(OSError):
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), "")
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "processor": platform.processor() or platform.machine(), "cpu_model": cpu}
+
+
+def main_pd(args: argparse.Namespace) -> None:
+    d = Path(tempfile.mkdtemp(prefix="hetmesh-bench-"))
+    (d / "cluster.toml").write_text(PD_CLUSTER.format(policy=args.policy))
+    mesh = Mesh(d / "cluster.toml", gateway_port=0, log_dir=temp_log_dir())
+    mesh.start()
+    try:
+        res = asyncio.run(bench_pd(mesh, args.rates, args.seconds))
+    finally:
+        mesh.stop()
+    res["machine"] = machine()
+    res["config"] = vars(args)
+    table = Table(title="Disaggregated (P/D) request through the mesh (sim engine at 1e6x, cpx prefill -> vr200 decode)")
+    for col in ("offered req/s", "requests", "errors", "TTFT p50", "p90", "p99", "2nd token p50", "p90", "p99",
+                "KV hand-over p50", "p90", "e2e p50", "CPU ms/req"):
+        table.add_column(col, justify="right")
+    for r in res["pd"]:  # type: ignore[union-attr]
+        table.add_row(f"{r['rate_rps']:.0f}", str(r["requests"]), str(r["errors"]),
+                      *(f"{r[k]:.2f}" for k in ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "second_token_p50_ms",
+                                                "second_token_p90_ms", "second_token_p99_ms", "kv_handover_p50_ms",
+                                                "kv_handover_p90_ms", "e2e_p50_ms", "mesh_cpu_ms_per_request")))
+    con = Console(width=140)
+    con.print(table)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
     con.print(f"wrote {args.out}")

@@ -57,6 +57,9 @@ class Placement(Struct, frozen=True, kw_only=True):
     # The cost model's prediction for this placement (engine seconds); None from policies without one.
     predicted_ttft_s: float | None = None
     predicted_tpot_s: float | None = None
+    # Disaggregated, direct data plane: the decode worker's KV port (from its heartbeats), so the prefill
+    # worker streams the KV there at once instead of asking kv-transfer first. Empty: ask kv-transfer.
+    decode_kv_endpoint: str = ""
 
 
 class WorkerStatus(Struct, kw_only=True):
@@ -194,6 +197,8 @@ class Heartbeat(Struct, kw_only=True):
     prompt_tokens_cached: int = 0
     aborted: int = 0
     kv_endpoint: str = ""  # host:port of this worker's KV port (hetmesh.kvstream); empty: it takes no direct KV
+    parallel: str = "tp"  # tp | ep | dp layout over the devices (the cost policy prices it)
+    step_tokens: int = 8192  # the engine's per-step token budget (prefill chunk size)
 
 
 class KvEvent(Struct, kw_only=True):
@@ -227,6 +232,9 @@ class KvTransferRequest(Struct, kw_only=True):
     first_token_ids: list[int]  # what prefill generated; decode continues after them
     first_text: str = ""
     cached_tokens: int = 0  # prefill side's prefix-cache hit, for the decode side's final Usage
+    # Set: a notice, not a question. The source already streams to this KV port (it came with the placement);
+    # kv-transfer only opens its record, which the source's KvTransferDone closes.
+    endpoint: str = ""
 
 
 class KvTransferAccept(Struct, kw_only=True):

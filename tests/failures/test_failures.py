@@ -227,10 +227,11 @@ async def test_redis_stopped_serving_goes_on_and_index_is_rebuilt(mesh: Mesh, ac
         await asyncio.sleep(0.1)
 
 
-async def test_kv_transfer_killed_mid_transfer_decode_prefills_locally(mesh: Mesh, aclient: openai.AsyncOpenAI,
+async def test_kv_transfer_killed_kv_still_streams_to_the_decode_worker(mesh: Mesh, aclient: openai.AsyncOpenAI,
                                                                        events: EventLog) -> None:
-    """kv-transfer only coordinates the direct KV stream: a stream it already set up lands without it,
-    and while it is down a prefill worker cannot hand its KV over, so the decode worker prefills locally."""
+    """kv-transfer only keeps the records of the direct KV stream: a stream under way lands without it, and
+    while it is down the next request's KV still goes straight to its decode worker (the port came with the
+    placement); only kv-transfer's record of it is lost."""
     prompt = "k" * 2000  # 2000 tokens x 128 KiB of KV, capped at 128 MiB on the wire
     t0 = time.time()
     task = complete(aclient, prompt, 6)
@@ -246,8 +247,9 @@ async def test_kv_transfer_killed_mid_transfer_decode_prefills_locally(mesh: Mes
     r2 = await asyncio.wait_for(complete(aclient, prompt2, 6), 90)
     assert r2.choices[0].text == expected_text(prompt2, 6)  # type: ignore[attr-defined]
     placed2 = await first_placed(events, t1)
-    fallback = await events.wait_for(placed2.request_id, "kv_fallback", timeout_s=5)
-    assert fallback.detail["worker_id"] == placed2.detail["decode_worker"]
+    landed2 = await events.wait_for(placed2.request_id, "kv_landed", timeout_s=5)
+    assert landed2.detail["worker_id"] == placed2.detail["decode_worker"]
+    assert "kv_fallback" not in {e.kind for e in events.for_request(placed2.request_id)}
     respawn(mesh, "kv-transfer-0")
 
 

@@ -7,6 +7,7 @@ put on the wire: token chunks, heartbeats, KV events, Finished, and their Servic
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -24,7 +25,7 @@ from tests.kvpeer import answer_to
 from hetmesh import kvstream, servers, subjects
 from hetmesh.bus import decode_events, encode
 from hetmesh.costmodel import CostModel, accelerator, model_spec
-from hetmesh.engines.sim import expected_completion
+from hetmesh.engines.sampling import expected_completion
 from hetmesh.kvindex.blocks import block_hashes
 from hetmesh.protocol import (
     Cancel,
@@ -32,6 +33,7 @@ from hetmesh.protocol import (
     Heartbeat,
     InferenceRequest,
     KvEvent,
+    KvTransferDone,
     KvTransferRequest,
     Phase,
     Placement,
@@ -244,7 +246,7 @@ async def _tap(mesh: Mesh) -> AsyncIterator[tuple[Tap, nats.NATS]]:
 
 
 def make_item(prompt: str, max_tokens: int, phase: Phase = Phase.FULL, decode_worker: str = "agg-0",
-              prefill_worker: str | None = None, **sampling: Any) -> WorkItem:
+              prefill_worker: str | None = None, kv_endpoint: str = "", **sampling: Any) -> WorkItem:
     rid = uuid.uuid4().hex[:12]
     toks = TOK.encode(prompt)
     sp = SamplingParams(max_tokens=max_tokens, **sampling)
@@ -252,7 +254,8 @@ def make_item(prompt: str, max_tokens: int, phase: Phase = Phase.FULL, decode_wo
                            sampling=sp, reply_subject=subjects.reply(rid), arrival_ts=0.0)
     mode = "disaggregated" if prefill_worker else "aggregated"
     return WorkItem(request=req, phase=phase, placement=Placement(mode=mode, decode_worker=decode_worker,
-                                                                  prefill_worker=prefill_worker))
+                                                                  prefill_worker=prefill_worker,
+                                                                  decode_kv_endpoint=kv_endpoint))
 
 
 def chunks_of(t: Tap, item: WorkItem) -> list[Any]:
@@ -379,12 +382,15 @@ async def test_cancel_that_beats_its_work_item(tap: tuple[Tap, nats.NATS]) -> No
     assert done.finish_reason == "abort" and final(t, item) is None
 
 
-async def _disaggregated(t: Tap, nc: nats.NATS) -> tuple[WorkItem, ServiceEvent, ServiceEvent, ServiceEvent, int]:
-    """One P/D request end to end; returns it with its kv_sent, kv_transferred and kv_landed events and
-    the KV size the cost model gives it."""
+async def _disaggregated(t: Tap, nc: nats.NATS, kv_endpoint: str = ""
+                         ) -> tuple[WorkItem, ServiceEvent, ServiceEvent, ServiceEvent, int]:
+    """One P/D request end to end (the placement carrying `kv_endpoint`, as the scheduler's does, or not, as
+    an older scheduler's); returns it with its kv_sent, kv_transferred and kv_landed events and the KV size
+    the cost model gives it."""
     # ~1.3k tokens: 1.3 MB of tiny-llama KV, more than one NATS message (max_payload 1 MiB) can carry.
     prompt = "a disaggregated request travels across two accelerators " * 23
-    pre = make_item(prompt, 30, Phase.PREFILL, decode_worker="dec-0", prefill_worker="pre-0", seed=5)
+    pre = make_item(prompt, 30, Phase.PREFILL, decode_worker="dec-0", prefill_worker="pre-0", seed=5,
+                    kv_endpoint=kv_endpoint)
     dec = WorkItem(request=pre.request, phase=Phase.DECODE, placement=pre.placement)
     rid = pre.request.request_id
     # As the scheduler does: both halves at once, decode first so it can reserve.
@@ -430,9 +436,80 @@ async def test_disaggregated_kv_streams_straight_to_the_decode_worker(tap: tuple
     assert str(moved.detail["transfer_id"]) not in t.kv_recv_bytes
 
 
+async def test_kv_endpoint_in_the_placement_streams_without_asking(tap: tuple[Tap, nats.NATS]) -> None:
+    """The scheduler puts the decode worker's KV port in the placement: the prefill worker streams there at
+    once and only tells kv-transfer (a notice, no reply expected), which still keeps the record."""
+    t, nc = tap
+    seen: list[tuple[str, KvTransferRequest]] = []  # what reached kv-transfer's subject: (reply subject, body)
+    dec = msgspec.json.Decoder(KvTransferRequest)
+
+    async def on_transfer(m: Any) -> None:
+        with contextlib.suppress(msgspec.DecodeError):
+            seen.append((m.reply, dec.decode(m.data)))
+
+    sub = await nc.subscribe(subjects.KV_TRANSFER, cb=on_transfer)
+    try:
+        endpoint = next(h for h in t.heartbeats if h.worker_id == "dec-0").kv_endpoint
+        pre, sent, moved, landed, nbytes = await _disaggregated(t, nc, kv_endpoint=endpoint)
+    finally:
+        await sub.unsubscribe()
+    mine = [(reply, r) for reply, r in seen if r.request_id == pre.request.request_id]
+    assert len(mine) == 1
+    reply, notice = mine[0]
+    assert reply == "" and notice.endpoint == endpoint  # told, not asked
+    assert sent.detail["direct"] is True and landed.detail["bytes_received"] == nbytes
+    assert moved.detail["direct"] is True and moved.detail["ok"] is True and moved.detail["nbytes"] == nbytes
+    assert moved.detail["transfer_id"] == sent.detail["transfer_id"] == notice.transfer_id
+
+
+async def test_kv_transfer_records_a_stream_whose_outcome_overtook_its_notice(tap: tuple[Tap, nats.NATS]) -> None:
+    """Notice and outcome reach kv-transfer on two subscriptions, so it may handle the outcome first: the
+    record still closes at once with it, not as a failure after the idle timeout."""
+    t, nc = tap
+    rid = uuid.uuid4().hex[:12]
+    notice = KvTransferRequest(transfer_id=f"{rid}.x", request_id=rid, model=MODEL, src_worker="pre-0",
+                               dst_worker="dec-0", num_tokens=10, nbytes=4096, chunk_bytes=0, first_token_ids=[1],
+                               endpoint="127.0.0.1:9")
+    await nc.publish(subjects.KV_DONE, encode(KvTransferDone(transfer_id=notice.transfer_id, request_id=rid,
+                                                             nbytes=4096, duration_s=0.001)))
+    await nc.flush()
+    await asyncio.sleep(0.2)
+    await nc.publish(subjects.KV_TRANSFER, encode(notice))
+    moved = await t.until(lambda: t.event(rid, "kv_transferred"), timeout_s=5)
+    assert moved.detail["ok"] is True and moved.detail["direct"] is True and moved.detail["nbytes"] == 4096
+
+
+async def test_wrong_kv_endpoint_in_the_placement_fails_over_to_a_local_prefill(tap: tuple[Tap, nats.NATS]) -> None:
+    """A placement naming another worker's KV port (e.g. a stale one): that port refuses the stream, the
+    prefill worker says so at once, and the decode worker prefills itself without waiting for its timeout."""
+    t, nc = tap
+    wrong = next(h for h in t.heartbeats if h.worker_id == "agg-0").kv_endpoint
+    pre = make_item("a stale endpoint " * 10, 8, Phase.PREFILL, decode_worker="dec-0", prefill_worker="pre-0",
+                    kv_endpoint=wrong)
+    rid = pre.request.request_id
+    await nc.publish(direct("dec-0"), encode(WorkItem(request=pre.request, phase=Phase.DECODE,
+                                                      placement=pre.placement)))
+    await nc.publish(direct("pre-0"), encode(pre))
+    last = await t.until(lambda: final(t, pre), timeout_s=KV_LANDED_TIMEOUT_S - 0.5)  # before the decode's timeout
+    assert isinstance(last, TokenChunk) and last.worker_id == "dec-0"
+    # Both sent the first token (the gateway drops the second copy); the same one, and the rest follows it.
+    firsts = [c for c in chunks_of(t, pre) if isinstance(c, TokenChunk) and c.index == 0]
+    assert sorted(c.worker_id for c in firsts) == ["dec-0", "pre-0"]
+    assert firsts[0].token_ids == firsts[1].token_ids
+    rest = sorted((c for c in chunks_of(t, pre) if isinstance(c, TokenChunk) and c.index > 0), key=lambda c: c.index)
+    assert firsts[0].text + "".join(c.text for c in rest) == expected(pre)[1]
+    failed = await t.until(lambda: t.event(rid, "kv_failed"))
+    assert failed.detail["worker_id"] == "pre-0"
+    fallback = await t.until(lambda: t.event(rid, "kv_fallback"))
+    assert "pre-0 -> dec-0 failed" in str(fallback.detail["reason"]), fallback.detail
+    moved = await t.until(lambda: t.event(rid, "kv_transferred"))
+    assert moved.detail["ok"] is False and moved.detail["direct"] is True
+
+
 async def test_disaggregated_kv_relayed_over_nats(relay_tap: tuple[Tap, nats.NATS]) -> None:
     t, nc = relay_tap
-    _, sent, moved, _, nbytes = await _disaggregated(t, nc)
+    # Under the relay an endpoint in the placement means nothing: the worker asks kv-transfer as ever.
+    _, sent, moved, _, nbytes = await _disaggregated(t, nc, kv_endpoint="127.0.0.1:9")
     assert not next(h for h in t.heartbeats if h.worker_id == "dec-0").kv_endpoint
     assert sent.detail["direct"] is False and moved.detail["direct"] is False
     chunk = int(sent.detail["chunk_bytes"])  # type: ignore[arg-type]

@@ -1,8 +1,10 @@
 """kv-transfer: moves a request's KV cache from its prefill worker to its decode worker.
 
-Direct data plane (the default): it knows every decode worker's KV port from its heartbeats and
-answers a transfer request with that endpoint; the prefill worker streams the bytes there over
-TCP (hetmesh.kvstream) and reports the outcome on `hetmesh.kv.done`, which ends the record here.
+Direct data plane (the default): the decode worker's KV port usually comes with the placement, and
+the prefill worker streams the bytes there over TCP (hetmesh.kvstream) at once; its KvTransferRequest
+(with `endpoint` set) is then a notice that opens the record here, unanswered. Without one (an older
+scheduler) it asks, and this service answers with the endpoint it knows from the heartbeats. Either
+way the prefill worker reports the outcome on `hetmesh.kv.done`, which ends the record.
 
 Relay (`kv_transfer.data_plane = "nats"`, or a decode worker with no KV port): subscribe the
 transfer's data subject, accept, relay every chunk to the decode worker's receive subject as it
@@ -40,6 +42,9 @@ from hetmesh.runtime import run_service
 
 log = logging.getLogger("hetmesh.kv_transfer")
 
+EARLY_DONE_MAX = 10_000
+EARLY_DONE_S = 30.0  # a notice and its outcome arrive on two subscriptions: the outcome may be handled first
+
 
 class TransferRecord(Struct, kw_only=True):
     transfer_id: str
@@ -76,6 +81,8 @@ class KvTransferService:
         self.max_concurrent = max_concurrent
         self.active: dict[str, _Transfer] = {}  # transfer id ->
         self.endpoints: dict[str, str] = {}  # worker id -> its KV port, from heartbeats
+        # Outcomes of direct streams whose notice is not handled yet (or that another replica records).
+        self.early_done: dict[str, tuple[KvTransferDone, float]] = {}
         self.records: deque[TransferRecord] = deque(maxlen=history)
         self.total_bytes = 0
         self.total_transfers = 0
@@ -113,13 +120,16 @@ class KvTransferService:
         await self.bus.close()
 
     async def on_request(self, req: KvTransferRequest, m: Msg) -> None:
-        if len(self.active) >= self.max_concurrent:
-            await m.respond(encode_error(f"kv-transfer {self.instance} busy: {len(self.active)} transfers"))
+        if len(self.active) >= self.max_concurrent or req.transfer_id in self.active:
+            why = (f"transfer {req.transfer_id} already in progress" if req.transfer_id in self.active
+                   else f"kv-transfer {self.instance} busy: {len(self.active)} transfers")
+            if m.reply:
+                await m.respond(encode_error(why))
+            else:  # a notice: the stream goes on regardless, only this record is lost
+                log.warning("not recording transfer %s: %s", req.transfer_id, why)
             return
-        if req.transfer_id in self.active:
-            await m.respond(encode_error(f"transfer {req.transfer_id} already in progress"))
-            return
-        endpoint = self.endpoints.get(req.dst_worker, "")
+        # A notice names the endpoint the source already streams to; a question gets the one we know.
+        endpoint = req.endpoint or self.endpoints.get(req.dst_worker, "")
         t = _Transfer(req, direct=bool(endpoint))
         self.active[req.transfer_id] = t
         self.metrics.active.inc()
@@ -132,8 +142,12 @@ class KvTransferService:
         task = asyncio.create_task(self._finish(t, sub, telemetry.extract(m.headers)))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        await self.bus.respond(m, KvTransferAccept(transfer_id=req.transfer_id, data_subject=data_subject,
-                                                   endpoint=endpoint))
+        early = self.early_done.pop(req.transfer_id, None)
+        if early is not None:
+            self._close(t, early[0])
+        if m.reply:
+            await self.bus.respond(m, KvTransferAccept(transfer_id=req.transfer_id, data_subject=data_subject,
+                                                       endpoint=endpoint))
 
     async def on_heartbeat(self, hb: Heartbeat, _m: Msg) -> None:
         if hb.kv_endpoint:
@@ -143,12 +157,30 @@ class KvTransferService:
 
     async def on_done(self, d: KvTransferDone, _m: Msg) -> None:
         t = self.active.get(d.transfer_id)
-        if t is None or t.done.is_set():
+        if t is None:
+            self._keep_early(d)
+            return
+        self._close(t, d)
+
+    def _close(self, t: _Transfer, d: KvTransferDone) -> None:
+        if t.done.is_set():
             return
         t.bytes, t.chunks, t.last_seen = d.nbytes, 1 if d.ok else 0, time.monotonic()
         if not d.ok:
             t.error = d.error or "stream failed"
         t.done.set()
+
+    def _keep_early(self, d: KvTransferDone) -> None:
+        """An outcome with no record (yet): its notice waits behind another callback, or another replica
+        took it. Kept briefly, oldest dropped first (insertion order is arrival order)."""
+        now = time.monotonic()
+        early = self.early_done
+        while early:
+            oldest = next(iter(early))
+            if len(early) < EARLY_DONE_MAX and now - early[oldest][1] < EARLY_DONE_S:
+                break
+            del early[oldest]
+        early[d.transfer_id] = (d, now)
 
     def _relay(self, t: _Transfer):  # type: ignore[no-untyped-def]
         recv = subjects.kv_recv(t.req.dst_worker)

@@ -25,10 +25,10 @@ from collections import defaultdict
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
-from hetmesh import config, metrics, subjects, telemetry
+from hetmesh import config, metrics, subjects, telemetry, wiring
 from hetmesh.bus import REQUEST_ID, Bus, EventBatcher, encode, headers_for
 from hetmesh.kvindex.index import PrefixIndex
-from hetmesh.placement import ClusterState, Decision, RequestInfo, WorkerView, make_policy, pool_full
+from hetmesh.placement import ClusterState, Decision, RequestInfo, WorkerView, pool_full
 from hetmesh.protocol import (
     Cancel,
     ErrorInfo,
@@ -70,11 +70,7 @@ class Scheduler:
         self.instance = instance
         self.state = ClusterState(cfg.mesh.heartbeat_timeout_s)
         sc = cfg.scheduler
-        kwargs = {}
-        if sc.policy == "cost":
-            kwargs = {"models": {m.name: m.spec for m in cfg.models}, "objective": sc.objective,
-                      "ttft_slo_s": sc.ttft_slo_s, "tpot_slo_s": sc.tpot_slo_s}
-        self.policy = make_policy(sc.policy, **kwargs)
+        self.policy = wiring.policy(cfg)
         self.uses_prefix = sc.policy in PREFIX_POLICIES
         self.block_size = {m.name: m.block_size for m in cfg.models}
         self.inflight: dict[str, _InFlight] = {}
@@ -345,11 +341,17 @@ class Scheduler:
             return SubmitReply(request_id=req.request_id, error=ErrorInfo(
                 message=f"no live worker can serve model {req.model!r} right now", type="server_error",
                 code="no_capacity", status=503))
+        kv_endpoint = ""
+        if decision.prefill_worker is not None:
+            # The decode worker's KV port rides the placement: the prefill worker streams there at once.
+            hb = self.state.heartbeat(decision.decode_worker)
+            kv_endpoint = hb.kv_endpoint if hb is not None else ""
         placement = Placement(mode=decision.mode, decode_worker=decision.decode_worker,
                               prefill_worker=decision.prefill_worker,
                               expected_cached_tokens=decision.expected_cached_tokens,
                               policy=self.policy.name, reason=decision.reason,
-                              predicted_ttft_s=decision.predicted_ttft_s, predicted_tpot_s=decision.predicted_tpot_s)
+                              predicted_ttft_s=decision.predicted_ttft_s, predicted_tpot_s=decision.predicted_tpot_s,
+                              decode_kv_endpoint=kv_endpoint)
         try:
             await self._dispatch(req, decision, placement, headers)
         except Exception as exc:  # the work queue did not store it within publish_timeout_s (bus away, stream full)

@@ -1,0 +1,281 @@
+"""Serving one WorkItem once the worker took it: FULL and PREFILL stream from the engine (PREFILL ends
+by shipping the KV), DECODE waits for its KV to land, then continues the same completion."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from opentelemetry import trace
+
+from hetmesh import kvstream, metrics, telemetry
+from hetmesh.engines.base import Engine, EngineError, EngineOutput, EngineRequest
+from hetmesh.protocol import KvLanded, Phase, WorkItem
+
+from .kv import KvInbox
+from .outbox import Outbox
+from .requests import Request, RequestBook
+from .transfer import KvShipper
+
+log = logging.getLogger("hetmesh.worker")
+
+RELAY_GRACE_S = 2.0  # relayed chunks may still sit in their subscription's queue when KvLanded arrives
+
+
+@dataclass(slots=True)
+class Run:
+    """The asyncio side of a request the worker holds (its RequestBook handle)."""
+
+    task: asyncio.Task[None] | None = None
+    kv: asyncio.Future[KvLanded] | None = None  # DECODE: resolved when the KV landed (or failed to)
+
+
+class Phases:
+    def __init__(self, worker_id: str, engine: Engine, book: RequestBook[Run], inbox: KvInbox[kvstream.KvSink],
+                 outbox: Outbox, shipper: KvShipper, worker_metrics: metrics.WorkerMetrics, tracer: trace.Tracer,
+                 tracing: bool, time_scale: float, kv_landed_timeout_s: float) -> None:
+        self.worker_id = worker_id
+        self.engine = engine
+        self.book = book
+        self.inbox = inbox
+        self.out = outbox
+        self.shipper = shipper
+        self.metrics = worker_metrics
+        self.tracer = tracer
+        self.tracing = tracing
+        self.time_scale = time_scale
+        self.kv_landed_timeout_s = kv_landed_timeout_s
+
+    # ------------------------------------------------------------------ engine calls
+    @staticmethod
+    def engine_request(item: WorkItem, first: list[int] | None = None) -> EngineRequest:
+        r = item.request
+        return EngineRequest(request_id=r.request_id, prompt_tokens=r.prompt_tokens, block_hashes=r.block_hashes,
+                             sampling=r.sampling, phase=item.phase, first_token_ids=first or [])
+
+    async def submit(self, item: WorkItem, er: EngineRequest) -> bool:
+        try:
+            await self.engine.submit(er)
+            return True
+        except EngineError as exc:
+            await self.out.error(item, str(exc), retryable=False, status=400, etype="invalid_request_error")
+            self.out.finished(er.request_id, "error", 0)
+            return False
+
+    async def on_abort(self, r: Request[Run], out: EngineOutput, streamed: int) -> None:
+        item = r.item
+        rid = r.request_id
+        if r.superseded:
+            self.out.event(rid, "superseded", phase=item.phase.value, attempt=r.attempt)
+            return
+        if out.finish_reason == "error":
+            await self.out.error(item, f"engine on {self.worker_id} failed", retryable=streamed == 0)
+            self.out.finished(rid, "error", out.completion_tokens)
+            return
+        if r.cancelled:
+            self.out.event(rid, "aborted", phase=item.phase.value, completion_tokens=out.completion_tokens)
+        else:  # aborted by shutdown, not by the client
+            await self.out.error(item, f"worker {self.worker_id} shut down", retryable=streamed == 0, status=503)
+        self.out.finished(rid, "abort", out.completion_tokens)
+
+    # ------------------------------------------------------------------ FULL and PREFILL
+    async def serve_compute(self, r: Request[Run]) -> None:
+        item = r.item
+        req = item.request
+        rid = req.request_id
+        streamed = 0
+        last: EngineOutput | None = None
+        start = r.received  # the engine took it in on_work
+        first = 0.0
+        async for out in self.engine.stream(rid):  # submitted by on_work
+            last = out
+            if out.finish_reason in ("abort", "error"):
+                await self.on_abort(r, out, streamed)
+                return
+            if not first:
+                first = time.time()
+                self._observe_first(item, start, first, out.queued_s)
+            if out.finished and item.phase == Phase.PREFILL:
+                break
+            await self.out.send(req.reply_subject, self.out.chunk(rid, out, out.cached_tokens))
+            streamed += len(out.token_ids)
+        assert last is not None and last.finished
+        self.metrics.requests.labels(item.phase.value, last.finish_reason or "prefill_done").inc()
+        if item.phase == Phase.FULL:
+            self._observe_decode(item, first, time.time(), last.completion_tokens - 1)
+            self.out.event(rid, "decode_done", phase="full", completion_tokens=last.completion_tokens,
+                           finish_reason=last.finish_reason, cached_tokens=last.cached_tokens)
+            self.out.finished(rid, last.finish_reason or "stop", last.completion_tokens)
+            return
+        await self._prefill_handoff(item, last)
+
+    async def _prefill_handoff(self, item: WorkItem, out: EngineOutput) -> None:
+        req = item.request
+        rid = req.request_id
+        await self.out.send(req.reply_subject, self.out.first_chunk(rid, out))
+        self.out.event(rid, "prefill_done", phase="prefill", prompt_tokens=out.prompt_tokens,
+                       cached_tokens=out.cached_tokens, first_tokens=len(out.token_ids),
+                       finish_reason=out.finish_reason, decode_worker=item.placement.decode_worker)
+        # nats-py only buffers the chunk; its flusher task writes it once this one yields. Yield now: a direct
+        # KV stream may connect and write without ever yielding, and the first token would wait behind the KV.
+        await asyncio.sleep(0)
+        # Ship the KV even when prefill already finished the request, so the decode side ends cleanly.
+        await self.shipper.ship(item, out)
+        self.out.finished(rid, out.finish_reason or "prefill_done", out.completion_tokens)
+
+    # ------------------------------------------------------------------ DECODE
+    async def serve_decode(self, r: Request[Run]) -> None:
+        item = r.item
+        req = item.request
+        rid = req.request_id
+        assert r.handle.kv is not None
+        try:
+            landed = await asyncio.wait_for(r.handle.kv, self.kv_landed_timeout_s)
+        except TimeoutError:
+            landed = KvLanded(transfer_id="", request_id=rid, src_worker="", nbytes=0, chunks=0, duration_s=0.0,
+                              first_token_ids=[], ok=False,
+                              error=f"KV did not land within {self.kv_landed_timeout_s:g}s")
+        except asyncio.CancelledError:
+            if r.superseded:
+                return
+            if not r.cancelled:
+                raise
+            self.out.event(rid, "aborted", phase="decode", completion_tokens=0, waiting_for_kv=True)
+            self.out.finished(rid, "abort", 0)
+            return
+        except EngineError as exc:  # shutdown while waiting
+            await self.out.error(item, str(exc), retryable=False, status=503)
+            self.out.finished(rid, "error", 0)
+            return
+        finally:
+            self.book.kv_wait_over(r)
+        if not landed.ok:
+            local = await self._prefill_locally(r, landed.error or "KV transfer failed")
+            if local is None:
+                return
+            landed = local
+        if landed.transfer_id and not landed.direct:
+            await self._relay_settled(landed)
+        claim = self.inbox.claim(landed)
+        if claim.sink is not None:
+            claim.sink.commit()  # the engine takes the streamed KV as it lies
+        elif claim.problem is not None:
+            local = await self._prefill_locally(r, claim.problem)
+            if local is None:
+                return
+            landed = local
+        elif claim.data is not None:
+            self.engine.put_kv(rid, claim.data)
+        if r.cancelled:  # cancelled between landing and submit
+            self.out.event(rid, "aborted", phase="decode", completion_tokens=0)
+            self.out.finished(rid, "abort", 0)
+            return
+        self.out.event(rid, "kv_landed", phase="decode", transfer_id=landed.transfer_id, src=landed.src_worker,
+                       nbytes=landed.nbytes, bytes_received=claim.received, chunks=landed.chunks,
+                       duration_s=landed.duration_s)
+        landed_at = time.time()
+        waited = landed_at - r.received
+        self.metrics.phase.labels("kv_wait").observe(waited)
+        if self.tracing:
+            self._span("kv_wait", landed_at - waited, landed_at, **{
+                "hetmesh.transfer_id": landed.transfer_id, "hetmesh.src": landed.src_worker,
+                "hetmesh.nbytes": landed.nbytes, "hetmesh.kv_transfer_s": landed.duration_s})
+        first = list(landed.first_token_ids)
+        if not await self.submit(item, self.engine_request(item, first)):
+            return
+        streamed = 0
+        last: EngineOutput | None = None
+        async for out in self.engine.stream(rid):
+            last = out
+            if out.finish_reason in ("abort", "error"):
+                await self.on_abort(r, out, streamed)
+                return
+            if out.finished and not out.token_ids and out.completion_tokens == len(first):
+                break  # the first tokens already ended it and the prefill worker told the client
+            # The prefix hit happened on the prefill side; the decode engine saw the KV land instead.
+            await self.out.send(req.reply_subject, self.out.chunk(rid, out, landed.cached_tokens))
+            streamed += len(out.token_ids)
+        assert last is not None and last.finished
+        self.metrics.requests.labels("decode", last.finish_reason or "stop").inc()
+        self._observe_decode(item, landed_at, time.time(), last.completion_tokens - len(first))
+        self.out.event(rid, "decode_done", phase="decode", completion_tokens=last.completion_tokens,
+                       finish_reason=last.finish_reason, cached_tokens=landed.cached_tokens)
+        self.out.finished(rid, last.finish_reason or "stop", last.completion_tokens)
+
+    async def _relay_settled(self, landed: KvLanded) -> None:
+        """KvLanded from the relay may overtake its last chunks (they sit in another subscription's queue)."""
+        deadline = time.monotonic() + RELAY_GRACE_S
+        while True:
+            if self.inbox.bytes_seen(landed.transfer_id) >= landed.nbytes or time.monotonic() > deadline:
+                return
+            await asyncio.sleep(0.002)
+
+    async def _prefill_locally(self, r: Request[Run], why: str) -> KvLanded | None:
+        """The KV never arrived (kv-transfer died, the transfer failed or timed out): compute the prefill
+        here instead and continue as if it had landed. The first token is the same one the prefill worker
+        sent (deterministic for the request); sending it again is harmless, the gateway drops duplicates.
+        None when the request is over (finished here, failed, or cancelled)."""
+        item = r.item
+        req = item.request
+        rid = req.request_id
+        self.out.event(rid, "kv_fallback", phase="decode", reason=why)
+        log.warning("request %s: %s; prefilling locally on %s", rid, why, self.worker_id)
+        pre = WorkItem(request=req, phase=Phase.PREFILL, placement=item.placement)
+        if r.cancelled or not await self.submit(pre, self.engine_request(pre)):
+            return None
+        last: EngineOutput | None = None
+        async for out in self.engine.stream(rid):
+            last = out
+            if out.finish_reason in ("abort", "error"):
+                await self.on_abort(r, out, 0)
+                return None
+            if out.finished:
+                break
+        assert last is not None
+        await self.out.send(req.reply_subject, self.out.first_chunk(rid, last))
+        if last.finish_reason is not None:
+            self.out.event(rid, "decode_done", phase="decode", completion_tokens=last.completion_tokens,
+                           finish_reason=last.finish_reason, cached_tokens=last.cached_tokens, local_prefill=True)
+            self.out.finished(rid, last.finish_reason, last.completion_tokens)
+            return None
+        if self.engine.real_kv:  # the local prefill's KV: the decode below loads it like a landed one
+            kv = self.engine.take_kv(rid)
+            if kv is not None:
+                self.engine.put_kv(rid, kv)
+        return KvLanded(transfer_id="", request_id=rid, src_worker=self.worker_id, nbytes=0, chunks=0, duration_s=0.0,
+                        first_token_ids=last.token_ids, first_text=last.text, cached_tokens=last.cached_tokens)
+
+    # ------------------------------------------------------------------ metrics and spans
+    def _observe_first(self, item: WorkItem, start: float, first: float, queued_s: float) -> None:
+        """Queue wait and prefill of a FULL or PREFILL item (start: its arrival; first: its first token)."""
+        m = self.metrics
+        queued_s = min(queued_s, first - start)
+        m.phase.labels("queue").observe(queued_s)
+        m.phase.labels("prefill").observe(first - start - queued_s)
+        m.ttft.labels("observed").observe(first - start)
+        p = item.placement.predicted_ttft_s
+        if p is not None:
+            m.ttft.labels("predicted").observe(p / self.time_scale)
+        if self.tracing:
+            self._span("queue_wait", start, start + queued_s)
+            self._span("prefill", start + queued_s, first, **{"hetmesh.phase": item.phase.value})
+
+    def _observe_decode(self, item: WorkItem, first: float, end: float, tokens: int) -> None:
+        """Decode of a FULL or DECODE item: `tokens` generated between `first` and `end`."""
+        m = self.metrics
+        m.phase.labels("decode").observe(end - first)
+        if tokens > 0:
+            m.tpot.labels("observed").observe((end - first) / tokens)
+        p = item.placement.predicted_tpot_s
+        if p:
+            m.tpot.labels("predicted").observe(p / self.time_scale)
+        if self.tracing:
+            self._span("decode", first, end, **{"hetmesh.decode_tokens": tokens})
+
+    def _span(self, name: str, start: float, end: float, **attrs: str | int | float) -> None:
+        """A finished child of the current span (the work item's), from time.time() stamps."""
+        span = self.tracer.start_span(name, start_time=telemetry.s_to_ns(start),
+                                      attributes={"hetmesh.worker_id": self.worker_id, **attrs})
+        span.end(end_time=telemetry.s_to_ns(end))
