@@ -34,6 +34,10 @@ FIRST_TOKEN_YIELDS = 3
 # Tokens of consecutive steps are merged and handed to stream consumers at most this often (first
 # tokens and final outputs go at once), so a fast accelerator costs few messages per token.
 STREAM_INTERVAL_S = 0.002
+# Engine time the loop may owe and win back (wall seconds): each step's own Python work and the timer's
+# overshoot come out of the next sleep instead of stretching engine time, so a step takes dt on average,
+# as in the simulator. A longer stall (the process descheduled) is dropped, not paid back in a burst.
+MAX_LAG_S = 0.05
 
 
 class StepTimer(Protocol):
@@ -301,7 +305,7 @@ class SimEngine:
             dt = self.timer.step_seconds(step) / self.time_scale
             self.busy_s += dt
             now = loop.time()
-            target = max(target, now) + dt
+            target = max(target, now - MAX_LAG_S) + dt
             owed = target - now
             if owed > MIN_SLEEP_S:
                 if now - last_flush >= STREAM_INTERVAL_S:
