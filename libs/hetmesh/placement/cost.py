@@ -81,6 +81,7 @@ class CostPolicy:
         self._cm_list: list[CostModel] = []
         self._coef = np.zeros((0, len(COEFFICIENTS)))
         self._links: dict[tuple[str, int, str, int], float] = {}
+        self._row_links: dict[tuple[int, int], float] = {}  # (P, D) cost-model rows -> KV link bandwidth
         self._t0 = -1.0  # time of the first placement (the share estimator's warm-up)
         # What this policy placed on each worker (a slot per worker id): prefill seconds queued until
         # busy_until, the predicted start of each queued prefill, and a decaying prefill share (acc at last).
@@ -211,12 +212,13 @@ class CostPolicy:
             best_p = pre[np.argsort(ttft[pre], kind="stable")[: self.top_k]].tolist()
             best_d = dec[np.argsort(tpot[dec], kind="stable")[: self.top_k]].tolist()
             pairs = [(p, d) for p in best_p for d in best_d if p != d]
-            links = f.links
+            rows, links = f.rows, self._row_links
             bw = []
-            for pd in pairs:
-                v = links.get(pd)
+            for p, d in pairs:
+                key = (rows[p], rows[d])  # the link depends on the two server shapes only
+                v = links.get(key)
                 if v is None:
-                    v = links[pd] = self._link(f.views[pd[0]], f.views[pd[1]])
+                    v = links[key] = self._link(f.views[p], f.views[d])
                 bw.append(v)
             if pairs:
                 pp, dd = np.array(pairs).T
@@ -237,8 +239,7 @@ class CostPolicy:
         self._commit(int(slots[p]), float(pf[p]), now)
         agg = p == d
         ids = f.ids
-        shown = order[:MAX_CANDIDATES].tolist()  # the best options, for the placement span
-        sp, sd = ip.tolist(), id_.tolist()
+        shown = order[:MAX_CANDIDATES]  # the best options, for the placement span
         return Decision(
             mode="aggregated" if agg else "disaggregated",
             decode_worker=ids[d],
@@ -247,8 +248,8 @@ class CostPolicy:
             reason=f"cost/{self.objective}: e2e {o_e2e[k]:.3f}s",
             predicted_ttft_s=float(o_ttft[k]),
             predicted_tpot_s=float(o_tpot[k]) if n_out > 1 else 0.0,
-            candidates=tuple((ids[sp[j]], ids[sd[j]], float(o_ttft[j]), float(o_tpot[j]), float(o_e2e[j]))
-                             for j in shown),
+            candidates=tuple(zip([ids[i] for i in ip[shown].tolist()], [ids[i] for i in id_[shown].tolist()],
+                                 o_ttft[shown].tolist(), o_tpot[shown].tolist(), o_e2e[shown].tolist(), strict=True)),
         )
 
     def _commit(self, slot: int, pf: float, now: float) -> None:

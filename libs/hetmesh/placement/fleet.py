@@ -40,7 +40,6 @@ class Fleet:
         self.model_code = np.zeros(0, dtype=np.intp)
         self.coef = np.zeros((0, 0))  # column i: worker i's cost-model coefficients
         self._coef2: np.ndarray | None = None
-        self.links: dict[tuple[int, int], float] = {}  # (P, D) rows -> KV link bandwidth, for the policy
 
     def sync(self, workers: Sequence[WorkerView]) -> None:
         old = self.views
@@ -65,7 +64,6 @@ class Fleet:
             self.rows[i] = self._row_of(w)  # a new server shape, model or role (rare: a re-plan)
             self.coef[:, i] = self._table()[self.rows[i]]
             self._coef2 = None
-            self.links.clear()
             self.role[i] = _ROLE[w.role]
             self.model_code[i] = self.models.setdefault(w.model, len(self.models))
 
@@ -79,7 +77,6 @@ class Fleet:
         self.rows = np.array([self._row_of(w) for w in workers], dtype=np.intp)
         self.coef = np.ascontiguousarray(self._table()[self.rows].T)
         self._coef2 = None
-        self.links.clear()
         self.slots = np.array([self._slot_of(wid) for wid in self.ids], dtype=np.intp)
         self.role = np.array([_ROLE[w.role] for w in workers], dtype=np.int8)
         models = self.models
