@@ -100,8 +100,8 @@ class _Req:
 
 
 class _Worker:
-    __slots__ = ("busy", "busy_time", "cm", "core", "decode_tokens", "inbound", "kicked", "nic_free", "prefill_tokens",
-                 "spec", "step", "step_start", "steps", "view")
+    __slots__ = ("busy", "busy_time", "cm", "core", "decode_tokens", "inbound", "index", "kicked", "nic_free",
+                 "prefill_tokens", "spec", "step", "step_start", "steps")
 
     def __init__(self, spec: WorkerSpec, cm: CostModel, settings: Settings) -> None:
         self.spec = spec
@@ -116,7 +116,7 @@ class _Worker:
         self.decode_tokens = 0
         self.inbound = 0  # disaggregated requests whose KV is on its way here
         self.nic_free = 0.0
-        self.view: WorkerView | None = None
+        self.index = 0  # in Simulator.workers
         self.steps: list[tuple[object, ...]] | None = None
 
 
@@ -177,6 +177,8 @@ class Simulator:
         self._links: dict[tuple[str, str], float] = {}
         self._holders: dict[int, set[str]] = {}
         self._dirty: set[_Worker] = set()  # cores with KV events not yet in the index
+        self._stale: set[_Worker] = set()  # workers whose view is out of date
+        self._view_list: list[WorkerView] = []
         self._events: list[tuple[float, bool, int, int, object]] = []
         self._seq = 0
         self.now = 0.0
@@ -201,10 +203,13 @@ class Simulator:
                                 block_size=s.block_size, step_tokens=s.step_tokens, prefill_order=s.prefill_order,
                                 hash_blocks=hash_tokens // s.block_size, prefix_caching=self.cfg.prefix_caching)
             w = _Worker(s, cm, settings)
+            w.index = len(self.workers)
             if self.cfg.record_steps:
                 w.steps = []
             self.workers.append(w)
             self.by_id[s.worker_id] = w
+        self._view_list = [None] * len(self.workers)  # type: ignore[list-item]  # all stale: built at first use
+        self._stale = set(self.workers)
 
     # ---- event plumbing ----
     def _push(self, t: float, kind: int, obj: object) -> None:
@@ -214,18 +219,19 @@ class Simulator:
 
     # ---- the policy's view of the cluster: what a heartbeat would say ----
     def _views(self) -> list[WorkerView]:
-        out = []
-        for w in self.workers:
-            if w.view is None:
-                s, c = w.spec, w.core
-                w.view = WorkerView(worker_id=s.worker_id, model=s.model, accelerator=s.accelerator,
-                                    vendor=s.accelerator.split("-", 1)[0], devices=s.devices, role=s.role,
-                                    queue_depth=c.n_waiting + w.inbound, running=len(c.running),
-                                    max_batch=s.max_batch, kv_blocks_total=c.s.kv_blocks,
-                                    kv_blocks_used=c.cache.used, block_size=s.block_size, parallel=s.parallel,
-                                    step_tokens=s.step_tokens)
-            out.append(w.view)
-        return out
+        """One list, kept: only workers whose state moved since the last placement get a new view (the policy
+        tells changed workers by the view object)."""
+        views = self._view_list
+        for w in self._stale:
+            s, c = w.spec, w.core
+            views[w.index] = WorkerView(worker_id=s.worker_id, model=s.model, accelerator=s.accelerator,
+                                        vendor=s.accelerator.split("-", 1)[0], devices=s.devices, role=s.role,
+                                        queue_depth=c.n_waiting + w.inbound, running=len(c.running),
+                                        max_batch=s.max_batch, kv_blocks_total=c.s.kv_blocks,
+                                        kv_blocks_used=c.cache.used, block_size=s.block_size, parallel=s.parallel,
+                                        step_tokens=s.step_tokens)
+        self._stale.clear()
+        return views
 
     def _cached_blocks(self, hashes: Sequence[int]) -> dict[str, int]:
         """Leading blocks each worker holds (the prefix index lookup), after the cores' pending KV events."""
@@ -273,7 +279,7 @@ class Simulator:
             return
         if pw is not dw:
             dw.inbound += 1
-            dw.view = None
+            self._stale.add(dw)
         self._wake(pw)
 
     def _reject(self, req: _Req) -> None:
@@ -284,14 +290,14 @@ class Simulator:
     def _wake(self, w: _Worker) -> None:
         """New work for w: it starts a step once every event of this instant is in (as the live engine's loop
         runs after the submits that woke it)."""
-        w.view = None
+        self._stale.add(w)
         if not w.busy and not w.kicked:
             w.kicked = True
             self._push(self.now, _KICK, w)
 
     def _start_step(self, w: _Worker) -> None:
         w.kicked = False
-        w.view = None
+        self._stale.add(w)
         core = w.core
         while True:
             step = core.schedule(self.now)
@@ -336,7 +342,7 @@ class Simulator:
                 dw = r.dw
                 assert dw is not None
                 dw.inbound -= 1
-                dw.view = None
+                self._stale.add(dw)
                 self._finished(r)
             else:
                 self._ship_kv(w, r)
@@ -372,7 +378,7 @@ class Simulator:
             pw.spec.worker_id if pw else "", dw.spec.worker_id if dw else "",
             getattr(d, "predicted_ttft_s", None), getattr(d, "predicted_tpot_s", None)))
         if dw is not None:
-            dw.view = None
+            self._stale.add(dw)
         del self.reqs[r.rid]
         self._next()
 
