@@ -27,13 +27,11 @@ import contextlib
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +43,6 @@ from hetmesh.bus import decode_events
 from hetmesh.launcher import Mesh
 from hetmesh.launcher.mesh import temp_log_dir
 from hetmesh.loadgen import (
-    Result,
     SSEClient,
     closed_loop,
     cpu_seconds,
@@ -57,7 +54,7 @@ from hetmesh.loadgen import (
 
 PATH = "/v1/completions"
 
-CLUSTER = """
+HEADER = """
 [mesh]
 time_scale = 1000000.0
 heartbeat_interval_s = 0.5
@@ -67,6 +64,9 @@ policy = "{policy}"
 name = "tiny-sim"
 spec = "tiny-llama"
 block_size = 16
+"""
+
+CLUSTER = HEADER + """
 [[workers]]
 name = "h100"
 model = "tiny-sim"
@@ -76,16 +76,7 @@ count = {workers}
 max_batch = 256
 """
 
-PD_CLUSTER = """
-[mesh]
-time_scale = 1000000.0
-heartbeat_interval_s = 0.5
-[scheduler]
-policy = "{policy}"
-[[models]]
-name = "tiny-sim"
-spec = "tiny-llama"
-block_size = 16
+PD_CLUSTER = HEADER + """
 [[workers]]
 name = "cpx"
 model = "tiny-sim"
@@ -116,63 +107,13 @@ def pd_body(i: int) -> bytes:
                        "ignore_eos": True}).encode()
 
 
-@dataclass(slots=True)
-class PDResult(Result):
-    second_s: float = 0.0  # to the second SSE event: the first token the decode worker streamed
-
-
-_EVENT = re.compile(rb"data: (\{.*?\})\n\n")
-
-
-class PDClient(SSEClient):
-    """SSEClient that also stamps the second token (the loadgen's client stamps only the first event)."""
-
-    async def stream(self, path: str, body: bytes) -> PDResult:
-        request = (b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                   % (path.encode(), len(body), body))
-        r, w = self.idle.pop() if self.idle else await asyncio.open_connection(self.host, self.port)
-        t0 = time.perf_counter()
-        w.write(request)
-        buf = b""
-        first = second = 0.0
-        while True:
-            data = await r.read(65536)
-            if not data:
-                if buf:
-                    self.failures.append(f"connection closed mid-response: {buf[-200:]!r}")
-                    return PDResult(first, time.perf_counter() - t0, False)
-                r, w = await asyncio.open_connection(self.host, self.port)  # a keep-alive closed under us
-                w.write(request)
-                continue
-            buf += data
-            if not second:
-                # The gateway may merge tokens that reach it together into one event: count characters
-                # (tiny-sim's byte tokenizer: one per token), not events.
-                now = time.perf_counter() - t0
-                chars = sum(len(json.loads(e)["choices"][0]["text"]) for e in _EVENT.findall(buf))
-                if chars >= 1 and not first:
-                    first = now
-                if chars >= 2:
-                    second = now
-            if buf.endswith(b"\r\n0\r\n\r\n") or (not buf.startswith(b"HTTP/1.1 200") and b"}" in buf):
-                break
-        total = time.perf_counter() - t0
-        ok = buf.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in buf and second > 0
-        if ok:
-            self.idle.append((r, w))
-        else:
-            self.failures.append(buf[-300:].decode(errors="replace"))
-            w.close()
-        return PDResult(first, total, ok, second_s=second)
-
-
 async def bench_pd(mesh: Mesh, rates: list[float], seconds: float) -> dict[str, object]:
     """Disaggregated requests only: what the client sees of the prefill -> KV -> decode hand-over, and the
     hand-over itself from the workers' own events (prefill_done on the prefill worker to kv_landed on the
     decode worker: one host, one clock), which the gateway and the client's share of the CPU do not blur."""
     import nats
 
-    client = PDClient(mesh.cfg.gateway.host, mesh.port)
+    client = SSEClient(mesh.cfg.gateway.host, mesh.port, second_token=True)
     procs = {name: s.proc.pid for name, s in mesh.services.items() if s.proc}
     stamps: dict[str, dict[str, float]] = {}  # request id -> event kind -> its ts
 
@@ -192,7 +133,7 @@ async def bench_pd(mesh: Mesh, rates: list[float], seconds: float) -> dict[str, 
         res = await open_loop(client, PATH, rate, seconds, pd_body)
         cpu, wall = cpu_seconds(list(procs.values())) - c0, time.perf_counter() - w0
         await asyncio.sleep(0.5)  # the last events travel batched
-        ok = [r for r in res if isinstance(r, PDResult) and r.ok]
+        ok = [r for r in res if r.ok and r.second_s > 0]
         first, second, total = [r.ttft_s for r in ok], [r.second_s for r in ok], [r.total_s for r in ok]
         handover = [d["kv_landed"] - d["prefill_done"] for d in stamps.values() if len(d) == 2]
         row: dict[str, object] = {"rate_rps": rate, "requests": len(res), "errors": len(res) - len(ok),

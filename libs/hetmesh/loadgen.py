@@ -8,6 +8,7 @@ per request than the gateway does.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import re
@@ -30,6 +31,10 @@ class Result:
     total_s: float
     ok: bool
     completion_tokens: int = 0
+    second_s: float = 0.0  # to the second token (SSEClient.second_token): in P/D, the decode worker's first
+
+
+_EVENT = re.compile(rb"data: (\{.*?\})\n\n")
 
 
 @dataclass
@@ -38,6 +43,9 @@ class SSEClient:
     port: int
     idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    # Also stamp the second token: parses every event (the gateway may merge tokens that reach it together,
+    # so it counts text characters, one per token with a byte tokenizer), which costs client CPU.
+    second_token: bool = False
 
     async def stream(self, path: str, body: bytes) -> Result:
         """POST one streaming request and read it to the end."""
@@ -47,13 +55,13 @@ class SSEClient:
         t0 = time.perf_counter()
         w.write(request)
         buf = b""
-        ttft = 0.0
+        ttft = second = 0.0
         while True:
             data = await r.read(65536)
             if not data:
                 if buf:
                     self.failures.append(f"connection closed mid-response: {buf[-200:]!r}")
-                    return Result(ttft, time.perf_counter() - t0, False)
+                    return Result(ttft, time.perf_counter() - t0, False, second_s=second)
                 # The server closed an idle keep-alive connection just as we reused it: a fresh one.
                 r, w = await asyncio.open_connection(self.host, self.port)
                 w.write(request)
@@ -61,6 +69,9 @@ class SSEClient:
             buf += data
             if not ttft and b"data: {" in buf:
                 ttft = time.perf_counter() - t0
+            if self.second_token and ttft and not second and sum(
+                    len(json.loads(e)["choices"][0]["text"]) for e in _EVENT.findall(buf)) >= 2:
+                second = time.perf_counter() - t0
             if buf.endswith(b"\r\n0\r\n\r\n") or (not buf.startswith(b"HTTP/1.1 200") and b"}" in buf):
                 break
         total = time.perf_counter() - t0
@@ -71,7 +82,7 @@ class SSEClient:
             self.failures.append(buf[-300:].decode(errors="replace"))
             w.close()
         m = _USAGE.search(buf, max(len(buf) - 600, 0))
-        return Result(ttft, total, ok, int(m.group(1)) if m else 0)
+        return Result(ttft, total, ok, int(m.group(1)) if m else 0, second)
 
     async def wait_ready(self, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
