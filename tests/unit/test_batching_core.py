@@ -75,3 +75,36 @@ def test_memory_is_conserved_and_every_sequence_ends(seqs: list[tuple[Kind, int,
     assert core.cache.private == 0 and core.cache.used == 0
     for s in done.values():
         assert s.generated == (1 if s.kind == Kind.PREFILL else s.max_new)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seqs=st.lists(st.tuples(st.integers(1, 100), st.integers(1, 80), st.integers(0, 3)), min_size=1, max_size=12),
+       kv_blocks=st.integers(30, 120), gaps=st.lists(st.integers(0, 40), min_size=12, max_size=12))
+def test_a_run_of_quiet_steps_is_the_steps_one_by_one(seqs: list[tuple[int, int, int]], kv_blocks: int,
+                                                      gaps: list[int]) -> None:
+    """`quiet` + `skip` (the simulator's shortcut over plain decode steps) end every sequence at the same
+    step, with the same memory and counters, as schedule + update step by step."""
+    arrivals = [sum(gaps[: i + 1]) for i in range(len(seqs))]  # the step before which each one is added
+
+    def run(shortcut: bool) -> tuple[dict[int, int], tuple[int, ...]]:
+        core = Core(Settings(max_batch=6, kv_blocks=kv_blocks, block_size=8, step_tokens=64))
+        ended: dict[int, int] = {}
+        pending = list(enumerate(seqs))
+        while pending or core.seqs:
+            while pending and arrivals[pending[0][0]] <= core.tick:
+                i, (prompt, out, shared) = pending.pop(0)
+                core.add(Seq(i, Kind.FULL, prompt, [77 + j for j in range(shared)] + [1000 * (i + 1)], out))
+            step = core.schedule()
+            if step.empty:
+                core.tick += 1  # idle until the next arrival
+                continue
+            k = core.quiet(step, 1000) if shortcut else 0
+            if pending:  # an arrival cuts the run before its step
+                k = max(min(k, arrivals[pending[0][0]] - 1 - step.tick), 0)
+            for s in core.skip(step, k).finished:
+                ended[s.rid] = core.tick - 1
+            _check(core)
+        st_ = core.stats
+        return ended, (st_.steps, st_.tokens_generated, st_.prompt_tokens_computed, st_.preempted, core.tick)
+
+    assert run(True) == run(False)

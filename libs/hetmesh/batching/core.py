@@ -62,6 +62,13 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"prefill_order must be one of {PREFILL_ORDERS}, not {self.prefill_order!r}")
 
 
+def _next_key(keys: list[int], lo: int) -> float:
+    """The smallest step >= lo in a heap of bucket steps (steps below lo are past: dropped)."""
+    while keys and keys[0] < lo:
+        heappop(keys)
+    return keys[0] if keys else float("inf")
+
+
 def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
@@ -179,6 +186,8 @@ class Core:
         # (stale when the seq's ver moved on). Every step is scheduled once in order, so buckets beat a heap.
         self._first_at: dict[int, list[tuple[int, Seq]]] = {}
         self._end_at: dict[int, list[tuple[int, Seq]]] = {}
+        self._first_keys: list[int] = []  # heaps of those buckets' steps, for `quiet`
+        self._end_keys: list[int] = []
         # A decode needs a block every block_size steps from its f on, so the blocks step t needs are the
         # decodes with f = t (mod block_size): counted per residue, never visited one by one while memory
         # lasts. A decode's blocks are then cap0 + one per crossing up to _crossed (the last step whose
@@ -315,6 +324,44 @@ class Core:
                 out._finished(s)
         return out
 
+    # ------------------------------------------------------------------ runs of plain decode steps
+    def quiet(self, step: Step, limit: int) -> int:
+        """How many steps after `step` (just scheduled) are plain decode steps if nothing is added or
+        aborted meanwhile: nothing queued or prefilling, no sequence ends before the last of them, none
+        starts growing, and their blocks fit without eviction. A simulator may then run them as one
+        event (`skip`); the steps are the same."""
+        if step.prefills or step.ended or self.prefilling or self.n_waiting or not self.decoding:
+            return 0
+        t = step.tick
+        kmax = min(limit, _next_key(self._end_keys, t) - t, _next_key(self._first_keys, t + 1) - t - 1)
+        cache, growing, bs = self.cache, self._growing, self.s.block_size
+        free = cache.total - len(cache.refs) * cache.unit - cache.private
+        k = 0
+        while k < kmax:
+            free -= growing[(t + k + 1) % bs]
+            if free < 0:
+                break
+            k += 1
+        return k
+
+    def skip(self, step: Step, k: int) -> Outcome:
+        """`update(step)`, then the next k plain decode steps (`quiet`) as schedule + update would run them."""
+        out = self.update(step)
+        if not k:
+            return out
+        t, n = step.tick, step.n_decode
+        growing, bs = self._growing, self.s.block_size
+        self.cache.private += sum(growing[(t + j) % bs] for j in range(1, k + 1))
+        self._crossed = t + k
+        st = self.stats
+        st.steps += k - 1
+        st.tokens_generated += (k - 1) * n
+        self.tick = t + k
+        last = Step(t + k)
+        last.n_decode = n
+        last.decode_context = self._ctx_base + n * (t + k)
+        return self.update(last)  # no sequence ended before its last step: update(step) finished none
+
     # ------------------------------------------------------------------ internals
     def _head(self) -> Seq | None:
         for q in (self._resumed, self._fifo):
@@ -399,14 +446,15 @@ class Core:
         s.ver += 1
         s.f = d0 + s.capacity - ctx + 1
         s.active = False
-        self._at(self._first_at, s.f, s)
-        self._at(self._end_at, d0 + s.max_new - s.g0 - 1, s)
+        self._at(self._first_at, self._first_keys, s.f, s)
+        self._at(self._end_at, self._end_keys, d0 + s.max_new - s.g0 - 1, s)
 
     @staticmethod
-    def _at(buckets: dict[int, list[tuple[int, Seq]]], step: int, s: Seq) -> None:
+    def _at(buckets: dict[int, list[tuple[int, Seq]]], keys: list[int], step: int, s: Seq) -> None:
         b = buckets.get(step)
         if b is None:
             buckets[step] = [(s.ver, s)]
+            heappush(keys, step)
         else:
             b.append((s.ver, s))
 

@@ -13,6 +13,7 @@ another. The prefix index is the cores' own KV events, walked like the Redis ind
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ from hetmesh.sim.traces import ClosedLoop, Trace, TraceRequest
 from hetmesh.wiring import kv_blocks_for
 
 _ARRIVAL, _KICK, _STEP_END, _KV_LANDED = 0, 1, 2, 3
+MAX_SPAN = 256  # plain decode steps one event may stand for
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,7 @@ class _Req:
 
 class _Worker:
     __slots__ = ("busy", "busy_time", "cm", "core", "decode_tokens", "inbound", "index", "kicked", "nic_free",
-                 "prefill_tokens", "spec", "step", "step_start", "steps")
+                 "prefill_tokens", "span", "spec", "step", "step_start", "steps", "ver")
 
     def __init__(self, spec: WorkerSpec, cm: CostModel, settings: Settings) -> None:
         self.spec = spec
@@ -117,6 +119,8 @@ class _Worker:
         self.inbound = 0  # disaggregated requests whose KV is on its way here
         self.nic_free = 0.0
         self.index = 0  # in Simulator.workers
+        self.span: list[float] | None = None  # a run of plain decode steps: each one's end time
+        self.ver = 0  # of the pending STEP_END event
         self.steps: list[tuple[object, ...]] | None = None
 
 
@@ -178,6 +182,7 @@ class Simulator:
         self._holders: dict[int, set[str]] = {}
         self._dirty: set[_Worker] = set()  # cores with KV events not yet in the index
         self._stale: set[_Worker] = set()  # workers whose view is out of date
+        self._scratch = Step(0)  # prices a plain decode step of a run
         self._view_list: list[WorkerView] = []
         self._events: list[tuple[float, bool, int, int, object]] = []
         self._seq = 0
@@ -289,11 +294,18 @@ class Simulator:
 
     def _wake(self, w: _Worker) -> None:
         """New work for w: it starts a step once every event of this instant is in (as the live engine's loop
-        runs after the submits that woke it)."""
+        runs after the submits that woke it). A run of plain decode steps under way ends with the step
+        running now, so the next step admits the newcomer as step-by-step it would."""
         self._stale.add(w)
         if not w.busy and not w.kicked:
             w.kicked = True
             self._push(self.now, _KICK, w)
+        elif w.span is not None and len(w.span) > 1:
+            i = bisect_left(w.span, self.now)
+            if i < len(w.span) - 1:
+                w.span = w.span[: i + 1]
+                w.ver += 1
+                self._push(w.span[i], _STEP_END, (w, w.ver))
 
     def _start_step(self, w: _Worker) -> None:
         w.kicked = False
@@ -314,20 +326,41 @@ class Simulator:
             return
         if w.steps is not None:
             w.steps.append(step.signature())
-        dt = w.cm.step_seconds(step)
+        end = self.now + w.cm.step_seconds(step)
+        # Plain decode steps ahead (nothing queued, no ends, blocks to spare) run as one event; their end
+        # times are kept, so a request that arrives meanwhile cuts the run at the step it lands in.
+        k = core.quiet(step, MAX_SPAN)
+        if k:
+            n, base = step.n_decode, step.decode_context - step.n_decode * step.tick
+            scratch = self._scratch
+            scratch.n_decode = n
+            span = [end]
+            for j in range(1, k + 1):
+                scratch.decode_context = base + n * (step.tick + j)
+                end += w.cm.step_seconds(scratch)
+                span.append(end)
+            w.span = span
+        else:
+            w.span = None
         w.busy = True
         w.step = step
         w.step_start = self.now
-        w.prefill_tokens += step.prefill_tokens
-        w.decode_tokens += step.n_decode
-        self._push(self.now + dt, _STEP_END, w)
+        w.ver += 1
+        self._push(end, _STEP_END, (w, w.ver))
 
     def _end_step(self, w: _Worker) -> None:
         now = self.now
         w.busy_time += now - w.step_start
         step = w.step
         assert step is not None
-        out = w.core.update(step)
+        k = len(w.span) - 1 if w.span is not None else 0
+        w.span = None
+        out = w.core.skip(step, k)
+        w.prefill_tokens += step.prefill_tokens
+        w.decode_tokens += step.n_decode * (k + 1)
+        if k and w.steps is not None:
+            n, base = step.n_decode, step.decode_context - step.n_decode * step.tick
+            w.steps.extend(((), n, base + n * (step.tick + j), ()) for j in range(1, k + 1))
         reqs = self.reqs
         for s in out.sampled:
             r = reqs[s.rid]
@@ -424,7 +457,9 @@ class Simulator:
                 break
             self.now = t
             if kind == _STEP_END:
-                self._end_step(obj)  # type: ignore[arg-type]
+                w, ver = obj  # type: ignore[misc]
+                if ver == w.ver:  # not a run of steps cut short since
+                    self._end_step(w)
             elif kind == _ARRIVAL:
                 tr: TraceRequest = obj  # type: ignore[assignment]
                 if self._source is None:
