@@ -320,7 +320,8 @@ class Simulator:
                 self._finished(self.reqs[s.rid])
             if not empty:
                 break
-        self._dirty.add(w)
+        if core.cache.dirty:
+            self._dirty.add(w)
         if empty:
             w.busy = False
             return
