@@ -5,7 +5,18 @@ Both the live `sim` engine (hetmesh.engines.simulated) and the offline cluster s
 """
 
 from hetmesh.batching.cache import KvEventBatch, PrefixCache
-from hetmesh.batching.core import PREFILL_ORDERS, Core, Kind, Outcome, Seq, Settings, State, Step, blocks_for
+from hetmesh.batching.core import (
+    PREFILL_ORDERS,
+    Core,
+    Kind,
+    Outcome,
+    Seq,
+    Settings,
+    State,
+    Step,
+    blocks_for,
+    following,
+)
 
 __all__ = ["PREFILL_ORDERS", "Core", "Kind", "KvEventBatch", "Outcome", "PrefixCache", "Seq", "Settings", "State",
-           "Step", "blocks_for"]
+           "Step", "blocks_for", "following"]

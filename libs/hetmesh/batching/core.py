@@ -62,6 +62,14 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"prefill_order must be one of {PREFILL_ORDERS}, not {self.prefill_order!r}")
 
 
+def following(step: Step, j: int) -> Step:
+    """The j-th plain decode step after `step` (`Core.quiet`): the same batch, every context j tokens longer."""
+    nxt = Step(step.tick + j)
+    nxt.n_decode = step.n_decode
+    nxt.decode_context = step.decode_context + step.n_decode * j
+    return nxt
+
+
 def _next_key(keys: list[int], lo: int) -> float:
     """The smallest step >= lo in a heap of bucket steps (steps below lo are past: dropped)."""
     while keys and keys[0] < lo:
@@ -357,10 +365,7 @@ class Core:
         st.steps += k - 1
         st.tokens_generated += (k - 1) * n
         self.tick = t + k
-        last = Step(t + k)
-        last.n_decode = n
-        last.decode_context = self._ctx_base + n * (t + k)
-        return self.update(last)  # no sequence ended before its last step: update(step) finished none
+        return self.update(following(step, k))  # no sequence ended before its last step: update(step) ended none
 
     # ------------------------------------------------------------------ internals
     def _head(self) -> Seq | None:

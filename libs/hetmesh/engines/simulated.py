@@ -49,8 +49,8 @@ class StepTimer(Protocol):
 class _Live:
     """One request in the shell: its sampler, text, and the output buffer its consumer has not taken."""
 
-    __slots__ = ("comp", "event", "finish_reason", "finished", "ids", "index", "parts", "queued_s", "req",
-                 "sampler", "seq", "submitted")
+    __slots__ = ("comp", "event", "finish_reason", "finished", "ids", "index", "parts", "req", "sampler", "seq",
+                 "submitted")
 
     def __init__(self, req: EngineRequest, sampler: Sampler, comp: Completion, seq: Seq) -> None:
         self.req = req
@@ -63,15 +63,15 @@ class _Live:
         self.parts: list[str] = []
         self.finished = False
         self.finish_reason: str | None = None
-        self.submitted = time.perf_counter()
-        self.queued_s = 0.0
+        self.submitted = time.perf_counter()  # the clock the engine hands the core (Seq.admitted_at)
 
     def take(self) -> EngineOutput:
         s = self.seq
         out = EngineOutput(request_id=self.req.request_id, index=self.index, token_ids=self.ids,
                            text="".join(self.parts), finished=self.finished, finish_reason=self.finish_reason,
                            prompt_tokens=s.prompt_len, cached_tokens=s.cached_tokens,
-                           completion_tokens=len(self.comp.token_ids), queued_s=self.queued_s)
+                           completion_tokens=len(self.comp.token_ids),
+                           queued_s=s.admitted_at - self.submitted if s.admitted_at >= 0 else 0.0)
         self.index += len(self.ids)
         self.ids = []
         self.parts = []
@@ -272,12 +272,7 @@ class SimEngine:
                 self.core.abort(rid)
                 self._end(lv, None, "", "error")
 
-    def _admitted(self, step: Step) -> None:
-        now = time.perf_counter()
-        for s in step.admitted:
-            lv = self._live.get(s.rid)
-            if lv is not None:
-                lv.queued_s = now - lv.submitted
+    def _ended_on_admission(self, step: Step) -> None:
         for s in step.ended:  # DECODEs whose first tokens had already ended them
             lv = self._live.get(s.rid)
             if lv is not None:
@@ -295,8 +290,8 @@ class SimEngine:
                 await self._wake.wait()
                 target = last_yield = loop.time()
                 continue
-            step = core.schedule(loop.time())
-            self._admitted(step)
+            step = core.schedule(time.perf_counter())  # the clock of _Live.submitted: queued_s
+            self._ended_on_admission(step)
             if step.empty:  # only DECODEs that ended on admission this round
                 await asyncio.sleep(0)
                 continue

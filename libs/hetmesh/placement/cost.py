@@ -35,13 +35,11 @@ import numpy as np
 from hetmesh.costmodel import (
     CostModel,
     Efficiency,
-    accelerator,
     link_bandwidth,
     load_efficiencies,
     server_model,
 )
-from hetmesh.costmodel.model import COEFFICIENTS, step_seconds_many
-from hetmesh.costmodel.model import DEFAULT_LINK_LATENCY_S as LINK_LATENCY_S
+from hetmesh.costmodel.model import COEFFICIENTS, step_seconds_many, transfer_time
 from hetmesh.placement.fleet import BOTH as _BOTH
 from hetmesh.placement.fleet import DECODE as _DECODE
 from hetmesh.placement.fleet import PREFILL as _PREFILL
@@ -80,8 +78,7 @@ class CostPolicy:
         self._cms: dict[tuple[str, str, int, str], int] = {}  # server shape -> row of _coef / _cm_list
         self._cm_list: list[CostModel] = []
         self._coef = np.zeros((0, len(COEFFICIENTS)))
-        self._links: dict[tuple[str, int, str, int], float] = {}
-        self._row_links: dict[tuple[int, int], float] = {}  # (P, D) cost-model rows -> KV link bandwidth
+        self._links: dict[tuple[int, int], float] = {}  # (P, D) cost-model rows -> KV link bandwidth
         self._t0 = -1.0  # time of the first placement (the share estimator's warm-up)
         # What this policy placed on each worker (a slot per worker id): prefill seconds queued until
         # busy_until, the predicted start of each queued prefill, and a decaying prefill share (acc at last).
@@ -122,12 +119,13 @@ class CostPolicy:
                 self._queued = np.concatenate([self._queued, np.zeros(grow)])
         return s
 
-    def _link(self, p: WorkerView, d: WorkerView) -> float:
-        key = (p.accelerator, p.devices, d.accelerator, d.devices)
+    def _link(self, p_row: int, d_row: int) -> float:
+        """KV link bandwidth between two servers: it depends on their shapes only (cost-model rows)."""
+        key = (p_row, d_row)
         bw = self._links.get(key)
         if bw is None:
-            bw = self._links[key] = link_bandwidth(accelerator(p.accelerator), p.devices,
-                                                   accelerator(d.accelerator), d.devices)
+            p, d = self._cm_list[p_row], self._cm_list[d_row]
+            bw = self._links[key] = link_bandwidth(p.accel, p.devices, d.accel, d.devices)
         return bw
 
     # ---- the decision ----
@@ -212,18 +210,11 @@ class CostPolicy:
             best_p = pre[np.argsort(ttft[pre], kind="stable")[: self.top_k]].tolist()
             best_d = dec[np.argsort(tpot[dec], kind="stable")[: self.top_k]].tolist()
             pairs = [(p, d) for p in best_p for d in best_d if p != d]
-            rows, links = f.rows, self._row_links
-            bw = []
-            for p, d in pairs:
-                key = (rows[p], rows[d])  # the link depends on the two server shapes only
-                v = links.get(key)
-                if v is None:
-                    v = links[key] = self._link(f.views[p], f.views[d])
-                bw.append(v)
             if pairs:
+                rows = f.rows
                 pp, dd = np.array(pairs).T
                 ip, id_ = np.concatenate([agg_i, pp]), np.concatenate([agg_i, dd])
-                xfer = np.concatenate([xfer, LINK_LATENCY_S + kv_bytes / np.array(bw) if kv_bytes else np.zeros(len(bw))])
+                xfer = np.concatenate([xfer, [transfer_time(kv_bytes, self._link(int(rows[p]), int(rows[d]))) for p, d in pairs]])
         if not len(ip):
             return None
         o_ttft, o_tpot = ttft[ip], tpot[id_]

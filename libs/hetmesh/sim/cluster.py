@@ -17,7 +17,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from hetmesh.batching import Core, Kind, Seq, Settings, Step
+from hetmesh.batching import Core, Kind, Seq, Settings, Step, following
 from hetmesh.config import ClusterConfig
 from hetmesh.costmodel import CostModel, Efficiency, link_bandwidth, server_model
 from hetmesh.costmodel.model import DEFAULT_LINK_LATENCY_S
@@ -182,7 +182,6 @@ class Simulator:
         self._holders: dict[int, set[str]] = {}
         self._dirty: set[_Worker] = set()  # cores with KV events not yet in the index
         self._stale: set[_Worker] = set()  # workers whose view is out of date
-        self._scratch = Step(0)  # prices a plain decode step of a run
         self._view_list: list[WorkerView] = []
         self._events: list[tuple[float, bool, int, int, object]] = []
         self._seq = 0
@@ -332,13 +331,9 @@ class Simulator:
         # times are kept, so a request that arrives meanwhile cuts the run at the step it lands in.
         k = core.quiet(step, MAX_SPAN)
         if k:
-            n, base = step.n_decode, step.decode_context - step.n_decode * step.tick
-            scratch = self._scratch
-            scratch.n_decode = n
             span = [end]
             for j in range(1, k + 1):
-                scratch.decode_context = base + n * (step.tick + j)
-                end += w.cm.step_seconds(scratch)
+                end += w.cm.step_seconds(following(step, j))
                 span.append(end)
             w.span = span
         else:
@@ -360,8 +355,7 @@ class Simulator:
         w.prefill_tokens += step.prefill_tokens
         w.decode_tokens += step.n_decode * (k + 1)
         if k and w.steps is not None:
-            n, base = step.n_decode, step.decode_context - step.n_decode * step.tick
-            w.steps.extend(((), n, base + n * (step.tick + j), ()) for j in range(1, k + 1))
+            w.steps.extend(following(step, j).signature() for j in range(1, k + 1))
         reqs = self.reqs
         for s in out.sampled:
             r = reqs[s.rid]
