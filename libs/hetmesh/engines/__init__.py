@@ -43,6 +43,7 @@ def vllm_engine(cfg: ClusterConfig, group: WorkerGroup, model: ModelConfig) -> E
     v = group.vllm
     return VllmEngine(VllmConfig(
         model_dir=model.path, model_name=model.name, block_size=model.block_size, max_batch=group.max_batch,
+        step_tokens=group.step_tokens,
         max_model_len=v.max_model_len or model.max_context, dtype=v.dtype or _VLLM_DTYPES.get(model.dtype, "auto"),
         kv_cache_gib=v.kv_cache_gib, gpu_memory_utilization=v.gpu_memory_utilization,
         enforce_eager=v.enforce_eager, tensor_parallel_size=group.devices if group.parallel == "tp" else 1,

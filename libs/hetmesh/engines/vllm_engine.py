@@ -48,6 +48,7 @@ class VllmConfig(msgspec.Struct, kw_only=True):
     model_name: str  # the mesh's model name: seeds the block-hash chain like the gateway's
     block_size: int = 128  # vLLM's KV block size; must equal the cluster file's model block_size
     max_batch: int = 64
+    step_tokens: int = 8192  # vLLM's max_num_batched_tokens: the worker group's step budget
     max_model_len: int = 2048
     dtype: str = "auto"
     kv_cache_gib: int = 1  # CPU: VLLM_CPU_KVCACHE_SPACE (whole GiB); GPUs size the cache by gpu_memory_utilization
@@ -247,7 +248,8 @@ class VllmEngine:
             raise EngineError(f"unknown kv_connector {c.kv_connector!r} (hetmesh | nixl | empty)")
         return AsyncEngineArgs(
             model=c.model_dir, tokenizer=c.model_dir, dtype=c.dtype, max_model_len=c.max_model_len,
-            block_size=c.block_size, max_num_seqs=c.max_batch, enable_prefix_caching=True,
+            block_size=c.block_size, max_num_seqs=c.max_batch, max_num_batched_tokens=c.step_tokens,
+            enable_prefix_caching=True,
             enforce_eager=c.enforce_eager, tensor_parallel_size=c.tensor_parallel_size,
             gpu_memory_utilization=c.gpu_memory_utilization, seed=c.seed, disable_log_stats=True,
             kv_transfer_config=kv_transfer,
