@@ -225,11 +225,10 @@ class ClusterConfig(Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ValueError(f"worker group {g.name!r}: step_tokens must be >= max_batch")
             if g.parallel not in ("tp", "ep", "dp") or g.prefill_order not in ("fcfs", "shortest"):
                 raise ValueError(f"worker group {g.name!r}: parallel is tp | ep | dp, prefill_order fcfs | shortest")
-        from hetmesh.placement.policies import (
-            check_options,  # placement imports the protocol, not this module
-        )
+        if self.scheduler.options:  # checked here so every service refuses the file, not just the scheduler
+            from hetmesh.placement.policies import check_options  # imports the protocol, not this module
 
-        check_options(self.scheduler.policy, self.scheduler.options)
+            check_options(self.scheduler.policy, self.scheduler.options)
         return self
 
 

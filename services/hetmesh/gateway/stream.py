@@ -1,12 +1,12 @@
 """One request's reply stream as a pure state machine: messages and clock readings in, actions out.
 
-The gateway's `Call` (service.py) owns the I/O: it awaits the request's inbox, feeds what arrives to
+The gateway's `Call` (call.py) owns the I/O: it awaits the request's inbox, feeds what arrives to
 `ReplyStream`, and carries out what comes back (send a Resume, poll the client, submit a retry,
 publish a Cancel, hand chunks or an error to the client side). Nothing here awaits, publishes or reads
 a clock (`now` is always passed in), so every rule about reordering, holes, retries and stalls is
 unit-testable without a mesh, like core.py's rules about bodies and bytes.
 
-The driver's loop, per `pull` (service.Call.pull is the one real driver):
+The driver's loop, per `pull` (call.Call.pull is the one real driver):
 
     progress(now)                                  # the client asked for more: the stall clock restarts
     loop:
