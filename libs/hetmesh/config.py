@@ -10,6 +10,7 @@ HETMESH_REDIS_PASSWORD, HETMESH_KV_SECRET, and HETMESH_API_KEYS (comma-separated
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import tomllib
 from pathlib import Path
@@ -29,6 +30,8 @@ class MeshConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     heartbeat_timeout_s: float = 2.0
     stall_timeout_s: float = 60.0  # gateway: no message for this long ends the request with an error
     max_attempts: int = 2  # gateway resubmits a request whose worker died before it streamed
+    # ... and moves a request that has tokens to another worker at most this many times (then: an error)
+    migration_limit: int = 3
     # NATS credentials and TLS, handed to nats-py (a URL's user:password@ works too).
     nats_user: str = ""
     nats_password: str = ""
@@ -56,6 +59,39 @@ class GatewayConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     # No scheduler subscribed (restarting): a new request waits this long for one, then gets 503.
     scheduler_wait_s: float = 15.0
     retry_after_s: float = 1.0  # what Retry-After says when the mesh is overloaded
+
+
+DRAIN_EXIT_S = 10.0  # after a worker's drain: handed-over requests' errors, the engine's close, the last flushes
+
+
+class WorkerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
+    """`[worker]`: what every worker process shares."""
+
+    # SIGTERM: running requests get this long to finish, the rest migrate, then the process exits 0.
+    # The container platforms' grace periods (compose stop_grace_period, k8s terminationGracePeriodSeconds)
+    # are set above it.
+    drain_timeout_s: float = 10.0
+
+    @property
+    def grace_period_s(self) -> int:
+        """What a container platform should wait after SIGTERM before SIGKILL: the drain, then up to
+        DRAIN_EXIT_S to hand the rest over and close (compose stop_grace_period, k8s
+        terminationGracePeriodSeconds; tests/ops checks both against this)."""
+        return math.ceil(self.drain_timeout_s + DRAIN_EXIT_S)
+
+
+PLANNER_MODES = ("off", "advise", "act")
+
+
+class PlannerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
+    """`[planner]`: the live planner service (hetmesh.planner) and the demand statistics it plans from."""
+
+    mode: str = "off"  # off | advise (publish the proposal only) | act (send role switches to workers)
+    interval_s: float = 30.0  # the scheduler publishes demand, and the planner re-plans, this often
+    window_s: float = 300.0  # the demand the scheduler reports is over this long a sliding window
+    horizon_s: float = 3600.0  # a move must pay for its switch cost within this long (the planner's hysteresis)
+    max_moving_share: float = 0.25  # at most this share of the fleet switching at once (at least one worker)
+    lease_ttl_s: float = 10.0  # the leader's NATS KV lease: another planner takes over this long after it dies
 
 
 class ApiKey(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -88,6 +124,10 @@ class SchedulerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     # past that a submit is refused (503 + Retry-After) instead of queueing without bound.
     queue_factor: float = 4.0
     retry_after_s: float = 1.0
+    # SLO-aware admission (cost policy; hetmesh.placement.admission): refuse (429 + Retry-After) a request whose
+    # best placement is predicted over this many times its TTFT or TPOT SLO; 0: off. A model may set its own.
+    # On by default: without it goodput collapses past capacity (benchmarks/anchors.py, results/anchors.json).
+    admission_margin: float = 1.0
 
 
 class CostModelConfig(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -141,6 +181,18 @@ class ModelConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     block_size: int = 16
     dtype: str = "bf16"
     path: str = ""  # a Hugging Face model folder (weights, config.json, tokenizer), for real engines (vllm)
+    # vllm engine, structured outputs (response_format json, forced tool calls): true keeps the JSON compact
+    # (vLLM's disable_any_whitespace): a weak model may otherwise spend every token on the free whitespace the
+    # grammar allows; false: vLLM's default.
+    compact_json: bool = True
+    # vLLM's tool-call parser for the model's family (hermes, llama3_json, mistral, ...): tool_choice "auto"
+    # is parsed with it in the gateway (vLLM must be installed there); empty: "auto" is refused.
+    tool_parser: str = ""
+    # This model's SLOs (0: the scheduler section's) and its weight in the planner's objective.
+    ttft_slo_s: float = 0.0
+    tpot_slo_s: float = 0.0
+    priority: float = 1.0
+    admission_margin: float = -1.0  # SLO-aware admission for this model: < 0 the scheduler's, 0 off
 
 
 class VllmWorkerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -181,13 +233,27 @@ class WorkerGroup(Struct, kw_only=True, forbid_unknown_fields=True):
 class ClusterConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     mesh: MeshConfig = field(default_factory=MeshConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     costmodel: CostModelConfig = field(default_factory=CostModelConfig)
     kv_transfer: KvTransferConfig = field(default_factory=KvTransferConfig)
     work_queue: WorkQueueConfig = field(default_factory=WorkQueueConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
     models: list[ModelConfig] = field(default_factory=list)
     workers: list[WorkerGroup] = field(default_factory=list)
+    # $ per device-hour by accelerator id, over the catalog's list prices (hetmesh.costmodel accelerators.csv)
+    prices: dict[str, float] = field(default_factory=dict)
+
+    def slo(self, model: str) -> tuple[float, float]:
+        """(TTFT, TPOT) SLO seconds of `model`: its own where set, else the scheduler section's."""
+        m = self.model(model)
+        return m.ttft_slo_s or self.scheduler.ttft_slo_s, m.tpot_slo_s or self.scheduler.tpot_slo_s
+
+    def admission_margin(self, model: str) -> float:
+        """The SLO-aware admission margin of `model` (0: off): its own where set, else the scheduler's."""
+        m = self.model(model)
+        return m.admission_margin if m.admission_margin >= 0 else self.scheduler.admission_margin
 
     def model(self, name: str) -> ModelConfig:
         for m in self.models:
@@ -205,11 +271,31 @@ class ClusterConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise ValueError("model names must be unique")
+        for m in self.models:
+            if min(m.ttft_slo_s, m.tpot_slo_s) < 0 or m.priority <= 0:
+                raise ValueError(f"model {m.name!r}: SLOs >= 0 (0: the scheduler's), priority > 0")
+        if self.prices:
+            from hetmesh.costmodel.catalog import accelerators  # data only, no cycle
+
+            known = accelerators()
+            for acc, usd in self.prices.items():
+                if acc not in known or usd < 0:
+                    raise ValueError(f"prices: {acc!r} = {usd}: need a catalog accelerator id ({sorted(known)}) "
+                                     "and $/device-hour >= 0")
         for k in self.auth.keys:
             if len(k.sha256) != 64 or any(c not in "0123456789abcdef" for c in k.sha256.lower()):
                 raise ValueError(f"auth key {k.name!r}: sha256 must be 64 hex digits (the key's SHA-256)")
+        if self.scheduler.admission_margin < 0:
+            raise ValueError("scheduler.admission_margin must be >= 0 (0: off)")
+        if self.mesh.migration_limit < 0 or self.worker.drain_timeout_s < 0:
+            raise ValueError("mesh.migration_limit and worker.drain_timeout_s must be >= 0")
         if self.kv_transfer.data_plane not in ("direct", "nats"):
             raise ValueError(f"kv_transfer.data_plane must be direct or nats, not {self.kv_transfer.data_plane!r}")
+        pl = self.planner
+        if pl.mode not in PLANNER_MODES or min(pl.interval_s, pl.window_s, pl.horizon_s, pl.lease_ttl_s) <= 0 \
+                or not 0 < pl.max_moving_share <= 1:
+            raise ValueError(f"planner: mode is one of {PLANNER_MODES}, interval_s, window_s, horizon_s, lease_ttl_s > 0, "
+                             "0 < max_moving_share <= 1")
         wq = self.work_queue
         if wq.storage not in ("file", "memory"):
             raise ValueError(f"work_queue.storage must be file or memory, not {wq.storage!r}")

@@ -60,6 +60,11 @@ class GatewayMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.completion_tokens = Counter("hetmesh_gateway_completion_tokens", "Tokens sent to clients", ["model"],
                                          registry=r)
+        self.migrations = Counter("hetmesh_gateway_migrations", "Streams moved to another worker after some tokens",
+                                  ["model", "reason"], registry=r)
+        self.migration_gap = Histogram("hetmesh_gateway_migration_gap_seconds",
+                                       "A migrated stream's pause: last token before the move to the first after",
+                                       ["model"], buckets=LATENCY_BUCKETS, registry=r)
 
     def finished(self, model: str, status: int, duration_s: float, ttft_s: float | None = None,
                  completion_tokens: int = 0) -> None:

@@ -7,7 +7,7 @@ trace context travel in NATS headers (see hetmesh.bus), not in the bodies.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
 from msgspec import Struct, field
 
@@ -31,6 +31,33 @@ class SamplingParams(Struct, frozen=True, kw_only=True):
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    # OpenAI / vLLM sampling options; every default means "off", so engines that lack one see its default.
+    top_k: int = 0  # 0: off (vLLM's -1)
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: int | None = None  # None: none; k: each sampled token's logprob and the top k
+    structured: StructuredOutput | None = None  # constrained decoding (vLLM's structured outputs)
+    skip_special_tokens: bool = True  # False: a tool-call parser needs its special tokens in the text
+
+
+class StructuredOutput(Struct, frozen=True, kw_only=True):
+    """What the output must match: one of these (vLLM's StructuredOutputsParams)."""
+
+    json_schema: str = ""  # a JSON Schema, as JSON text
+    json_object: bool = False  # any JSON object
+
+
+class TokenLogprob(Struct, frozen=True, array_like=True):
+    """One generated token's logprob and the `top` most likely alternatives (id, logprob) at its step."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 class InferenceRequest(Struct, kw_only=True):
@@ -45,6 +72,10 @@ class InferenceRequest(Struct, kw_only=True):
     arrival_ts: float  # gateway wall clock, seconds
     attempt: int = 0
     exclude_workers: list[str] = field(default_factory=list)  # e.g. the worker that died on attempt 0
+    # Migration: the last `continued` of prompt_tokens are completion tokens the gateway already has (an
+    # earlier attempt's worker died or drained); the worker goes on after them, numbering its chunks from
+    # `continued`, with sampling.max_tokens already reduced by them and the sampler's stream advanced past them.
+    continued: int = 0
 
 
 class Placement(Struct, frozen=True, kw_only=True):
@@ -79,6 +110,8 @@ class WorkerStatus(Struct, kw_only=True):
     heartbeat_age_s: float
     tokens_generated: int = 0
     kv_endpoint: str = ""  # its KV port (direct data plane); empty: it takes no direct KV
+    draining: bool = False
+    moving_to: str = ""  # the role it is switching to (the planner's RoleSwitch); empty: not moving
 
 
 class SchedulerStatus(Struct, kw_only=True):
@@ -131,6 +164,7 @@ class TokenChunk(Struct, tag="tokens", kw_only=True):
     text: str
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     usage: Usage | None = None  # on the last chunk
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for logprobs
 
 
 class RequestError(Struct, tag="error", kw_only=True):
@@ -199,6 +233,8 @@ class Heartbeat(Struct, kw_only=True):
     kv_endpoint: str = ""  # host:port of this worker's KV port (hetmesh.kvstream); empty: it takes no direct KV
     parallel: str = "tp"  # tp | ep | dp layout over the devices (the cost policy prices it)
     step_tokens: int = 8192  # the engine's per-step token budget (prefill chunk size)
+    draining: bool = False  # shutting down: finishing what it holds, taking no new work (not lost)
+    moving_to: str = ""  # switching to this role (with draining: no work of the old role is placed here)
 
 
 class KvEvent(Struct, kw_only=True):
@@ -235,6 +271,9 @@ class KvTransferRequest(Struct, kw_only=True):
     # Set: a notice, not a question. The source already streams to this KV port (it came with the placement);
     # kv-transfer only opens its record, which the source's KvTransferDone closes.
     endpoint: str = ""
+    # vLLM's hand-over: the prefill output's kv_transfer_params (its KV connector's), given as they are to the
+    # decode request. Ours name the shards in the bytes; NixlConnector's name the blocks the decode side reads.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class KvTransferAccept(Struct, kw_only=True):
@@ -269,6 +308,7 @@ class KvLanded(Struct, kw_only=True):
     error: str | None = None
     cached_tokens: int = 0  # copied from KvTransferRequest
     direct: bool = False  # the bytes came by the KV stream and already sit in the engine's sink
+    kv_transfer_params: dict[str, Any] | None = None  # copied from KvTransferRequest
 
     @classmethod
     def of(cls, req: KvTransferRequest, *, nbytes: int = 0, chunks: int = 0, duration_s: float = 0.0,
@@ -276,7 +316,8 @@ class KvLanded(Struct, kw_only=True):
         """How transfer `req` ended, with the first tokens it carries for the decode side."""
         return cls(transfer_id=req.transfer_id, request_id=req.request_id, src_worker=req.src_worker, nbytes=nbytes,
                    chunks=chunks, duration_s=duration_s, first_token_ids=req.first_token_ids,
-                   first_text=req.first_text, ok=ok, error=error, cached_tokens=req.cached_tokens, direct=direct)
+                   first_text=req.first_text, ok=ok, error=error, cached_tokens=req.cached_tokens, direct=direct,
+                   kv_transfer_params=req.kv_transfer_params)
 
 
 class ServiceEvent(Struct, kw_only=True):
@@ -291,3 +332,57 @@ class ServiceEvent(Struct, kw_only=True):
 
 
 EventBatch = list[ServiceEvent]  # the body of every `hetmesh.event.<service>` message
+
+
+class ModelDemandStats(Struct, frozen=True, kw_only=True):
+    """One model's demand over the scheduler's last window (hetmesh.planner.live.DemandWindow)."""
+
+    model: str
+    requests: int  # submitted in the window
+    rate: float  # arrivals per second
+    prompt_mean: float  # prompt tokens
+    output_mean: float  # completion tokens of the requests that finished in the window (0: none did)
+    max_tokens_mean: float  # what the requests asked for: the output estimate before any finished
+    prefix_hit: float  # share of prompt tokens the placement expected in a prefix cache
+    slo_attainment: float | None = None  # share of finished requests within their SLOs; None: not measured
+
+
+class DemandReport(Struct, frozen=True, kw_only=True):
+    """Scheduler -> planner on `hetmesh.sched.demand` every planner.interval_s."""
+
+    instance: str
+    window_s: float
+    ts: float
+    models: list[ModelDemandStats] = field(default_factory=list)
+
+
+class RoleSwitch(Struct, frozen=True, kw_only=True):
+    """Planner -> one worker on `hetmesh.worker.command.<worker_id>`: serve `role` from now on (no reload)."""
+
+    worker_id: str
+    role: Role
+    planner: str  # the instance that holds the lease
+    reason: str = ""
+
+
+class ProposedMove(Struct, frozen=True, kw_only=True):
+    worker_id: str
+    change: str  # role | reload | stop (hetmesh.planner.Move.change)
+    before: str
+    after: str
+    seconds: float  # out of service this long
+
+
+class PlanProposal(Struct, frozen=True, kw_only=True):
+    """The leading planner's proposal on `hetmesh.planner.plan`: today's layout, the proposed one, the moves."""
+
+    planner: str
+    mode: str  # advise | act
+    ts: float
+    chosen: str  # the planner's candidate name ("current": stay)
+    current: dict[str, str] = field(default_factory=dict)  # worker -> model/role
+    proposed: dict[str, str] = field(default_factory=dict)
+    moves: list[ProposedMove] = field(default_factory=list)
+    sent: list[str] = field(default_factory=list)  # workers a RoleSwitch went to (act mode, within the cap)
+    predicted_goodput_tok_s: float = 0.0
+    current_goodput_tok_s: float = 0.0

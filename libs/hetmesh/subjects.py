@@ -24,6 +24,9 @@ KV_TRANSFER = f"{PREFIX}.kv.transfer"
 KV_DONE = f"{PREFIX}.kv.done"  # prefill worker -> kv-transfer: a direct stream's outcome
 KV_RESYNC = f"{PREFIX}.kv.resync"  # scheduler -> all workers: republish the whole prefix cache
 EVENTS_ALL = f"{PREFIX}.event.>"
+DEMAND = f"{PREFIX}.sched.demand"  # scheduler -> planner: windowed demand per model, every planner.interval_s
+PLAN = f"{PREFIX}.planner.plan"  # the leading planner's proposal (advise and act), every planner.interval_s
+PLANNER_BUCKET = "hetmesh_planner"  # JetStream KV bucket holding the planner leader's lease (key "leader")
 WORK_ALL = f"{PREFIX}.work.>"  # every work subject: what the work-queue stream stores
 WORK_STREAM = "HETMESH_WORK"  # JetStream stream names may not hold '.'
 
@@ -59,6 +62,10 @@ def work_deliver(work_subject: str) -> str:
 
 def heartbeat(worker_id: str) -> str:
     return f"{PREFIX}.heartbeat.{token_safe(worker_id)}"
+
+
+def worker_command(worker_id: str) -> str:
+    return f"{PREFIX}.worker.command.{token_safe(worker_id)}"
 
 
 def kv_events(worker_id: str) -> str:
@@ -126,6 +133,12 @@ TABLE: tuple[SubjectRow, ...] = (
     SubjectRow(f"{PREFIX}.kv.data.<transfer_id>", "prefill worker", "kv-transfer", "raw KV bytes", "relay only; chunked; headers Kv-Seq, Kv-Last"),
     SubjectRow(f"{PREFIX}.kv.recv.<worker_id>", "kv-transfer", "decode worker", "raw KV bytes", "relay only; chunked; headers Kv-Transfer, Kv-Seq"),
     SubjectRow(f"{PREFIX}.kv.landed.<worker_id>", "kv-transfer, prefill worker (on failure)", "decode worker", "KvLanded", "relay: decode may start; either: the transfer failed"),
+    SubjectRow(DEMAND, "scheduler", "planner", "DemandReport", "demand per model over the last planner.window_s, every planner.interval_s"),
+    SubjectRow(PLAN, "planner (the leader)", "operators, `hetmesh plan --live`", "PlanProposal",
+               "current vs proposed layout and the moves sent (act) or advised"),
+    SubjectRow(f"{PREFIX}.worker.command.<worker_id>", "planner (the leader, act mode)", "that worker",
+               "RoleSwitch", "drain the old role's work, then serve the new role; leader lease: KV bucket "
+               f"`{PLANNER_BUCKET}`"),
     SubjectRow(f"{PREFIX}.event.<service>", "every service", "operators, tests", "EventBatch (JSON array of ServiceEvent)", "the services' own records, batched"),
 )
 

@@ -57,6 +57,11 @@ def policy_options(cfg: ClusterConfig) -> dict[str, Any]:
         kw = {"models": {m.name: m.spec for m in cfg.models}, "dtypes": {m.name: m.dtype for m in cfg.models},
               "objective": sc.objective, "ttft_slo_s": sc.ttft_slo_s, "tpot_slo_s": sc.tpot_slo_s,
               "efficiencies": efficiencies(cfg)}
+        if any(m.ttft_slo_s or m.tpot_slo_s for m in cfg.models):
+            kw["slos"] = {m.name: cfg.slo(m.name) for m in cfg.models}
+        kw["admission_margin"] = sc.admission_margin
+        if any(m.admission_margin >= 0 for m in cfg.models):
+            kw["admission_margins"] = {m.name: cfg.admission_margin(m.name) for m in cfg.models}
     kw.update(sc.options)
     return kw
 

@@ -31,22 +31,35 @@ message = st.fixed_dictionaries({"role": mostly(st.sampled_from(["user", "system
                                  "content": mostly(text)})
 sampling = {"temperature": mostly(st.floats(0, 2)), "top_p": mostly(st.floats(0.01, 1)),
             "seed": mostly(st.integers(0, 2**31)), "stop": mostly(st.lists(st.text(min_size=1, max_size=3), max_size=4)),
-            "stream": st.booleans()}
+            "stream": st.booleans(), "n": mostly(st.integers(1, 3), st.integers(-1, 200)),
+            "presence_penalty": mostly(st.floats(-2, 2)), "frequency_penalty": mostly(st.floats(-2, 2)),
+            "logit_bias": mostly(st.dictionaries(st.integers(0, 300).map(str), st.floats(-100, 100), max_size=3)),
+            "min_tokens": mostly(st.integers(0, 3)), "stop_token_ids": mostly(st.lists(st.integers(0, 300), max_size=2)),
+            "ignore_eos": st.booleans()}
+tool = st.fixed_dictionaries({"type": mostly(st.just("function")), "function": st.fixed_dictionaries(
+    {"name": mostly(st.sampled_from(["f", "get_weather"])), "parameters": mostly(st.just({"type": "object"}))})})
+chat_extra = {"logprobs": mostly(st.booleans()), "top_logprobs": mostly(st.integers(0, 20), st.integers(-1, 30)),
+              "response_format": mostly(st.sampled_from([{"type": "text"}, {"type": "json_object"}])),
+              "tools": mostly(st.lists(tool, max_size=2)),
+              "tool_choice": mostly(st.sampled_from(["none", "auto", "required"])),
+              "unknown_field": json_values}
 chat_bodies = st.fixed_dictionaries(
     {"model": mostly(st.sampled_from(["tiny-agg", "tiny-pd"]), st.one_of(st.just("nope"), json_values)),
      "messages": mostly(st.lists(message, min_size=1, max_size=3)),
      # Always given: left out it defaults to the rest of the context, a long (correct) run.
      "max_tokens": max_tokens},
-    optional={"max_completion_tokens": max_tokens, **sampling,
-              "n": mostly(st.just(1), st.integers(-1, 3)), "stream_options": mostly(st.just({"include_usage": True})),
-              "user": mostly(st.text(max_size=8))},
+    optional={"max_completion_tokens": max_tokens, **sampling, **chat_extra,
+              "stream_options": mostly(st.just({"include_usage": True})), "user": mostly(st.text(max_size=8))},
 )
 completion_bodies = st.fixed_dictionaries(
     {"model": mostly(st.sampled_from(["tiny-agg", "tiny-pd"]), json_values),
-     "prompt": mostly(st.one_of(text.filter(bool), st.lists(st.integers(0, 255), min_size=1, max_size=8)),
+     "prompt": mostly(st.one_of(text.filter(bool), st.lists(st.integers(0, 255), min_size=1, max_size=8),
+                                st.lists(text.filter(bool), min_size=1, max_size=3),
+                                st.lists(st.lists(st.integers(0, 255), min_size=1, max_size=4), min_size=1, max_size=2)),
                       st.one_of(st.lists(st.integers(-5, 10**6), max_size=8), json_values)),
      "max_tokens": max_tokens},
-    optional=sampling,
+    optional={**sampling, "echo": mostly(st.booleans()), "logprobs": mostly(st.integers(0, 5), st.integers(-1, 30)),
+              "best_of": mostly(st.integers(1, 3)), "suffix": mostly(st.text(max_size=3))},
 )
 ALLOWED = {200, 400, 404, 413, 422}
 

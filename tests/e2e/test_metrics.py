@@ -10,7 +10,9 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
+from hetmesh.costmodel import accelerator
 from hetmesh.launcher import Mesh
 
 from .conftest import Samples, scrape
@@ -94,6 +96,12 @@ def test_requests_show_up_in_every_services_metrics(mesh: Mesh, client: openai.O
     assert delta(s, "hetmesh_scheduler_placement_duration_seconds_count") == 2
     roles = {r: val(after[s], "hetmesh_scheduler_workers", role=r) for r in ("both", "prefill", "decode")}
     assert roles == {"both": 2, "prefill": 1, "decode": 1}
+    # $/hour of the live fleet at the catalog's prices: one device per worker here
+    price = {a: accelerator(a).usd_per_hour for a in ("nvidia-h100", "nvidia-rubin-cpx", "nvidia-rubin-vr200")}
+    assert val(after[s], "hetmesh_fleet_usd_per_hour", model="tiny-agg", accelerator="nvidia-h100") == pytest.approx(
+        2 * price["nvidia-h100"])
+    assert val(after[s], "hetmesh_fleet_usd_per_hour", model="tiny-pd", accelerator="nvidia-rubin-vr200") == \
+        pytest.approx(price["nvidia-rubin-vr200"])
 
     h100 = [f"worker:h100-{i}" for i in range(2)]
     assert sum(delta(w, "hetmesh_worker_requests_total", phase="full", finish_reason="length") for w in h100) == 1

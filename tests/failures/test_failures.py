@@ -1,10 +1,8 @@
 """Kill or stop the real processes of a running mesh and check that no accepted request hangs:
 it is re-placed and completes with the same (deterministic) text, or it ends with a clear error.
 
-One mesh, one disaggregated model on two prefill (Rubin CPX) and two decode (Rubin VR200)
-workers, so a dead worker always has a stand-in. Engine time is slowed down so that a kill
-lands inside the phase it targets: a 6000-token prefill takes about a second, a decode token
-about 0.2 s. The tests run in file order and each leaves the mesh whole for the next.
+The mesh is conftest.py's (shared with test_migration.py). The tests run in file order and each
+leaves the mesh whole for the next.
 """
 
 from __future__ import annotations
@@ -13,105 +11,21 @@ import asyncio
 import json
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from urllib.parse import urlparse
 
 import httpx
 import nats
 import openai
-import pytest
 import redis
 from nats.js.api import ConsumerInfo, StorageType, StreamInfo
 
 from hetmesh import servers, subjects
-from hetmesh.engines.sampling import expected_completion
 from hetmesh.launcher import Mesh
-from hetmesh.protocol import SamplingParams, ServiceEvent
-from hetmesh.tokenizer import ByteTokenizer
+from hetmesh.protocol import ServiceEvent
 
-from ..e2e.conftest import EventLog, collect_events, running_mesh
-
-TOK = ByteTokenizer()
-KV_LANDED_TIMEOUT_S = 8.0
-CLUSTER = """
-[mesh]
-time_scale = 0.05
-heartbeat_interval_s = 0.2
-heartbeat_timeout_s = 1.0
-stall_timeout_s = 30.0
-max_attempts = 3
-
-[gateway]
-scheduler_wait_s = 30.0
-
-[scheduler]
-policy = "prefix_aware"
-
-[kv_transfer]
-max_wire_bytes = 134217728   # 128 MiB: a long prompt's transfer takes a while, but not forever
-
-[[models]]
-name = "pd"
-spec = "llama-3.1-8b"
-max_context = 8192
-block_size = 16
-
-[[workers]]
-name = "cpx"
-model = "pd"
-accelerator = "nvidia-rubin-cpx"
-role = "prefill"
-count = 2
-
-[[workers]]
-name = "vr200"
-model = "pd"
-accelerator = "nvidia-rubin-vr200"
-role = "decode"
-count = 2
-"""
-
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    with running_mesh(tmp_path_factory.mktemp("failures"), CLUSTER, ready_timeout_s=120,
-                      env={"HETMESH_KV_LANDED_TIMEOUT_S": str(KV_LANDED_TIMEOUT_S)}) as m:
-        yield m
-
-
-@pytest.fixture(scope="module")
-async def events(mesh: Mesh) -> AsyncIterator[EventLog]:
-    async for log in collect_events(mesh.nats_url):
-        yield log
-
-
-@pytest.fixture(scope="module")
-def aclient(mesh: Mesh) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def expected_text(prompt: str, max_tokens: int) -> str:
-    return expected_completion(TOK, TOK.encode(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True))[1]
-
-
-def complete(aclient: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> asyncio.Task[object]:
-    return asyncio.create_task(aclient.completions.create(model="pd", prompt=prompt, max_tokens=max_tokens,
-                                                          extra_body={"ignore_eos": True}))
-
-
-async def first_placed(events: EventLog, since: float) -> ServiceEvent:
-    """The scheduler's first `placed` event after `since` (the tests send one request at a time)."""
-    async with asyncio.timeout(30):
-        while True:
-            for e in events.events:
-                if e.kind == "placed" and e.service == "scheduler" and e.ts >= since:
-                    return e
-            await asyncio.sleep(0.02)
-
-
-def respawn(mesh: Mesh, name: str) -> None:
-    mesh.spawn(name)
-    mesh.wait_ready(90)
+from ..e2e.conftest import EventLog
+from .conftest import complete, expected_text, first_placed, respawn
 
 
 async def kill_mid_request(mesh: Mesh, aclient: openai.AsyncOpenAI, events: EventLog, prompt: str,
@@ -148,29 +62,6 @@ async def test_decode_worker_killed_mid_decode_request_is_replaced(mesh: Mesh, a
         await asyncio.sleep(0.5)  # 30 tokens take ~6 s
 
     await kill_mid_request(mesh, aclient, events, "decode me " * 10, 30, "decode_worker", mid_decode)
-
-
-async def test_streamed_request_whose_decode_worker_dies_ends_with_a_clear_error(
-        mesh: Mesh, events: EventLog) -> None:
-    """Streamed: tokens already went out, so it cannot start over; the stream ends with an error event."""
-    body = {"model": "pd", "prompt": "stream then die " * 5, "max_tokens": 40, "stream": True, "ignore_eos": True}
-    t0 = time.time()
-    got: list[object] = []
-    async with httpx.AsyncClient(base_url=mesh.url, timeout=60) as http:
-        async with http.stream("POST", "/v1/completions", json=body) as resp:
-            assert resp.status_code == 200
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                got.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
-                if len(got) == 3:
-                    placed = await first_placed(events, t0)
-                    victim = str(placed.detail["decode_worker"])
-                    mesh.kill(f"worker:{victim}")
-    last = got[-1]
-    assert isinstance(last, dict) and last["error"]["code"] == "worker_lost", last
-    assert "[DONE]" not in got
-    respawn(mesh, f"worker:{victim}")
 
 
 async def test_scheduler_restart_in_flight_finish_new_ones_wait(mesh: Mesh, aclient: openai.AsyncOpenAI,

@@ -160,16 +160,18 @@ class FakePeer:
         t.add_done_callback(self._tasks.discard)
 
     def _chunks(self, req: InferenceRequest) -> list[TokenChunk]:
-        n = req.sampling.max_tokens
+        # A migrated request (continued = k) goes on after its first k tokens, as a real worker does.
+        k = req.continued
+        n = req.sampling.max_tokens + k
         text = text_for(n)
         out = []
-        for start in range(0, n, self.chunk_size):
+        for start in range(k, n, self.chunk_size):
             piece = text[start:start + self.chunk_size]
             last = start + self.chunk_size >= n
             out.append(TokenChunk(
                 request_id=req.request_id, worker_id="fake-0", index=start, token_ids=list(piece.encode()),
                 text=piece, finish_reason="length" if last else None,
-                usage=Usage(prompt_tokens=len(req.prompt_tokens), completion_tokens=n, cached_tokens=CACHED)
+                usage=Usage(prompt_tokens=len(req.prompt_tokens) - k, completion_tokens=n, cached_tokens=CACHED)
                 if last else None))
         return out
 

@@ -67,7 +67,10 @@ def test_body_not_an_object(gateway: GatewayProc) -> None:
     ({"model": "tiny", "messages": MSG, "max_tokens": True}, "max_tokens"),
     ({"model": "tiny", "messages": MSG, "max_completion_tokens": -3}, "max_completion_tokens"),
     ({"model": "tiny", "messages": MSG, "seed": "x"}, "seed"),
-    ({"model": "tiny", "messages": MSG, "n": 2}, "n"),
+    ({"model": "tiny", "messages": MSG, "n": 129}, "n"),
+    ({"model": "tiny", "messages": MSG, "nn": 2}, "nn"),  # unknown: refused by name, never dropped
+    ({"model": "tiny", "messages": MSG, "top_logprobs": 2}, "top_logprobs"),  # needs logprobs=true
+    ({"model": "tiny", "messages": MSG, "tool_choice": "auto"}, "tool_choice"),  # needs tools
     ({"model": "tiny", "messages": MSG, "n": 0}, "n"),
     ({"model": "tiny", "messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"model": "tiny", "messages": MSG, "stop": 5}, "stop"),
@@ -81,12 +84,14 @@ def test_bad_chat_parameter(gateway: GatewayProc, body: dict[str, object], param
 @pytest.mark.parametrize("body,param", [
     ({"model": "tiny"}, "prompt"),
     ({"model": "tiny", "prompt": ""}, "prompt"),
-    ({"model": "tiny", "prompt": ["a", "b"]}, "prompt"),
+    ({"model": "tiny", "prompt": []}, "prompt"),
+    ({"model": "tiny", "prompt": ["a", ""]}, "prompt[1]"),
     ({"model": "tiny", "prompt": [1, 99999]}, "prompt"),
     ({"model": "tiny", "prompt": {"text": "x"}}, "prompt"),
     ({"model": "tiny", "prompt": "x", "best_of": 3}, "best_of"),
-    ({"model": "tiny", "prompt": "x", "echo": True}, "echo"),
-    ({"model": "tiny", "prompt": "x", "n": 4}, "n"),
+    ({"model": "tiny", "prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"model": "tiny", "prompt": "x", "suffix": "y"}, "suffix"),
+    ({"model": "tiny", "prompt": ["x"] * 20, "n": 7}, "n"),  # 140 choices
 ])
 def test_bad_completion_parameter(gateway: GatewayProc, body: dict[str, object], param: str) -> None:
     assert_openai_error(post(gateway, "/v1/completions", body), 400, param=param)
@@ -123,7 +128,7 @@ def test_openai_client_sees_bad_request(client: openai.OpenAI) -> None:
         client.chat.completions.create(model="tiny", messages=MSG, temperature=9)  # type: ignore[arg-type]
     assert exc.value.param == "temperature"
     with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(model="tiny", messages=MSG, n=2)  # type: ignore[arg-type]
+        client.chat.completions.create(model="tiny", messages=MSG, n=200)  # type: ignore[arg-type]
     assert exc.value.param == "n"
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(model="tiny", prompt="x", stop=["1", "2", "3", "4", "5"])

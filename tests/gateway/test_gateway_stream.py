@@ -150,31 +150,45 @@ def test_retry_on_retryable_worker_error(client: openai.OpenAI, peer: FakePeer) 
     assert [s.attempt for s in submits_of(peer, rid_of(r.id))] == [0, 1]
 
 
-def test_error_event_after_partial_stream(gateway: GatewayProc, client: openai.OpenAI) -> None:
+def test_a_stream_whose_worker_is_lost_migrates_after_its_tokens(gateway: GatewayProc, peer: FakePeer) -> None:
     body = {"model": "tiny", "prompt": "partial-lost", "max_tokens": 40, "stream": True}
     r = httpx.post(gateway.url + "/v1/completions", json=body, timeout=10)
     assert r.status_code == 200
     events = sse_events(r.text)
-    assert "[DONE]" not in events
-    *tokens, err = events
-    assert "".join(t["choices"][0]["text"] for t in tokens) == text_for(8)  # type: ignore[index]
-    assert isinstance(err, dict) and err["error"]["code"] == "worker_lost"
+    assert events[-1] == "[DONE]"
+    assert "".join(t["choices"][0]["text"] for t in events[:-1]) == text_for(40)  # type: ignore[index]
+    subs = submits_of(peer, rid_of(events[0]["id"]))  # type: ignore[index]
+    assert [(s.attempt, s.continued, s.sampling.max_tokens) for s in subs] == [(0, 0, 40), (1, 8, 32)]
+    assert subs[1].prompt_tokens == [*subs[0].prompt_tokens, *text_for(8).encode()]
+    assert subs[1].exclude_workers == ["fake-0"]
+
+
+def test_a_stream_lost_past_the_migration_limit_ends_with_an_error_event(gateway: GatewayProc,
+                                                                       client: openai.OpenAI) -> None:
+    body = {"model": "tiny", "prompt": "partial-lost-always", "max_tokens": 40, "stream": True}
+    r = httpx.post(gateway.url + "/v1/completions", json=body, timeout=10)
+    assert r.status_code == 200
+    *tokens, err = sse_events(r.text)
+    # 8 tokens from the first attempt and from each of the 3 migrations, then the error
+    assert "".join(t["choices"][0]["text"] for t in tokens) == text_for(32)  # type: ignore[index]
+    assert isinstance(err, dict) and err["error"]["code"] == "migration_limit"
     with pytest.raises(openai.APIError):
-        for _ in client.completions.create(model="tiny", prompt="partial-lost", max_tokens=40, stream=True):
+        for _ in client.completions.create(model="tiny", prompt="partial-lost-always", max_tokens=40, stream=True):
             pass
 
 
-def test_non_streaming_partial_then_lost_retries_cleanly(client: openai.OpenAI, peer: FakePeer) -> None:
-    # Nothing reached the client yet, so the gateway may start over; the text must not double up.
+def test_non_streaming_partial_then_lost_goes_on_cleanly(client: openai.OpenAI, peer: FakePeer) -> None:
+    # The tokens collected so far stay; the next attempt goes on after them; the text must not double up.
     r = client.completions.create(model="tiny", prompt="partial-lost", max_tokens=12)
     assert r.choices[0].text == text_for(12)
-    assert [s.attempt for s in submits_of(peer, rid_of(r.id))] == [0, 1]
+    assert r.usage is not None and (r.usage.prompt_tokens, r.usage.completion_tokens) == (len("partial-lost"), 12)
+    assert [(s.attempt, s.continued) for s in submits_of(peer, rid_of(r.id))] == [(0, 0), (1, 8)]
 
 
 def test_lost_on_every_attempt_is_502(gateway: GatewayProc) -> None:
     r = httpx.post(gateway.url + "/v1/completions", json={"model": "tiny", "prompt": "partial-lost-always",
-                                                          "max_tokens": 12}, timeout=10)
-    assert r.status_code == 502 and r.json()["error"]["code"] == "worker_lost"
+                                                          "max_tokens": 100}, timeout=10)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "migration_limit"
 
 
 def test_stall_ends_with_error_and_cancel(gateway: GatewayProc, peer: FakePeer) -> None:

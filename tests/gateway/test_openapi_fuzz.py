@@ -19,14 +19,27 @@ from .conftest import GatewayProc
 EXAMPLES = 30  # per operation and mode
 
 
+# What the sim-served model honours whatever the value (the rest of the declared parameters are refused by
+# design there: tools, structured outputs, audio, ...; or fan out: n, lists of prompts).
+SERVABLE = {"model", "messages", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "user",
+            "presence_penalty", "frequency_penalty", "ignore_eos", "metadata", "safety_identifier", "prompt_cache_key",
+            "parallel_tool_calls", "logprobs"}
+
+
 def served_model(pair: tuple[schemathesis.Case, bool]) -> schemathesis.Case:
-    """Half the bodies name the served model and drop what the gateway refuses by design (n, best_of,
-    echo, lengths past the 256-token context): otherwise a generated body is almost never servable."""
+    """Half the bodies name the served model and keep only what it serves (SERVABLE; lengths within the
+    256-token context): otherwise a generated body is almost never servable."""
     case, name_it = pair
     if name_it and isinstance(case.body, dict) and "model" in case.body:
         case.body["model"] = "tiny"
-        for k in ("n", "best_of", "echo", "max_completion_tokens", "stream_options"):
-            case.body.pop(k, None)
+        for k in set(case.body) - SERVABLE:
+            case.body.pop(k)
+        for m in case.body.get("messages") or ():
+            if isinstance(m, dict):  # fields and roles refused by design (audio, the deprecated functions)
+                m.pop("audio", None)
+                m.pop("function_call", None)
+                if m.get("role") == "function":
+                    m["role"] = "user"
         case.body["max_tokens"] = 4
         if not isinstance(case.body.get("prompt", ""), str):
             case.body["prompt"] = "fuzz"

@@ -124,6 +124,8 @@ def test_every_container_runs_what_the_code_reads(path: Path) -> None:
                 # Its KV port must take connections from the prefill workers' containers.
                 assert env.get("HETMESH_KV_LISTEN_HOST") == "0.0.0.0", f"{name}: KV port on loopback only"
             by_cluster.setdefault(str(cluster_path), set()).add(wid)
+            # SIGTERM drains: compose must wait for the drain and the hand-over before it SIGKILLs.
+            assert svc["stop_grace_period"] == f"{cfg.worker.grace_period_s}s", name
     for cluster_path, wids in by_cluster.items():
         expected = {w for g in config.load(cluster_path).workers for w in g.worker_ids()}
         assert wids == expected, f"{cluster_path}: compose runs {sorted(wids)}, the cluster has {sorted(expected)}"

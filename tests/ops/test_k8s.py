@@ -151,6 +151,8 @@ def test_overlay_runs_what_the_code_reads(overlay: Path) -> None:
             continue
         # Workers: a StatefulSet per worker group; pod name <group>-<ordinal> is the worker id.
         assert w["kind"] == "StatefulSet" and arg(c, "--worker-id") == "$(POD_NAME)"
+        # SIGTERM drains: the pod's grace period covers the drain and the hand-over after it.
+        assert pod["terminationGracePeriodSeconds"] == cfg.worker.grace_period_s, w["metadata"]["name"]
         # Every worker gets the one KV secret (senders tag with it, KV ports check it), from a Secret.
         kv_secret = next(e for e in c["env"] if e["name"] == "HETMESH_KV_SECRET")
         assert kv_secret["valueFrom"]["secretKeyRef"]["name"] == "hetmesh-kv"

@@ -210,35 +210,55 @@ def test_bus_gap_after_tokens_went_out_resumes_at_once() -> None:
 # --- retries and errors -------------------------------------------------------------------------
 def test_worker_lost_before_any_token_retries_while_attempts_remain() -> None:
     s = ReplyStream(max_attempts=2, stall_timeout_s=STALL_S, now=0.0)
-    s.receive(chunk(0, "ab"))  # a non-streaming request collects tokens without sending them
-    assert texts(s.drained(0.0)) == ["ab"]
-    assert s.receive(lost("w1")) == Retry(attempt=1, lost_worker="w1")
-    assert s.attempt == 1 and s.next_index == 0  # the new attempt starts from scratch
-    s.receive(chunk(0, "xy", worker="w2"))
-    assert texts(s.drained(0.1)) == ["xy"]
+    assert s.receive(lost("w1")) == Retry(attempt=1, lost_worker="w1", generated=(), reason="worker_lost")
     act = s.receive(lost("w2"))
     assert isinstance(act, Fail) and act.cancel is None
     assert (act.error.code, act.error.status) == ("worker_lost", 502)
     assert act.error.message == "worker w2 was lost after 2 attempts"
 
 
-def test_a_retry_voids_what_the_old_attempt_left_undelivered() -> None:
+def test_worker_lost_after_tokens_migrates_with_the_tokens_so_far() -> None:
+    """Sent or only collected (a non-streaming request), the tokens in order stay: the next attempt goes on
+    after them, its chunks numbered from there; a migration does not use up max_attempts."""
+    for sent in (False, True):
+        s = ReplyStream(max_attempts=1, stall_timeout_s=STALL_S, now=0.0)
+        s.receive(chunk(0, "ab"))
+        assert texts(s.drained(0.0)) == ["ab"]
+        if sent:
+            s.sent()
+        assert s.receive(lost("w1")) == Retry(attempt=1, lost_worker="w1", generated=(97, 98), reason="worker_lost")
+        assert (s.attempt, s.next_index, s.migrations) == (1, 2, 1)
+        feed(s, chunk(0, "ab", worker="w2"), chunk(2, "cd", worker="w2"), chunk(4, "", finish="length", worker="w2"))
+        assert texts(s.drained(0.1)) == ["cd", ""] and s.done and s.finish_reason == "length"
+
+
+def test_a_migration_keeps_undelivered_tokens_in_order_and_drops_the_rest() -> None:
     s = ReplyStream(max_attempts=3, stall_timeout_s=STALL_S, now=0.0)
-    feed(s, chunk(0, "ab"), chunk(2, "cd"))
-    assert isinstance(s.receive(lost()), Retry)
-    assert s.drained(0.0) == []
+    feed(s, chunk(0, "ab"), chunk(3, "d"))  # "c" never came from the lost worker
+    act = s.receive(lost())
+    assert isinstance(act, Retry) and act.generated == (97, 98)
+    s.receive(chunk(2, "cx", worker="w2"))  # the new worker's "d" may differ (a real engine): the old one is gone
+    assert texts(s.drained(0.0)) == ["ab", "cx"]
 
 
-def test_worker_lost_after_tokens_went_out_is_an_error() -> None:
-    s = ReplyStream(max_attempts=5, stall_timeout_s=STALL_S, now=0.0)
+def test_migrations_are_bounded_by_the_migration_limit() -> None:
+    s = ReplyStream(max_attempts=5, stall_timeout_s=STALL_S, now=0.0, migration_limit=2)
     s.receive(chunk(0, "ab"))
     s.drained(0.0)
     s.sent()
+    assert isinstance(s.receive(lost("w1")), Retry)
+    s.receive(chunk(2, "c", worker="w2"))
+    assert isinstance(s.receive(lost("w2")), Retry)
+    act = s.receive(lost("w3"))
+    assert isinstance(act, Fail) and (act.error.code, act.error.status) == ("migration_limit", 502)
+    assert act.error.message.startswith("worker w3 was lost after 2 migrations")
+
+
+def test_migration_limit_zero_ends_a_stream_with_tokens_at_its_first_loss() -> None:
+    s = ReplyStream(max_attempts=5, stall_timeout_s=STALL_S, now=0.0, migration_limit=0)
+    s.receive(chunk(0, "ab"))
     act = s.receive(lost("w1"))
-    assert isinstance(act, Fail)
-    assert act.error.code == "worker_lost" and act.error.status == 502
-    assert act.error.message == "worker w1 was lost after part of the response was sent"
-    assert s.attempt == 0
+    assert isinstance(act, Fail) and act.error.code == "migration_limit"
 
 
 def test_request_error_not_retryable_ends_the_request_with_its_own_error() -> None:
@@ -249,22 +269,25 @@ def test_request_error_not_retryable_ends_the_request_with_its_own_error() -> No
 
 def test_request_error_retryable_retries_then_fails_with_its_own_error() -> None:
     s = ReplyStream(max_attempts=2, stall_timeout_s=STALL_S, now=0.0)
-    assert s.receive(req_error(retryable=True)) == Retry(attempt=1, lost_worker=None)
+    assert s.receive(req_error(retryable=True)) == Retry(attempt=1, lost_worker=None, reason="engine_error")
     err = req_error(retryable=True, code="out_of_blocks")
     assert s.receive(err) == Fail(err.error)  # attempts used up: the worker's error, not "worker lost"
 
 
-def test_retryable_error_after_tokens_went_out_is_final() -> None:
-    s = ReplyStream(max_attempts=3, stall_timeout_s=STALL_S, now=0.0)
+def test_retryable_error_after_tokens_went_out_migrates() -> None:
+    """A draining worker hands its unfinished streams over with a retryable error."""
+    s = ReplyStream(max_attempts=1, stall_timeout_s=STALL_S, now=0.0)
+    s.receive(chunk(0, "a"))
+    s.drained(0.0)
     s.sent()
-    err = req_error(retryable=True)
-    assert s.receive(err) == Fail(err.error)
+    act = s.receive(req_error(retryable=True, code="worker_draining"))
+    assert act == Retry(attempt=1, lost_worker=None, generated=(97,), reason="worker_draining")
 
 
 def test_bus_gap_before_any_token_starts_over_without_using_an_attempt() -> None:
     s = ReplyStream(max_attempts=1, stall_timeout_s=STALL_S, now=0.0)
-    assert s.receive(BUS_GAP) == Retry(attempt=1, lost_worker=None)
-    assert s.receive(BUS_GAP) == Retry(attempt=2, lost_worker=None)
+    assert s.receive(BUS_GAP) == Retry(attempt=1, lost_worker=None, reason="bus_gap")
+    assert s.receive(BUS_GAP) == Retry(attempt=2, lost_worker=None, reason="bus_gap")
     assert s.gap_retries == 2
     act = s.receive(lost("w3"))  # the one real attempt is still the only one allowed
     assert isinstance(act, Fail) and act.error.message == "worker w3 was lost after 3 attempts"

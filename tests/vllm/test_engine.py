@@ -40,10 +40,10 @@ async def engines(tiny_model: Path) -> AsyncIterator[tuple[VllmEngine, VllmEngin
 
 
 def _req(rid: str, prompt: list[int], phase: Phase = Phase.FULL, first: list[int] | None = None,
-         max_tokens: int = MAX_TOKENS) -> EngineRequest:
+         max_tokens: int = MAX_TOKENS, handover: dict | None = None) -> EngineRequest:
     return EngineRequest(request_id=rid, prompt_tokens=prompt, block_hashes=block_hashes(MODEL, prompt, BLOCK),
                          sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                         phase=phase, first_token_ids=first or [])
+                         phase=phase, first_token_ids=first or [], kv_transfer_params=handover)
 
 
 async def _run(engine: VllmEngine, req: EngineRequest) -> tuple[list[int], EngineOutput]:
@@ -64,20 +64,27 @@ async def _disaggregated(a: VllmEngine, b: VllmEngine, rid: str, prompt: list[in
     assert len(first) == 1 and pout.finish_reason is None  # handed off, not ended
     kv = a.take_kv(f"{rid}-p")
     assert kv is not None and a.take_kv(f"{rid}-p") is None  # shipped once
+    # vLLM's hand-over: the prefill output's kv_transfer_params, given to the decode request as they are.
+    handover = pout.kv_transfer_params
+    assert handover is not None and handover["do_remote_prefill"] is True
+    h = handover["hetmesh"]
+    assert h["tp_size"] == 1 and h["shard_bytes"] == [len(kv)] and h["num_tokens"] == len(prompt)
     if perturb:
         tensors = st_load(bytes(kv))
         gen = torch.Generator().manual_seed(0)
         for name, t in tensors.items():
             if not name.startswith("hetmesh."):
                 tensors[name] = torch.randn(t.shape, generator=gen, dtype=t.dtype)
-        b.put_kv(rid, st_save(tensors))
+        noise = st_save(tensors)
+        handover = {**handover, "hetmesh": {**h, "shard_bytes": [len(noise)]}}
+        b.put_kv(rid, noise)
     else:  # as the KV stream lands it: straight into the mapped spool file the connector loads
         sink = b.kv_sink(rid, len(kv))
         assert sink.view is not None
         sink.view[:] = kv
         sink.commit()
     computed0 = b.stats().prompt_tokens_computed
-    rest, dout = await _run(b, _req(rid, prompt, Phase.DECODE, first=first))
+    rest, dout = await _run(b, _req(rid, prompt, Phase.DECODE, first=first, handover=handover))
     return first + rest, dout, b.stats().prompt_tokens_computed - computed0
 
 
@@ -116,13 +123,28 @@ async def test_decode_output_depends_on_the_transferred_kv(engines: tuple[VllmEn
     assert ids[1:] != want[1:]
 
 
+async def test_decode_without_the_handover_computes_the_prompt(engines: tuple[VllmEngine, VllmEngine],
+                                                              prompts: list[list[int]]) -> None:
+    # The KV landed but vLLM's hand-over did not come with it: the decode engine must not guess, it computes.
+    a, b = engines
+    p = [5, *prompts[1]]  # shifted: none of it is in b's prefix cache
+    want, _ = await _run(a, _req("nohand-ref", p))
+    first, _ = await _run(a, _req("nohand-p", p, Phase.PREFILL))
+    b.put_kv("nohand", a.take_kv("nohand-p") or b"")
+    computed0 = b.stats().prompt_tokens_computed
+    rest, _ = await _run(b, _req("nohand", p, Phase.DECODE, first=first))
+    assert first + rest == want
+    assert b.stats().prompt_tokens_computed - computed0 == len(p) + 1
+
+
 async def test_first_token_that_ends_the_request_adds_nothing(engines: tuple[VllmEngine, VllmEngine],
                                                               prompts: list[list[int]]) -> None:
     a, b = engines
     first, pout = await _run(a, _req("one-p", prompts[0], Phase.PREFILL, max_tokens=1))
     assert pout.finish_reason == "length"
     b.put_kv("one", a.take_kv("one-p") or b"")
-    rest, dout = await _run(b, _req("one", prompts[0], Phase.DECODE, first=first, max_tokens=1))
+    rest, dout = await _run(b, _req("one", prompts[0], Phase.DECODE, first=first, max_tokens=1,
+                                    handover=pout.kv_transfer_params))
     assert rest == [] and dout.completion_tokens == 1
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -92,6 +93,17 @@ def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 @pytest.fixture(scope="module")
 def aclient(mesh: Mesh) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def spool_files(pid: int, prefix: str) -> list[str]:
+    """The files in worker `pid`'s vLLM spool folder (hetmesh.engines.vllm_engine) whose names start with
+    `prefix`; fails when the folder is not there."""
+    from hetmesh.engines.vllm_engine import SPOOL_PREFIX, _spool_root
+
+    root = Path(_spool_root() or tempfile.gettempdir())
+    spools = list(root.glob(f"{SPOOL_PREFIX}{pid}-*"))
+    assert spools, f"no spool folder of process {pid} in {root}"
+    return [f.name for d in spools for f in d.iterdir() if f.name.startswith(prefix)]
 
 
 def _rid(completion_id: str) -> str:
@@ -243,5 +255,84 @@ async def test_client_disconnect_aborts_vllm_and_frees_its_blocks(mesh: Mesh, ev
             await asyncio.sleep(0.1)
         assert beats[-1].kv_blocks_used == 0 and beats[-1].running == 0, beats[-1]
         assert beats[-1].aborted >= 1
+        # ... and neither worker keeps a spool file of it (a KV file still named for the request; the engine
+        # keeps loaded files' pages under free-* names for the next transfer)
+        for name in ("worker:cpu-d-0", "worker:cpu-p-0"):
+            left = spool_files(mesh.services[name].proc.pid, f"{_rid(rid)}.")  # type: ignore[union-attr]
+            assert left == [], (name, left)
+    finally:
+        await nc.close()
+
+
+async def test_greedy_stream_survives_its_worker_sigkilled(mesh: Mesh, events: EventLog,
+                                                          aclient: openai.AsyncOpenAI) -> None:
+    """Migration with a real engine: the aggregated worker streaming a greedy completion is SIGKILLed
+    mid-stream, and the stream goes on on the other worker from the tokens so far. The token ids on the
+    bus (`hetmesh.resp.>`, as `nats sub` shows them) say what happened. The first attempt's tokens are
+    the undisturbed run's, and the new worker's are exactly what vLLM generates for the prompt plus those
+    tokens. No token is lost or repeated, and the client's text is the two joined. (With this
+    random-weight model the rest is not the undisturbed run's: one prefill over prompt + k tokens
+    rounds differently from k decode steps, and near-flat logits flip an argmax. On a trained model
+    greedy continues the same.) Greedy only: vLLM cannot start a seeded sampler at a position of its
+    random stream. Last in this file: it leaves one of the two aggregated workers dead."""
+    import json
+
+    import httpx
+
+    from hetmesh.protocol import ResponseEvent, TokenChunk
+
+    tok = HFTokenizer(mesh.cfg.model("tiny-agg").tokenizer)
+    prompt, n = TEXTS[0], 600  # long enough that the kill lands mid-stream (a token takes milliseconds)
+    prompt_ids = tok.encode(prompt)
+    on_bus: dict[str, list[TokenChunk]] = {}  # reply subject -> its chunks
+    nc = await nats.connect(mesh.nats_url)
+
+    async def on_chunk(m: object) -> None:
+        ev = msgspec.json.decode(m.data, type=ResponseEvent)  # type: ignore[attr-defined]
+        if isinstance(ev, TokenChunk):
+            on_bus.setdefault(m.subject, []).append(ev)  # type: ignore[attr-defined]
+
+    await nc.subscribe("hetmesh.resp.>", cb=on_chunk)
+    try:
+        _, want, _, _ = await _complete(aclient, "tiny-agg", prompt, max_tokens=n)
+        body = {"model": "tiny-agg", "prompt": prompt, "max_tokens": n, "stream": True, "ignore_eos": True,
+                "temperature": 0, "stream_options": {"include_usage": True}}
+        chunks: list[dict] = []
+        victim = ""
+        async with httpx.AsyncClient(base_url=mesh.url, timeout=120) as http:
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunks.append(json.loads(line[6:]))
+                    if len(chunks) == 1:
+                        placed = await events.wait_for(_rid(chunks[0]["id"]), "placed")
+                        victim = str(placed.detail["decode_worker"])
+                        mesh.kill(f"worker:{victim}")
+        rid = _rid(chunks[0]["id"])
+        assert not [c for c in chunks if "error" in c]
+        assert chunks[-1]["usage"]["completion_tokens"] == n
+        assert chunks[-1]["usage"]["prompt_tokens"] == len(prompt_ids)
+        moved = await events.wait_for(rid, "migrated", timeout_s=10)
+        k = int(moved.detail["from_index"])  # type: ignore[arg-type]
+        assert moved.detail["lost_worker"] == victim and 1 <= k < n
+
+        def ids_of(attempt: int) -> list[int]:
+            got = sorted((c for subj, cs in on_bus.items() if subj.endswith(f".{rid}-{attempt}") for c in cs),
+                         key=lambda c: c.index)
+            return [t for c in got for t in c.token_ids]
+
+        before, after = ids_of(0)[:k], ids_of(1)
+        assert len(before) == k and len(after) == n - k
+        # What vLLM itself continues the prompt plus those k tokens with (greedy, the same worker's engine).
+        cont = await aclient.completions.create(model="tiny-agg", prompt=[*prompt_ids, *before], max_tokens=n - k,
+                                                temperature=0, extra_body={"ignore_eos": True})
+        await asyncio.sleep(0.2)
+        ref = next(cs for subj, cs in on_bus.items() if subj.endswith(f".{_rid(cont.id)}-0"))
+        assert after == [t for c in sorted(ref, key=lambda c: c.index) for t in c.token_ids]
+        text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
+        assert text.endswith(cont.choices[0].text)
+        head = text[:len(text) - len(cont.choices[0].text)]
+        assert want.startswith(head)  # before the move: the undisturbed run's text
     finally:
         await nc.close()

@@ -55,40 +55,57 @@ class PrefixCache:
         """Leading hashes held (the usable prefix)."""
         return cached_prefix_blocks(hashes, self.refs.__contains__)
 
-    def pin(self, h: int) -> None:
-        n = self.refs[h]
-        if n == 0:
-            del self.lru[h]
-        self.refs[h] = n + 1
+    def pin(self, hashes: Sequence[int], n: int) -> None:
+        """Pin the first n of `hashes` (cached): they cannot be evicted until unpinned."""
+        refs, lru = self.refs, self.lru
+        for i in range(n):
+            h = hashes[i]
+            c = refs[h]
+            if c == 0:
+                del lru[h]
+            refs[h] = c + 1
 
-    def unpin(self, h: int) -> None:
-        n = self.refs[h] - 1
-        self.refs[h] = n
-        if n == 0:
-            self.lru[h] = None  # most recently used end
+    def unpin(self, hashes: Sequence[int], n: int) -> None:
+        refs, lru = self.refs, self.lru
+        for i in range(n):
+            h = hashes[i]
+            c = refs[h] - 1
+            refs[h] = c
+            if c == 0:
+                lru[h] = None  # most recently used end
 
     def reserve(self, n: int) -> bool:
         """Take n private blocks, evicting least recently used prefixes if needed."""
-        if self.free + len(self.lru) * self.unit < n:
+        refs, lru, unit = self.refs, self.lru, self.unit
+        free = self.total - len(refs) * unit - self.private  # self.free
+        if free + len(lru) * unit < n:
             return False
-        while self.free < n:
-            h, _ = self.lru.popitem(last=False)
-            del self.refs[h]
+        while free < n:
+            h, _ = lru.popitem(last=False)
+            del refs[h]
             self._note(h, False)
+            free += unit
         self.private += n
         return True
 
     def release(self, n: int) -> None:
         self.private -= n
 
-    def store(self, h: int) -> None:
-        """Turn `unit` private blocks into the cached, pinned entry `h` (dropped if `h` was cached already)."""
-        self.private -= self.unit
-        if h in self.refs:
-            self.pin(h)
-            return
-        self.refs[h] = 1
-        self._note(h, True)
+    def store(self, hashes: Sequence[int], start: int) -> None:
+        """Turn `unit` private blocks per hash of hashes[start:] into cached, pinned entries (an entry cached
+        already is pinned instead, the blocks dropped)."""
+        refs, lru, unit = self.refs, self.lru, self.unit
+        for i in range(start, len(hashes)):
+            h = hashes[i]
+            self.private -= unit
+            c = refs.get(h)
+            if c is None:
+                refs[h] = 1
+                self._note(h, True)
+            else:
+                if c == 0:
+                    del lru[h]
+                refs[h] = c + 1
 
     def _note(self, h: int, stored: bool) -> None:
         # Net effect only: stored-then-evicted within one drain window need not reach the index.
@@ -100,10 +117,17 @@ class PrefixCache:
         """Announce a fresh, empty cache (engine start): the index drops what it held for us."""
         self.cleared = self.dirty = True
 
-    def drain(self) -> KvEventBatch:
+    def take(self) -> dict[int, bool]:
+        """The net events since the last take, hash -> stored (True) / removed (False), as they are (the
+        simulator's index reads them per arrival; `drain` wraps them for the bus)."""
         p = self._pending
+        self._pending = {}
+        self.dirty = False
+        return p
+
+    def drain(self) -> KvEventBatch:
+        p = self.take()
         batch = KvEventBatch(stored=[h for h, s in p.items() if s], removed=[h for h, s in p.items() if not s],
                              cleared=self.cleared)
-        p.clear()
-        self.cleared = self.dirty = False
+        self.cleared = False
         return batch

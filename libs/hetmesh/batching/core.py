@@ -41,6 +41,11 @@ class State(IntEnum):
     DONE = 3
 
 
+# The members as module names: an enum member's lookup costs several times a global's, on every step.
+_FULL, _PREFILL, _DECODE = Kind
+_WAITING, _PREFILLING, _DECODING, _DONE = State
+
+
 class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One engine's batching settings; the cluster file's worker group fills them (hetmesh.wiring)."""
 
@@ -97,7 +102,7 @@ class Seq:
         self.hashes = hashes  # hashes of the prompt's full hash blocks, in order
         self.max_new = max_new  # generated tokens at which the sequence ends ("length")
         self.n_first = n_first  # DECODE: tokens the prefill side generated
-        self.state = State.WAITING
+        self.state = _WAITING
         self.target = prompt_len  # tokens whose KV must be present before the next sample
         self.computed = 0  # of those, the ones whose KV is present
         self.generated = n_first  # materialised while not decoding
@@ -127,7 +132,7 @@ class Step:
 
     def __init__(self, tick: int) -> None:
         self.tick = tick
-        self.prefills: list[tuple[Seq, int, int]] = []  # (seq, new tokens, tokens already in KV)
+        self.prefills: list[tuple[Seq, int, int]] = _NONE  # (seq, new tokens, tokens already in KV)
         self.decodes: list[Seq] | None = None  # the decoding sequences (when the core tracks them)
         self.n_decode = 0
         self.decode_context = 0  # sum of the decoding sequences' contexts
@@ -151,19 +156,12 @@ class Step:
 class Outcome:
     __slots__ = ("finished", "sampled")
 
-    def __init__(self) -> None:
-        self.sampled: list[Seq] = _NONE  # completed a prefill (or a recompute) and sampled a token
-        self.finished: list[Seq] = _NONE  # ended this step: by length, or a PREFILL handed off
+    def __init__(self, sampled: list[Seq] = _NONE, finished: list[Seq] = _NONE) -> None:
+        self.sampled = sampled  # completed a prefill (or a recompute) and sampled a token
+        self.finished = finished  # ended this step: by length, or a PREFILL handed off
 
-    def _sampled(self, s: Seq) -> None:
-        if self.sampled is _NONE:
-            self.sampled = []
-        self.sampled.append(s)
 
-    def _finished(self, s: Seq) -> None:
-        if self.finished is _NONE:
-            self.finished = []
-        self.finished.append(s)
+_QUIET = Outcome()  # shared, never appended to
 
 
 class CoreStats:
@@ -212,7 +210,7 @@ class Core:
     # ------------------------------------------------------------------ requests in and out
     def blocks_needed(self, prompt_len: int, kind: Kind, max_new: int) -> int:
         """Blocks for the whole sequence alone: more than the engine has means it can never finish."""
-        gen = 1 if kind == Kind.PREFILL else max_new
+        gen = 1 if kind == _PREFILL else max_new
         return blocks_for(prompt_len + max(gen, 1), self.s.block_size)
 
     def add(self, seq: Seq) -> None:
@@ -240,7 +238,7 @@ class Core:
         s = self.seqs.get(rid)
         if s is None:
             return None
-        if s.state == State.WAITING:
+        if s.state == _WAITING:
             self.n_waiting -= 1  # its queue entry is skipped when it comes up
             self._done(s)
         else:
@@ -250,12 +248,12 @@ class Core:
     def finish(self, rid: Hashable) -> Seq | None:
         """The shell ended a running sequence early (a stop string, EOS): free it now."""
         s = self.seqs.get(rid)
-        if s is not None and s.state != State.WAITING:
+        if s is not None and s.state != _WAITING:
             self._finish(s)
         return s
 
     def generated(self, s: Seq) -> int:
-        return s.g0 + self.tick - s.d0 if s.state == State.DECODING else s.generated
+        return s.g0 + self.tick - s.d0 if s.state == _DECODING else s.generated
 
     @property
     def idle(self) -> bool:
@@ -265,9 +263,11 @@ class Core:
     def schedule(self, now: float = 0.0) -> Step:
         t = self.tick
         step = Step(t)
-        preempted = self.stats.preempted
+        admit = True
         if self._crossed < t:  # once per step: the blocks of the decodes that cross a block boundary now
+            preempted = self.stats.preempted
             self._grow(t)
+            admit = self.stats.preempted == preempted  # a step that had to preempt admits nothing: it would thrash
         s_ = self.s
         n_dec = len(self.decoding)
         budget = s_.step_tokens - n_dec
@@ -275,7 +275,7 @@ class Core:
             if budget <= 0:
                 break
             budget -= self._chunk(step, s, budget)
-        if self.stats.preempted == preempted:  # a step that had to preempt admits nothing: it would thrash
+        if admit:
             while self.n_waiting and len(self.running) < s_.max_batch:
                 s = self._head()
                 first = s is not None and not s.admitted
@@ -286,11 +286,11 @@ class Core:
                     if step.admitted is _NONE:
                         step.admitted = []
                     step.admitted.append(s)
-                if s.state == State.DONE:
+                if s.state == _DONE:
                     if step.ended is _NONE:
                         step.ended = []
                     step.ended.append(s)
-                elif s.state == State.DECODING:
+                elif s.state == _DECODING:
                     n_dec += 1
                     budget -= 1
                 elif budget > 0:
@@ -303,14 +303,19 @@ class Core:
 
     def update(self, step: Step) -> Outcome:
         """Apply a step that ran: prompt KV stored, tokens counted, sequences ended."""
-        out = Outcome()
         t = step.tick
         st = self.stats
         st.steps += 1
         st.tokens_generated += len(self.decoding)
         self.tick = t + 1
-        for s, n, _ in step.prefills:
-            if s.state != State.PREFILLING:  # aborted while the step ran
+        ends = self._end_at.pop(t, None)  # (joining decodes end at t + 1 or later)
+        prefills = step.prefills
+        if ends is None and not prefills:
+            return _QUIET  # most steps: nothing sampled, nothing ended
+        sampled: list[Seq] = []
+        finished: list[Seq] = []
+        for s, n, _ in prefills:
+            if s.state != _PREFILLING:  # aborted while the step ran
                 continue
             s.computed += n
             st.prompt_tokens_computed += n
@@ -319,18 +324,19 @@ class Core:
             self._store_prompt(s)
             s.generated += 1
             st.tokens_generated += 1
-            out._sampled(s)
+            sampled.append(s)
             del self.prefilling[s.rid]
-            if s.kind == Kind.PREFILL or s.generated >= s.max_new:
+            if s.kind == _PREFILL or s.generated >= s.max_new:
                 self._finish(s)
-                out._finished(s)
+                finished.append(s)
             else:
                 self._join_decoding(s, t + 1)
-        for ver, s in self._end_at.pop(t, ()):
-            if s.ver == ver:
-                self._finish(s)
-                out._finished(s)
-        return out
+        if ends is not None:
+            for ver, s in ends:
+                if s.ver == ver:
+                    self._finish(s)
+                    finished.append(s)
+        return Outcome(sampled, finished)
 
     # ------------------------------------------------------------------ runs of plain decode steps
     def quiet(self, step: Step, limit: int) -> int:
@@ -344,7 +350,13 @@ class Core:
         kmax = min(limit, _next_key(self._end_keys, t) - t, _next_key(self._first_keys, t + 1) - t - 1)
         cache, growing, bs = self.cache, self._growing, self.s.block_size
         free = cache.total - len(cache.refs) * cache.unit - cache.private
-        k = 0
+        if kmax <= 0 or free < 0:
+            return 0
+        g = sum(growing)  # blocks any block_size steps in a row take: whole rounds first, then step by step
+        if not g:
+            return kmax
+        rounds = min(kmax // bs, free // g)
+        k, free = rounds * bs, free - rounds * g
         while k < kmax:
             free -= growing[(t + k + 1) % bs]
             if free < 0:
@@ -359,7 +371,8 @@ class Core:
             return out
         t, n = step.tick, step.n_decode
         growing, bs = self._growing, self.s.block_size
-        self.cache.private += sum(growing[(t + j) % bs] for j in range(1, k + 1))
+        rounds, rest = divmod(k, bs)  # the blocks of steps t+1 .. t+k: whole rounds of residues, then the rest
+        self.cache.private += rounds * sum(growing) + sum(growing[j % bs] for j in range(t + 1, t + rest + 1))
         self._crossed = t + k
         st = self.stats
         st.steps += k - 1
@@ -369,13 +382,18 @@ class Core:
 
     # ------------------------------------------------------------------ internals
     def _head(self) -> Seq | None:
-        for q in (self._resumed, self._fifo):
-            while q and q[0].state != State.WAITING:
-                q.popleft()  # aborted while queued
-            if q:
-                return q[0]
+        q = self._resumed
+        while q and q[0].state != _WAITING:
+            q.popleft()  # aborted while queued
+        if q:
+            return q[0]
+        q = self._fifo
+        while q and q[0].state != _WAITING:
+            q.popleft()
+        if q:
+            return q[0]
         h = self._short
-        while h and h[0][2].state != State.WAITING:
+        while h and h[0][2].state != _WAITING:
             heappop(h)
         return h[0][2] if h else None
 
@@ -391,6 +409,8 @@ class Core:
     def _chunk(self, step: Step, s: Seq, budget: int) -> int:
         n = min(s.target - s.computed, budget)
         c = s.computed
+        if step.prefills is _NONE:
+            step.prefills = []
         step.prefills.append((s, n, c))
         step.prefill_tokens += n
         step.prefill_seqs += 1
@@ -406,14 +426,12 @@ class Core:
         hashes = s.hashes
         hit = cache.hit(hashes) if s_.prefix_caching else 0
         first = not s.admitted
-        if first and s.kind == Kind.DECODE:
+        if first and s.kind == _DECODE:
             s.target = s.prompt_len + s.n_first
-        need = blocks_for(s.target + 1, s_.block_size) - hit * s_.hash_blocks
-        for i in range(hit):
-            cache.pin(hashes[i])  # before reserving, so that making room cannot evict the prefix we hit
+        need = -(-(s.target + 1) // s_.block_size) - hit * s_.hash_blocks  # blocks_for
+        cache.pin(hashes, hit)  # before reserving, so that making room cannot evict the prefix we hit
         if not cache.reserve(need):
-            for i in range(hit):
-                cache.unpin(hashes[i])
+            cache.unpin(hashes, hit)
             return False
         s.npinned = hit
         s.private = need
@@ -424,7 +442,7 @@ class Core:
         s.admitted = True
         if first:
             s.admitted_at = now
-        if first and s.kind == Kind.DECODE:
+        if first and s.kind == _DECODE:
             # The KV of the prompt and first tokens landed: nothing to compute, and the prompt is a
             # cached prefix here too.
             s.computed = s.target
@@ -438,12 +456,12 @@ class Core:
             if first:
                 s.cached_tokens = s.computed
                 self.stats.prompt_tokens_cached += s.computed
-            s.state = State.PREFILLING
+            s.state = _PREFILLING
             self.prefilling[s.rid] = s
         return True
 
     def _join_decoding(self, s: Seq, d0: int) -> None:
-        s.state = State.DECODING
+        s.state = _DECODING
         s.d0, s.g0 = d0, s.generated
         ctx = s.prompt_len + s.generated
         self._ctx_base += ctx - d0
@@ -493,7 +511,7 @@ class Core:
         self._crossed = t - 1
         growers = sorted((s for s in self.decoding.values() if s.active and s.f % bs == r), key=lambda s: s.adm)
         for s in growers:
-            if s.state != State.DECODING:
+            if s.state != _DECODING:
                 continue  # preempted by an older one's growth
             while not cache.reserve(1):
                 victim = next(reversed(self.running.values()))
@@ -507,39 +525,38 @@ class Core:
         self._free(s)
         s.target = s.prompt_len + s.generated
         s.computed = 0
-        s.state = State.WAITING
+        s.state = _WAITING
         self.n_waiting += 1
         self._resumed.appendleft(s)
         self.stats.preempted += 1
 
     def _store_prompt(self, s: Seq) -> None:
-        cache = self.cache
         hashes = s.hashes
-        for i in range(s.npinned, len(hashes)):
-            cache.store(hashes[i])
-            s.private -= self.s.hash_blocks  # now keyed by its hash (pinned) instead of private
+        self.cache.store(hashes, s.npinned)
+        s.private -= (len(hashes) - s.npinned) * self.s.hash_blocks  # now keyed by their hashes (pinned)
         s.npinned = len(hashes)
 
     def _free(self, s: Seq) -> None:
         """Unpin s's prefix (it stays cached, evictable), return its private blocks, leave the batch."""
-        if s.state == State.DECODING:
+        if s.state == _DECODING:
             self._leave_decoding(s)
         else:
             self.prefilling.pop(s.rid, None)
         cache = self.cache
-        hashes = s.hashes
-        for i in range(s.npinned):
-            cache.unpin(hashes[i])
-        s.npinned = 0
+        if s.npinned:
+            cache.unpin(s.hashes, s.npinned)
+            s.npinned = 0
         cache.release(s.private)
         s.private = 0
         self.running.pop(s.rid, None)
 
     def _finish(self, s: Seq) -> None:
         self._free(s)
-        self._done(s)
+        s.state = _DONE  # _done, inline: every request ends here
+        s.ver += 1
+        self.seqs.pop(s.rid, None)
 
     def _done(self, s: Seq) -> None:
-        s.state = State.DONE
+        s.state = _DONE
         s.ver += 1
         self.seqs.pop(s.rid, None)

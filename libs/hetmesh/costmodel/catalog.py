@@ -45,6 +45,8 @@ class Accelerator:
     scaleout_bw: float  # bytes/s per device, one way, between servers
     confidence: str = ""
     source: str = ""
+    usd_per_hour: float = 0.0  # $ per device-hour (list price or a marked assumption: price_source)
+    price_source: str = ""
 
     def compute_dtype(self, dtype: str) -> str:
         """The dtype the math runs in: `dtype` if supported, else the next wider one (fp4 -> fp8 -> bf16)."""
@@ -219,6 +221,7 @@ def _accelerators() -> dict[str, Accelerator]:
                 memory_bytes=float(r["memory_gb"]) * 1e9, memory_type=r["memory_type"],
                 mem_bw=float(r["mem_bw_tb_s"]) * 1e12, scaleup_bw=float(r["scaleup_gb_s"]) * 1e9,
                 scaleout_bw=float(r["scaleout_gb_s"]) * 1e9, confidence=r["confidence"], source=r["source"],
+                usd_per_hour=float(r["usd_per_hour"]), price_source=r["price_source"],
             )
     return out
 

@@ -46,5 +46,16 @@ def vllm_engine(cfg: ClusterConfig, group: WorkerGroup, model: ModelConfig) -> E
         step_tokens=group.step_tokens,
         max_model_len=v.max_model_len or model.max_context, dtype=v.dtype or _VLLM_DTYPES.get(model.dtype, "auto"),
         kv_cache_gib=v.kv_cache_gib, gpu_memory_utilization=v.gpu_memory_utilization,
-        enforce_eager=v.enforce_eager, tensor_parallel_size=group.devices if group.parallel == "tp" else 1,
-        kv_connector=v.kv_connector, cpu_reserved_cores=v.cpu_reserved_cores))
+        enforce_eager=v.enforce_eager, tensor_parallel_size=_tp(group),
+        kv_connector=v.kv_connector, cpu_reserved_cores=v.cpu_reserved_cores, compact_json=model.compact_json,
+        peer_tp_sizes=_peer_tp_sizes(cfg, group)))
+
+
+def _tp(group: WorkerGroup) -> int:
+    return group.devices if group.parallel == "tp" else 1
+
+
+def _peer_tp_sizes(cfg: ClusterConfig, group: WorkerGroup) -> list[int]:
+    """The TP sizes of the other vLLM groups serving the same model: any of them may prefill for this one or
+    decode after it (roles are switched at run time), so every pairing must be one the KV layout allows."""
+    return [_tp(g) for g in cfg.workers if g.engine == "vllm" and g.model == group.model and g is not group]

@@ -10,13 +10,13 @@ engines that have them (`real_kv`); the sim engine only simulates their size.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import Any, Protocol
 
 from msgspec import Struct, field
 
 from hetmesh.batching.cache import KvEventBatch
 from hetmesh.kvstream import KvSink
-from hetmesh.protocol import Phase, SamplingParams
+from hetmesh.protocol import Phase, SamplingParams, TokenLogprob
 
 
 class EngineError(Exception):
@@ -31,6 +31,11 @@ class EngineRequest(Struct, kw_only=True):
     phase: Phase = Phase.FULL
     # DECODE: the token(s) the prefill side generated; their KV and the prompt's have landed.
     first_token_ids: list[int] = field(default_factory=list)
+    # A migrated request (protocol.InferenceRequest.continued): the last `continued` prompt tokens are its
+    # own completion so far; outputs number from there and count them, and the prompt's usage excludes them.
+    continued: int = 0
+    # DECODE: the prefill output's kv_transfer_params (vLLM's hand-over), for the engine's KV connector.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class EngineOutput(Struct, kw_only=True):
@@ -48,6 +53,9 @@ class EngineOutput(Struct, kw_only=True):
     cached_tokens: int = 0  # prompt tokens served from this engine's prefix cache
     completion_tokens: int = 0  # completion length so far, including DECODE's first tokens
     queued_s: float = 0.0  # wall seconds from submit to the request's first engine step (metrics, traces)
+    logprobs: list[TokenLogprob] | None = None  # per token id, when the request asked for them
+    # A finished PREFILL: its KV connector's kv_transfer_params (vLLM's RequestOutput field), for the decode side.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class EngineStats(Struct, kw_only=True):

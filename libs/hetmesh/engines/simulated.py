@@ -14,11 +14,13 @@ import time
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+import msgspec
+
 from hetmesh.batching import Core, Kind, KvEventBatch, Seq, Settings, State, Step
 from hetmesh.engines.base import EngineError, EngineOutput, EngineRequest, EngineStats
 from hetmesh.engines.sampling import Completion, Sampler
 from hetmesh.kvstream import DroppedKv, KvSink
-from hetmesh.protocol import Phase
+from hetmesh.protocol import Phase, TokenLogprob
 from hetmesh.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -49,8 +51,8 @@ class StepTimer(Protocol):
 class _Live:
     """One request in the shell: its sampler, text, and the output buffer its consumer has not taken."""
 
-    __slots__ = ("comp", "event", "finish_reason", "finished", "ids", "index", "parts", "req", "sampler", "seq",
-                 "submitted")
+    __slots__ = ("comp", "event", "finish_reason", "finished", "ids", "index", "lps", "parts", "req", "sampler",
+                 "seq", "submitted")
 
     def __init__(self, req: EngineRequest, sampler: Sampler, comp: Completion, seq: Seq) -> None:
         self.req = req
@@ -61,6 +63,7 @@ class _Live:
         self.index = 0  # completion position of ids[0]
         self.ids: list[int] = []
         self.parts: list[str] = []
+        self.lps: list[TokenLogprob] = []  # logprobs of `ids`, when the request asked for them
         self.finished = False
         self.finish_reason: str | None = None
         self.submitted = time.perf_counter()  # the clock the engine hands the core (Seq.admitted_at)
@@ -69,12 +72,15 @@ class _Live:
         s = self.seq
         out = EngineOutput(request_id=self.req.request_id, index=self.index, token_ids=self.ids,
                            text="".join(self.parts), finished=self.finished, finish_reason=self.finish_reason,
-                           prompt_tokens=s.prompt_len, cached_tokens=s.cached_tokens,
+                           prompt_tokens=s.prompt_len - self.req.continued,
+                           cached_tokens=min(s.cached_tokens, s.prompt_len - self.req.continued),
                            completion_tokens=len(self.comp.token_ids),
-                           queued_s=s.admitted_at - self.submitted if s.admitted_at >= 0 else 0.0)
+                           queued_s=s.admitted_at - self.submitted if s.admitted_at >= 0 else 0.0,
+                           logprobs=self.lps if self.req.sampling.logprobs is not None else None)
         self.index += len(self.ids)
         self.ids = []
         self.parts = []
+        self.lps = []
         return out
 
 
@@ -132,13 +138,21 @@ class SimEngine:
         if rid in self._live:
             raise EngineError(f"request {rid!r} is already in this engine")
         sampling = request.sampling
-        sampler = Sampler(self.tok, request.prompt_tokens, sampling)
+        prompt = request.prompt_tokens
+        k = request.continued
+        if k:  # migrated: the original prompt seeds the sampler, the completion so far replays below
+            prompt = prompt[:len(prompt) - k]
+            sampling = msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens + k)
+        sampler = Sampler(self.tok, prompt, sampling)
         comp = Completion(self.tok, sampling)
         kind = _KIND[request.phase]
         first = request.first_token_ids if kind == Kind.DECODE else []
-        for t in first:
-            sampler.next()  # keep the stream aligned with an aggregated run
+        # Replay the completion so far (a migration's, then DECODE's first tokens): the random stream, the
+        # held-back text and the token count are then where the aggregated run has them.
+        for t in (*request.prompt_tokens[len(prompt):], *first):
+            sampler.next()
             comp.append(t)
+        sampling = request.sampling
         max_new = 1 if kind == Kind.PREFILL else sampling.max_tokens
         if comp.finish_reason is not None:
             max_new = len(first)  # the first tokens already ended it: it finishes on admission
@@ -148,7 +162,7 @@ class SimEngine:
         except ValueError as exc:
             raise EngineError(str(exc)) from None
         lv = _Live(request, sampler, comp, seq)
-        lv.index = len(first)
+        lv.index = k + len(first)
         self._streams[rid] = lv
         self._live[rid] = lv
         self._wake.set()
@@ -230,6 +244,8 @@ class SimEngine:
 
     def _sample(self, lv: _Live) -> None:
         tok = lv.sampler.next()
+        if lv.sampler.last is not None:
+            lv.lps.append(lv.sampler.last)
         text = lv.comp.append(tok)
         seq = lv.seq
         if lv.comp.finish_reason is not None:

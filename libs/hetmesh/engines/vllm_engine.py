@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import mmap
 import os
@@ -34,7 +35,9 @@ import msgspec
 
 from hetmesh.engines.base import EngineError, EngineOutput, EngineRequest, EngineStats, KvEventBatch
 from hetmesh.kvindex.blocks import digest_int, next_block
-from hetmesh.protocol import Phase
+from hetmesh.protocol import Phase, TokenLogprob
+
+from .vllm_kv import shard_path, tp_pairing_problem
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +68,26 @@ class VllmConfig(msgspec.Struct, kw_only=True):
     # threads); ours needs none, and on a small host that extra reservation would leave OpenMP on
     # every core, where each token's trip through the mesh preempts a thread and stalls the step.
     cpu_reserved_cores: int = 1
+    compact_json: bool = True  # structured outputs without free whitespace (the engine-wide setting in vLLM)
+    # The TP sizes of the engines this one hands KV to or takes it from (the cluster's other P/D groups of the
+    # model): a pairing our connector's KV layout does not allow is refused at start (vllm_kv.tp_pairing_problem).
+    peer_tp_sizes: list[int] = msgspec.field(default_factory=list)
 
 
 SPOOL_PREFIX = "hetmesh-vllm-"
+
+
+def _logprobs(c: Any, ids: list[int], k: int | None) -> list[TokenLogprob] | None:
+    """vLLM's per-position {token id: Logprob(logprob, rank)} (the drawn token and the top k) as ours."""
+    if k is None or c.logprobs is None:
+        return None
+    out = []
+    for i, tok in enumerate(ids):
+        d = c.logprobs[i]
+        top = sorted((lp.rank, t, lp.logprob) for t, lp in d.items() if lp.rank is not None and lp.rank <= k)
+        drawn = d.get(tok)
+        out.append(TokenLogprob(tok, drawn.logprob if drawn is not None else -9999.0, [(t, x) for _, t, x in top]))
+    return out
 
 
 def _spool_root() -> str | None:
@@ -161,9 +181,12 @@ class _Track:
         self.req = req
         self.collector = collector
         self.kv_path = kv_path
-        self.first = len(req.first_token_ids)
+        # A migrated request's prompt ends with its completion so far (`continued`): numbered after it, and the
+        # prompt's figures are the original prompt's. Greedy continues with the same text; a seeded sample
+        # cannot (vLLM's generator starts afresh at the new worker, not at position `continued`).
+        self.first = req.continued + len(req.first_token_ids)
         self.index = self.first  # position of the next token in the whole completion
-        self.prompt_tokens = len(req.prompt_tokens)
+        self.prompt_tokens = len(req.prompt_tokens) - req.continued
 
 
 class _FileSink:
@@ -207,6 +230,21 @@ class _FileSink:
             os.unlink(self.path + ".part")
 
 
+def frame(shards: list[str]) -> bytes | memoryview:
+    """The shard files as one stream. One shard (TP 1) is mapped, its tmpfs pages sent as they are, never
+    copied; several are joined (one copy) so that the transfer stays one stream."""
+    if len(shards) > 1:
+        parts = []
+        for p in shards:
+            with open(p, "rb") as f:
+                parts.append(f.read())
+        return b"".join(parts)
+    with open(shards[0], "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        return (memoryview(mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                                     prot=mmap.PROT_READ)) if size else memoryview(b""))
+
+
 class VllmEngine:
     name = "vllm"
     real_kv = True  # take_kv / put_kv move the engine's real KV bytes
@@ -217,7 +255,7 @@ class VllmEngine:
         self._stats = _Stats()
         self._tracks: dict[str, _Track] = {}
         self._pending_kv: dict[str, str] = {}  # DECODE request id -> landed KV file, until submitted
-        self._prefill_kv: dict[str, str] = {}  # finished PREFILL request id -> the KV file it left
+        self._prefill_kv: dict[str, list[str]] = {}  # finished PREFILL request id -> its TP ranks' KV shards
         self._free_kv: list[tuple[int, str]] = []  # (size, path): landed KV files already loaded, for reuse
         self._mapper = _KvEventMapper(config.model_name, config.block_size)
         self._pending_events = KvEventBatch()
@@ -246,7 +284,13 @@ class VllmEngine:
             kv_transfer = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both")
         elif c.kv_connector:
             raise EngineError(f"unknown kv_connector {c.kv_connector!r} (hetmesh | nixl | empty)")
-        return AsyncEngineArgs(
+        from vllm.config import StructuredOutputsConfig
+
+        extra: dict[str, Any] = {}
+        if c.compact_json:  # needs a named backend (vLLM refuses it with "auto"); xgrammar is auto's first choice
+            extra["structured_outputs_config"] = StructuredOutputsConfig(backend="xgrammar",
+                                                                         disable_any_whitespace=True)
+        return AsyncEngineArgs(**extra,
             model=c.model_dir, tokenizer=c.model_dir, dtype=c.dtype, max_model_len=c.max_model_len,
             block_size=c.block_size, max_num_seqs=c.max_batch, max_num_batched_tokens=c.step_tokens,
             enable_prefix_caching=True,
@@ -256,11 +300,28 @@ class VllmEngine:
             kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                             endpoint=f"ipc://{self.spool}/kv-events"))
 
+    def check_tp_pairings(self) -> None:
+        """Refuse, before loading anything, a P/D pairing whose KV our connector cannot re-lay."""
+        c = self.config
+        if c.kv_connector != "hetmesh" or not c.peer_tp_sizes:
+            return
+        try:
+            hf = json.loads((Path(c.model_dir) / "config.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise EngineError(f"cannot read {c.model_dir}/config.json: {exc}") from exc
+        heads = int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
+        for peer in sorted(set(c.peer_tp_sizes)):
+            problem = tp_pairing_problem(c.tensor_parallel_size, peer, heads)
+            if problem:
+                raise EngineError(f"kv_connector hetmesh, this engine's TP {c.tensor_parallel_size} with a peer's "
+                                  f"TP {peer}: {problem}")
+
     async def start(self) -> None:
         import zmq
         from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: F401  (fail early with a clear import error)
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        self.check_tp_pairings()
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.kv_cache_gib))
         if self.config.kv_connector != "nixl":
@@ -301,12 +362,28 @@ class VllmEngine:
         from vllm.sampling_params import RequestOutputKind
 
         s = req.sampling
-        max_tokens = s.max_tokens - len(req.first_token_ids)
+        done = len(req.first_token_ids)
+        max_tokens = s.max_tokens - done
         if req.phase == Phase.PREFILL:
             max_tokens = 1
-        return SamplingParams(max_tokens=max(1, max_tokens), temperature=s.temperature, top_p=s.top_p,
+        max_tokens = max(1, max_tokens)
+        structured = None
+        if s.structured is not None:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            so = s.structured
+            structured = (StructuredOutputsParams(json=so.json_schema) if so.json_schema
+                          else StructuredOutputsParams(json_object=True))
+        # Every option the gateway accepted, as vLLM names it (the gateway refused what vLLM lacks).
+        return SamplingParams(max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p,
                               seed=s.seed, stop=list(s.stop) or None, ignore_eos=s.ignore_eos,
-                              output_kind=RequestOutputKind.DELTA, skip_special_tokens=True)
+                              top_k=s.top_k, min_p=s.min_p,
+                              presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                              repetition_penalty=s.repetition_penalty, logit_bias=dict(s.logit_bias) or None,
+                              min_tokens=min(max(0, s.min_tokens - done - req.continued), max_tokens),
+                              stop_token_ids=list(s.stop_token_ids) or None, logprobs=s.logprobs,
+                              structured_outputs=structured,
+                              output_kind=RequestOutputKind.DELTA, skip_special_tokens=s.skip_special_tokens)
 
     async def submit(self, request: EngineRequest) -> None:
         if self.llm is None:
@@ -317,9 +394,12 @@ class VllmEngine:
         prompt = list(request.prompt_tokens)
         params = self.sampling_params(request)
         path = None
-        if request.phase == Phase.PREFILL:
-            path = self._kv_path(rid)
-            params.extra_args = {"kv_transfer_params": {"hetmesh": "save", "path": path}}
+        if request.phase == Phase.PREFILL and self.config.kv_connector:
+            # vLLM's hand-over, whatever the connector: the output's kv_transfer_params go to the decode request.
+            kvp: dict[str, Any] = {"do_remote_decode": True}
+            if self.config.kv_connector == "hetmesh":
+                path = kvp["hetmesh_path"] = self._kv_path(rid)
+            params.extra_args = {"kv_transfer_params": kvp}
         elif request.phase == Phase.DECODE:
             path = self._pending_kv.pop(rid, None)
             if self._first_tokens_ended(request):
@@ -329,9 +409,9 @@ class VllmEngine:
                 self._tracks[rid] = _Track(request, None, None)  # stream ends at once, nothing to add
                 return
             prompt += request.first_token_ids
-            if path is not None:
-                params.extra_args = {"kv_transfer_params": {"hetmesh": "load", "path": path,
-                                                            "num_tokens": len(request.prompt_tokens)}}
+            kvp = self._consumer_params(request.kv_transfer_params, path)
+            if kvp is not None:
+                params.extra_args = {"kv_transfer_params": kvp}
         total = len(prompt) + params.max_tokens
         if total > self.config.max_model_len:
             raise EngineError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
@@ -343,6 +423,18 @@ class VllmEngine:
         except ValueError as exc:  # vLLM's own validation (e.g. token ids out of vocabulary)
             raise EngineError(str(exc)) from exc
         self._tracks[rid] = _Track(request, collector, path)
+
+    def _consumer_params(self, handed: dict[str, Any] | None, landed: str | None) -> dict[str, Any] | None:
+        """The decode request's kv_transfer_params: the prefill output's as they are (NIXL reads the blocks
+        they name), ours pointed at the frame that landed here. None: compute the prompt here."""
+        if not handed or not handed.get("do_remote_prefill"):
+            return None
+        h = handed.get("hetmesh")
+        if h is None:
+            return handed if self.config.kv_connector == "nixl" else None
+        if landed is None or self.config.kv_connector != "hetmesh":
+            return None
+        return {**handed, "hetmesh": {**h, "path": landed}}
 
     def _first_tokens_ended(self, req: EngineRequest) -> bool:
         """Did the prefill side's first token(s) already end the request (length, EOS, a stop string)?"""
@@ -379,6 +471,7 @@ class VllmEngine:
                     return
                 c = out.outputs[0] if out.outputs else None
                 ids = list(c.token_ids) if c is not None else []
+                lps = _logprobs(c, ids, req.sampling.logprobs) if c is not None else None
                 text = c.text if c is not None else ""
                 reason = c.finish_reason if c is not None else None
                 cached = out.num_cached_tokens or 0
@@ -386,6 +479,9 @@ class VllmEngine:
                 t.index += len(ids)
                 self.tokens_generated += len(ids)
                 finished = bool(out.finished)
+                handover = None
+                if finished and req.phase == Phase.PREFILL:
+                    handover = self._handover(t, out.kv_transfer_params)
                 if finished:
                     self._account(t, cached, reason)
                     self._forget(t)  # before the last yield: a consumer may stop iterating at it
@@ -398,11 +494,29 @@ class VllmEngine:
                 # The decode engine's prompt includes the first tokens; report the original prompt's figures.
                 yield EngineOutput(request_id=request_id, index=index, token_ids=ids, text=text, finished=finished,
                                    finish_reason=reason, prompt_tokens=t.prompt_tokens,
-                                   cached_tokens=min(cached, t.prompt_tokens), completion_tokens=t.index)
+                                   cached_tokens=min(cached, t.prompt_tokens), completion_tokens=t.index,
+                                   logprobs=lps, kv_transfer_params=handover)
                 if finished:
                     return
         finally:
             self._forget(t)
+
+    def _handover(self, t: _Track, params: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A finished PREFILL's kv_transfer_params for the decode side; ours gain the shards' sizes (the
+        frame's layout), and `take_kv` then finds the shard files."""
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        h = params.get("hetmesh")
+        if h is None:
+            return params
+        shards = [shard_path(h["path"], r) for r in range(int(h["tp_size"]))]
+        try:
+            sizes = [os.stat(p).st_size for p in shards]
+        except OSError:
+            log.warning("request %s: a KV shard of %s is missing", t.req.request_id, h["path"])
+            return None
+        self._prefill_kv[t.req.request_id] = shards
+        return {**params, "hetmesh": {**h, "shard_bytes": sizes}}
 
     def _forget(self, t: _Track) -> None:
         rid = t.req.request_id
@@ -411,8 +525,6 @@ class VllmEngine:
         del self._tracks[rid]
         if t.req.phase == Phase.DECODE and t.kv_path:
             self._recycle_kv_file(t.kv_path)
-        elif t.req.phase == Phase.PREFILL and t.kv_path:
-            self._prefill_kv[rid] = t.kv_path
 
     def _recycle_kv_file(self, path: str) -> None:
         """Keep a loaded KV file's pages for the next transfer to land in (at most FREE_KV_FILES of them,
@@ -451,22 +563,20 @@ class VllmEngine:
         return True
 
     # ------------------------------------------------------------------ KV bytes for disaggregation
-    def take_kv(self, request_id: str) -> memoryview | None:
-        """The KV file the producer connector wrote for a finished PREFILL, mapped (its tmpfs pages are
-        sent as they are, never copied into a bytes object) and unlinked: the mapping outlives the name."""
-        p = self._prefill_kv.pop(request_id, None)
-        if p is None:
+    def take_kv(self, request_id: str) -> bytes | memoryview | None:
+        """The KV a finished PREFILL left (None with NIXL: the decode side reads it itself): every TP rank's
+        shard file, back to back in rank order, the frame the hand-over's `shard_bytes` describe."""
+        shards = self._prefill_kv.pop(request_id, None)
+        if shards is None:
             return None
         try:
-            with open(p, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                data = (memoryview(mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                                             prot=mmap.PROT_READ)) if size else memoryview(b""))
+            return frame(shards)
         except FileNotFoundError:
             return None
-        with contextlib.suppress(OSError):
-            os.unlink(p)
-        return data
+        finally:
+            for p in shards:
+                with contextlib.suppress(OSError):
+                    os.unlink(p)
 
     def put_kv(self, request_id: str, data: bytes | bytearray | memoryview) -> None:
         """KV bytes that landed for a DECODE: the consumer connector loads them when it is submitted."""

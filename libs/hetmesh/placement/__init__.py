@@ -3,14 +3,20 @@
 The scheduler service and the offline simulator (hetmesh.sim) drive the very same objects.
 """
 
+from hetmesh.placement.admission import REFUSED
+from hetmesh.placement.dynamo import Dynamo
+from hetmesh.placement.llmd import LlmD
 from hetmesh.placement.policies import POLICIES, LeastLoaded, Policy, PrefixAware, RoundRobin, make_policy
 from hetmesh.placement.state import ClusterState, Decision, RequestInfo, WorkerView, pool_full
 
 __all__ = [
     "POLICIES",
+    "REFUSED",
     "ClusterState",
     "Decision",
+    "Dynamo",
     "LeastLoaded",
+    "LlmD",
     "Policy",
     "PrefixAware",
     "RequestInfo",

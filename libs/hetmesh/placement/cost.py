@@ -40,9 +40,7 @@ from hetmesh.costmodel import (
     server_model,
 )
 from hetmesh.costmodel.model import COEFFICIENTS, step_seconds_many, transfer_time
-from hetmesh.placement.fleet import BOTH as _BOTH
-from hetmesh.placement.fleet import DECODE as _DECODE
-from hetmesh.placement.fleet import PREFILL as _PREFILL
+from hetmesh.placement.admission import admit, refusal
 from hetmesh.placement.fleet import Fleet
 from hetmesh.placement.state import Decision, RequestInfo, WorkerView
 
@@ -62,6 +60,9 @@ class CostPolicy:
         dtypes: Mapping[str, str] | None = None,
         share_window_s: float = 30.0,
         top_k: int = 4,
+        slos: Mapping[str, tuple[float, float]] | None = None,
+        admission_margin: float = 0.0,
+        admission_margins: Mapping[str, float] | None = None,
     ) -> None:
         if objective not in ("throughput", "latency"):
             raise ValueError("objective must be 'throughput' or 'latency'")
@@ -70,6 +71,11 @@ class CostPolicy:
         self.objective = objective
         self.ttft_slo = ttft_slo_s
         self.tpot_slo = tpot_slo_s
+        self.slos = dict(slos or {})  # model -> its own (TTFT, TPOT) SLO seconds; others use the two above
+        # SLO-aware admission (hetmesh.placement.admission): refuse when the best placement is over margin x
+        # an SLO; 0 = off. Per model in admission_margins, else admission_margin.
+        self.admission_margin = admission_margin
+        self.admission_margins = dict(admission_margins or {})
         if isinstance(efficiencies, str | os.PathLike):
             efficiencies = load_efficiencies(efficiencies)
         self.effs: Mapping[str, Efficiency] = dict(efficiencies or {})
@@ -90,6 +96,7 @@ class CostPolicy:
         self._queued = np.zeros(16)  # len(starts[slot])
         self._starts: list[deque[float]] = []
         self._fleet = Fleet(self._cm_row, self._slot, lambda: self._coef)
+        self._work = np.zeros((4, 0))  # step_seconds_many's prefill arguments, 3 steps per worker
 
     # ---- helpers ----
     def _cm_row(self, w: WorkerView) -> int:
@@ -132,14 +139,7 @@ class CostPolicy:
     def place(self, req: RequestInfo, workers: Sequence[WorkerView]) -> Decision | None:
         f = self._fleet
         f.sync(workers)
-        mask = f.model_code == f.models.get(req.model, -1)
-        for wid in req.exclude:
-            i = f.index.get(wid)
-            if i is not None:
-                mask[i] = False
-        role = f.role
-        pre = np.flatnonzero(mask & (role != _DECODE))
-        dec = np.flatnonzero(mask & (role != _PREFILL))
+        pre, dec, agg_i = f.pools(req.model, req.exclude)
         if not len(pre) or not len(dec):
             return None
         now = req.arrival
@@ -147,80 +147,100 @@ class CostPolicy:
             self._t0 = now
         n_out = max(req.max_tokens, 1)
         prompt = req.prompt_len
-        c, slots = f.coef, f.slots
+        c, slots, sl, nw = f.coef, f.slots, f.slot_index, len(f.ids)  # sl: slots as a view when it can be
         running, queue, max_batch, step_tokens, kv_total, kv_used, block_size = f.num.T
-        hit_blocks = np.zeros(len(f.ids))
+        hit_blocks = np.zeros(nw)
         for wid, nb in req.cached_blocks.items():
             i = f.index.get(wid)
             if i is not None:
                 hit_blocks[i] = nb
         cached = np.minimum(hit_blocks * req.block_size, max(prompt - 1, 0))  # RequestInfo.cached_tokens
         ctx = prompt + req.max_tokens // 2
-        zeros = np.zeros(len(f.ids))
 
-        # Prefill on each worker: the chunks the batching core would run, its decode batch riding along.
+        # Priced in one call, per worker: the prefill's first chunk (the chunks the batching core would run,
+        # its decode batch riding along), and a decode step at its batch (running + queued + this one) and at
+        # one fewer (the marginal cost of this sequence). Prompts longer than a chunk price the rest after.
         chunk = np.maximum(step_tokens - running, 1.0)
         left = np.maximum(prompt - cached, 1.0)
-        done = cached.copy()
-        riding_ctx = running * ctx
-        pf = zeros.copy()
-        while True:
-            n = np.minimum(left, chunk)
-            pf += step_seconds_many(c, n, (n > 0) * 1.0, n * done + n * (n + 1) // 2, done, running, riding_ctx)
-            done += n
-            left -= n
-            if not left.any():
-                break
-        ttft = np.maximum(self._busy_until[slots] - now, 0.0) + pf
-
-        # Decode on each worker at its batch (running + queued + this one), slowed by its prefill share.
+        n = np.minimum(left, chunk)
         b = running + queue + 1
         bb = np.minimum(b, max_batch)
-        both = np.concatenate([bb, bb - 1])  # this batch, and one fewer: the marginal cost of this sequence
-        both_z = np.zeros(len(both))
-        steps = step_seconds_many(f.coef2, both_z, both_z, both_z, both_z, both, both * ctx)
-        step, fewer = steps[: len(bb)], steps[len(bb):]
-        step = np.where(b > max_batch, step * (b / max_batch), step)  # waits for a slot: b / max_batch rounds
-        marginal = np.where(bb > 1, step - fewer, 0.0)
+        work = self._work
+        if work.shape[1] != 3 * nw:
+            work = self._work = np.zeros((4, 3 * nw))  # the decode steps' prefill columns stay 0
+        work[0, :nw] = n
+        work[1, :nw] = (n > 0) * 1.0
+        work[2, :nw] = n * cached + n * (n + 1) // 2
+        work[3, :nw] = cached
+        batch = np.concatenate([running, bb, bb - 1])
+        priced = step_seconds_many(f.tiled(3), work[0], work[1], work[2], work[3], batch, batch * ctx)
+        pf, step, fewer = priced[:nw], priced[nw : 2 * nw], priced[2 * nw :]
+        done = cached + n
+        left = left - n
+        while np.count_nonzero(left):
+            n = np.minimum(left, chunk)
+            pf += step_seconds_many(c, n, (n > 0) * 1.0, n * done + n * (n + 1) // 2, done, running,
+                                    running * ctx)
+            done += n
+            left -= n
+        ttft = np.maximum(self._busy_until[sl] - now, 0.0) + pf
+
+        # Decode, slowed by the worker's prefill share.
+        waits = b > max_batch
+        if np.count_nonzero(waits):
+            step = np.where(waits, step * (b / max_batch), step)  # waits for a slot: b / max_batch rounds
+        marginal = step - fewer
+        marginal[bb <= 1] = 0.0
         span = self.window * (1.0 - math.exp(-max(now - self._t0, 1e-3) / self.window))
-        share = np.minimum(self._acc[slots] * np.exp(-np.maximum(now - self._last[slots], 0.0) / self.window)
+        share = np.minimum(self._acc[sl] * np.exp(-np.maximum(now - self._last[sl], 0.0) / self.window)
                            / max(span, 1.0), 0.95)
         slow = 1.0 - share
         tpot = step / slow
         ext_d = (bb - 1) * max(req.max_tokens - 1, 0) * marginal / slow
         # Sequences a prefill here would hold up: the running batch and the decodes queued (for their KV or
         # a slot), not the prefills this policy queued ahead of it.
-        for s in slots[self._first_start[slots] <= now].tolist():  # queued prefills that started by now
+        for s in slots[self._first_start[sl] <= now].tolist():  # queued prefills that started by now
             starts = self._starts[s]
             while starts and starts[0] <= now:
                 starts.popleft()
             self._first_start[s] = starts[0] if starts else math.inf
             self._queued[s] = len(starts)
-        stalled = running + np.maximum(queue - self._queued[slots], 0.0)
+        stalled = running + np.maximum(queue - self._queued[sl], 0.0)
         ext_p = pf * stalled
         need = np.ceil((prompt + req.max_tokens) / np.maximum(block_size, 1))
         fits = (kv_total <= 0) | (need <= kv_total - kv_used) | (running == 0)
 
         # Options: every `both` worker alone, then the top_k prefill x top_k decode pairs.
-        agg_i = pre[role[pre] == _BOTH]
         ip = id_ = agg_i
         xfer = np.zeros(len(agg_i))
         if n_out > 1 or not len(agg_i):
-            kv_bytes = prompt * self._cm_list[int(f.rows[pre[0]])].kv_bytes_per_token()
-            best_p = pre[np.argsort(ttft[pre], kind="stable")[: self.top_k]].tolist()
-            best_d = dec[np.argsort(tpot[dec], kind="stable")[: self.top_k]].tolist()
+            rows = f.row_list
+            kv_bytes = prompt * self._cm_list[rows[pre[0]]].kv_bytes_per_token()
+            best_p = pre[ttft[pre].argsort(kind="stable")[: self.top_k]].tolist()
+            best_d = dec[tpot[dec].argsort(kind="stable")[: self.top_k]].tolist()
             pairs = [(p, d) for p in best_p for d in best_d if p != d]
             if pairs:
-                rows = f.rows
-                pp, dd = np.array(pairs).T
+                link = self._link
+                pp, dd = zip(*pairs, strict=True)
                 ip, id_ = np.concatenate([agg_i, pp]), np.concatenate([agg_i, dd])
-                xfer = np.concatenate([xfer, [transfer_time(kv_bytes, self._link(int(rows[p]), int(rows[d]))) for p, d in pairs]])
+                xfer = np.concatenate([xfer, [transfer_time(kv_bytes, link(rows[p], rows[d])) for p, d in pairs]])
         if not len(ip):
             return None
         o_ttft, o_tpot = ttft[ip], tpot[id_]
         o_e2e = o_ttft + xfer + (n_out - 1) * o_tpot
         miss = ~fits[id_]
-        over = np.maximum(o_ttft / self.ttft_slo, o_tpot / self.tpot_slo if n_out > 1 else 0.0)
+        ttft_slo, tpot_slo = self.slos.get(req.model, (self.ttft_slo, self.tpot_slo))
+        over = np.maximum(o_ttft / ttft_slo, o_tpot / tpot_slo if n_out > 1 else 0.0)
+        margin = self.admission_margins.get(req.model, self.admission_margin)
+        if margin > 0:  # before anything is committed: a refused request leaves no bookkeeping behind
+            j = int(np.argmin(np.where(miss, np.inf, over))) if not miss.all() else int(np.argmin(over))
+            if over[j] > margin:  # the idle reference only when it could refuse: what no wait would give
+                idle = float(pf[ip].min()) / ttft_slo  # the prefill alone
+                if n_out > 1:  # a decode step alone in its batch
+                    one, z = np.ones(len(dec)), np.zeros(len(dec))
+                    idle = max(idle, float(step_seconds_many(c[:, dec], z, z, z, z, one, one * ctx).min()) / tpot_slo)
+                if not admit(float(over[j]), margin, idle):
+                    return refusal(float(o_ttft[j]), float(o_tpot[j]) if n_out > 1 else 0.0, float(over[j]), margin)
         if self.objective == "latency":
             order = np.lexsort((o_e2e, o_ttft, np.maximum(over, 1.0), miss))
         else:  # the cluster-seconds this request costs: its own time plus the delay it puts on others

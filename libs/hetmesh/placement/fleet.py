@@ -8,9 +8,9 @@ rebuilds its views after a heartbeat or an assignment, which takes the full path
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from itertools import compress
-from operator import is_not
+from operator import attrgetter, is_not
 
 import numpy as np
 
@@ -21,6 +21,7 @@ BOTH, PREFILL, DECODE = 0, 1, 2
 _ROLE = {Role.BOTH: BOTH, Role.PREFILL: PREFILL, Role.DECODE: DECODE}
 # Columns of `num`.
 NUMBERS = ("running", "queue_depth", "max_batch", "step_tokens", "kv_blocks_total", "kv_blocks_used", "block_size")
+_numbers = attrgetter(*NUMBERS)
 
 
 class Fleet:
@@ -39,7 +40,12 @@ class Fleet:
         self.role = np.zeros(0, dtype=np.int8)
         self.model_code = np.zeros(0, dtype=np.intp)
         self.coef = np.zeros((0, 0))  # column i: worker i's cost-model coefficients
-        self._coef2: np.ndarray | None = None
+        # Derived from the rows, roles and models (rebuilt when one moves): coef side by side k times, the
+        # pools per model, rows as a list, and `slots` as a slice when it is 0..n-1 (a view, not a gather).
+        self._tiles: dict[int, np.ndarray] = {}
+        self._pools: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self.row_list: list[int] = []
+        self.slot_index: slice | np.ndarray = slice(0, 0)
 
     def sync(self, workers: Sequence[WorkerView]) -> None:
         old = self.views
@@ -48,7 +54,7 @@ class Fleet:
             if not changed:
                 return
             ids = self.ids
-            if len(changed) * 2 <= len(workers) and all(workers[i].worker_id == ids[i] for i in changed):
+            if all(workers[i].worker_id == ids[i] for i in changed):
                 for i in changed:
                     self._set(i, workers[i])  # reads self.views[i]: the old view
                 self.views = list(workers)
@@ -56,35 +62,64 @@ class Fleet:
         self._rebuild(workers)
 
     def _set(self, i: int, w: WorkerView) -> None:
-        self.num[i] = (w.running, w.queue_depth, w.max_batch, w.step_tokens, w.kv_blocks_total, w.kv_blocks_used,
-                       w.block_size)
         old = self.views[i]
+        num = self.num
+        for j, (new, was) in enumerate(zip(_numbers(w), _numbers(old), strict=True)):  # the row equals old's numbers
+            if new != was:
+                num[i, j] = new  # only the few that moved: a whole row from a tuple costs several times more
         if (w.accelerator, w.devices, w.parallel, w.model, w.role) != (old.accelerator, old.devices, old.parallel,
                                                                       old.model, old.role):
             self.rows[i] = self._row_of(w)  # a new server shape, model or role (rare: a re-plan)
             self.coef[:, i] = self._table()[self.rows[i]]
-            self._coef2 = None
             self.role[i] = _ROLE[w.role]
             self.model_code[i] = self.models.setdefault(w.model, len(self.models))
+            self._derive()
 
     def _rebuild(self, workers: Sequence[WorkerView]) -> None:
         n = len(workers)
         self.views = list(workers)
         self.ids = [w.worker_id for w in workers]
         self.index = {wid: i for i, wid in enumerate(self.ids)}
-        self.num = np.array([(w.running, w.queue_depth, w.max_batch, w.step_tokens, w.kv_blocks_total,
-                              w.kv_blocks_used, w.block_size) for w in workers], dtype=float).reshape(n, len(NUMBERS))
+        self.num = np.array([_numbers(w) for w in workers], dtype=float).reshape(n, len(NUMBERS))
         self.rows = np.array([self._row_of(w) for w in workers], dtype=np.intp)
         self.coef = np.ascontiguousarray(self._table()[self.rows].T)
-        self._coef2 = None
         self.slots = np.array([self._slot_of(wid) for wid in self.ids], dtype=np.intp)
         self.role = np.array([_ROLE[w.role] for w in workers], dtype=np.int8)
         models = self.models
         self.model_code = np.array([models.setdefault(w.model, len(models)) for w in workers], dtype=np.intp)
+        self._derive()
+
+    def _derive(self) -> None:
+        self._tiles = {}
+        self._pools = {}
+        self.row_list = self.rows.tolist()
+        n = len(self.slots)
+        self.slot_index = slice(0, n) if np.array_equal(self.slots, np.arange(n)) else self.slots
+
+    def tiled(self, k: int) -> np.ndarray:
+        """`coef` k times side by side: k steps per worker priced in one call."""
+        t = self._tiles.get(k)
+        if t is None:
+            t = self._tiles[k] = np.concatenate([self.coef] * k, axis=1)
+        return t
 
     @property
     def coef2(self) -> np.ndarray:
-        """`coef` twice side by side: two steps per worker priced in one call."""
-        if self._coef2 is None:
-            self._coef2 = np.concatenate([self.coef, self.coef], axis=1)
-        return self._coef2
+        return self.tiled(2)
+
+    def pools(self, model: str, exclude: Collection[str] = ()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Indices of the workers serving `model`, not excluded, that can prefill, that can decode, and the
+        `both` ones among the first (kept per model while the fleet's shape stands)."""
+        got = None if exclude else self._pools.get(model)
+        if got is None:
+            mask = self.model_code == self.models.get(model, -1)
+            for wid in exclude:
+                i = self.index.get(wid)
+                if i is not None:
+                    mask[i] = False
+            role = self.role
+            pre = np.flatnonzero(mask & (role != DECODE))
+            got = (pre, np.flatnonzero(mask & (role != PREFILL)), pre[role[pre] == BOTH])
+            if not exclude:
+                self._pools[model] = got
+        return got

@@ -11,6 +11,8 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+from hetmesh.placement.dynamo import Dynamo
+from hetmesh.placement.llmd import LlmD
 from hetmesh.placement.state import Decision, RequestInfo, WorkerView
 from hetmesh.protocol import Role
 
@@ -95,6 +97,9 @@ POLICIES: dict[str, Callable[..., Policy]] = {
     LeastLoaded.name: LeastLoaded,
     PrefixAware.name: PrefixAware,
     "cost": _cost_policy,
+    # The routers users come from, as their projects document them (benchmarks/anchors.py compares them).
+    LlmD.name: LlmD,
+    Dynamo.name: Dynamo,
 }
 
 

@@ -8,7 +8,7 @@ against cost-model workers, in virtual time.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hetmesh.placement import Policy, make_policy
@@ -25,21 +25,26 @@ from hetmesh.sim.metrics import Slo, summarize
 from hetmesh.sim.traces import ClosedLoop, Trace, TraceRequest, load, load_azure, load_mooncake, synthetic
 
 
-def policy_for(name: str, workers: Sequence[WorkerSpec], slo: Slo = Slo(), **kwargs: Any) -> Policy:
-    """A policy as the scheduler would build it (the cost policy gets the model specs and SLOs)."""
+def policy_for(name: str, workers: Sequence[WorkerSpec], slo: Slo | Mapping[str, Slo] = Slo(),
+               **kwargs: Any) -> Policy:
+    """A policy as the scheduler would build it (the cost policy gets the model specs and SLOs:
+    one for all, or each model's own)."""
     if name == "cost":
+        one = slo if isinstance(slo, Slo) else Slo()
         kw: dict[str, Any] = {"models": {w.model: w.spec for w in workers},
                               "dtypes": {w.model: w.dtype for w in workers if w.dtype},
-                              "ttft_slo_s": slo.ttft_s, "tpot_slo_s": slo.tpot_s}
+                              "ttft_slo_s": one.ttft_s, "tpot_slo_s": one.tpot_s}
+        if isinstance(slo, Mapping):
+            kw["slos"] = {m: (s.ttft_s, s.tpot_s) for m, s in slo.items()}
         kw.update(kwargs)
         return make_policy(name, **kw)
     return make_policy(name, **kwargs)
 
 
 def simulate(workers: Sequence[WorkerSpec], policy: str | Policy, trace: Trace | ClosedLoop,
-             config: SimConfig | None = None, slo: Slo = Slo(),
-             progress: Callable[[int, int], None] | None = None, **policy_kwargs: Any
-             ) -> tuple[dict[str, Any], SimResult]:
+             config: SimConfig | None = None, slo: Slo | Mapping[str, Slo] = Slo(),
+             progress: Callable[[int, int], None] | None = None, prices: Mapping[str, float] | None = None,
+             **policy_kwargs: Any) -> tuple[dict[str, Any], SimResult]:
     if policy == "cost" and config is not None and config.efficiencies:
         policy_kwargs.setdefault("efficiencies", config.efficiencies)  # predict with the factors it runs on
     pol = policy_for(policy, workers, slo, **policy_kwargs) if isinstance(policy, str) else policy
@@ -48,7 +53,7 @@ def simulate(workers: Sequence[WorkerSpec], policy: str | Policy, trace: Trace |
                                                             "block_tokens", "seed", "shared_prefix_tokens",
                                                             "name")})
     res = Simulator(workers, pol, config).run(trace, progress)
-    return summarize(res, slo), res
+    return summarize(res, slo, prices), res
 
 
 __all__ = [

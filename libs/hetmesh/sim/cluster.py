@@ -12,22 +12,26 @@ another. The prefix index is the cores' own KV events, walked like the Redis ind
 
 from __future__ import annotations
 
+import gc
 import heapq
 from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+from msgspec.structs import replace
 
 from hetmesh.batching import Core, Kind, Seq, Settings, Step, following
 from hetmesh.config import ClusterConfig
 from hetmesh.costmodel import CostModel, Efficiency, link_bandwidth, server_model
 from hetmesh.costmodel.model import DEFAULT_LINK_LATENCY_S
 from hetmesh.kvindex.blocks import leading_blocks
-from hetmesh.placement import Policy, RequestInfo, WorkerView
+from hetmesh.placement import REFUSED, Policy, RequestInfo, WorkerView
 from hetmesh.protocol import Role
 from hetmesh.sim.traces import ClosedLoop, Trace, TraceRequest
 from hetmesh.wiring import kv_blocks_for
 
 _ARRIVAL, _KICK, _STEP_END, _KV_LANDED = 0, 1, 2, 3
+_FULL, _PREFILL, _DECODE = Kind  # module names: cheaper than member lookups
 MAX_SPAN = 256  # plain decode steps one event may stand for
 
 
@@ -83,8 +87,8 @@ class SimConfig:
 
 
 class _Req:
-    __slots__ = ("arrival", "cached", "decision", "dw", "finish", "first", "hashes", "mode", "n_in", "n_out", "pw",
-                 "rid")
+    __slots__ = ("arrival", "cached", "decision", "dw", "finish", "first", "hashes", "mode", "model", "n_in", "n_out",
+                 "pw", "rid")
 
     def __init__(self, rid: int, tr: TraceRequest, arrival: float) -> None:
         self.rid = rid
@@ -92,6 +96,7 @@ class _Req:
         self.n_in = tr.input_len
         self.n_out = tr.output_len
         self.hashes = tr.hash_ids
+        self.model = tr.model
         self.cached = 0
         self.first = -1.0
         self.finish = -1.0
@@ -137,6 +142,7 @@ class RequestRecord:
     decode_worker: str
     predicted_ttft_s: float | None = None
     predicted_tpot_s: float | None = None
+    model: str = ""
 
     @property
     def ttft(self) -> float:
@@ -157,6 +163,7 @@ class WorkerStats:
     prefill_tokens: int
     decode_tokens: int
     preempted: int = 0
+    devices: int = 1
 
 
 @dataclass
@@ -169,6 +176,7 @@ class SimResult:
     rejected: int
     policy: str
     steps: dict[str, list[tuple[object, ...]]] = field(default_factory=dict)  # with SimConfig.record_steps
+    refused: int = 0  # of `rejected`: refused by admission
 
 
 class Simulator:
@@ -189,7 +197,8 @@ class Simulator:
         self.records: list[RequestRecord] = []
         self.reqs: dict[int, _Req] = {}
         self.kv_bytes = 0
-        self.rejected = 0
+        self.rejected = 0  # every request not served, of which
+        self.refused = 0  # refused by the policy's admission (hetmesh.placement.admission)
 
     def _build(self, hash_tokens: int) -> None:
         cms: dict[tuple, CostModel] = {}
@@ -212,8 +221,13 @@ class Simulator:
                 w.steps = []
             self.workers.append(w)
             self.by_id[s.worker_id] = w
-        self._view_list = [None] * len(self.workers)  # type: ignore[list-item]  # all stale: built at first use
-        self._stale = set(self.workers)
+        self._view_list = [WorkerView(worker_id=s.worker_id, model=s.model, accelerator=s.accelerator,
+                                      vendor=s.accelerator.split("-", 1)[0], devices=s.devices, role=s.role,
+                                      queue_depth=0, running=0, max_batch=s.max_batch,
+                                      kv_blocks_total=w.core.s.kv_blocks, kv_blocks_used=0, block_size=s.block_size,
+                                      parallel=s.parallel, step_tokens=s.step_tokens)
+                           for w in self.workers for s in (w.spec,)]
+        self._stale = set(self.workers)  # refreshed at first use
 
     # ---- event plumbing ----
     def _push(self, t: float, kind: int, obj: object) -> None:
@@ -226,14 +240,10 @@ class Simulator:
         """One list, kept: only workers whose state moved since the last placement get a new view (the policy
         tells changed workers by the view object)."""
         views = self._view_list
-        for w in self._stale:
-            s, c = w.spec, w.core
-            views[w.index] = WorkerView(worker_id=s.worker_id, model=s.model, accelerator=s.accelerator,
-                                        vendor=s.accelerator.split("-", 1)[0], devices=s.devices, role=s.role,
-                                        queue_depth=c.n_waiting + w.inbound, running=len(c.running),
-                                        max_batch=s.max_batch, kv_blocks_total=c.s.kv_blocks,
-                                        kv_blocks_used=c.cache.used, block_size=s.block_size, parallel=s.parallel,
-                                        step_tokens=s.step_tokens)
+        for w in self._stale:  # only the load moves
+            c, i = w.core, w.index
+            views[i] = replace(views[i], queue_depth=c.n_waiting + w.inbound, running=len(c.running),
+                               kv_blocks_used=c.cache.used)
         self._stale.clear()
         return views
 
@@ -243,13 +253,15 @@ class Simulator:
             return {}
         holders = self._holders
         for w in self._dirty:
-            ev = w.core.cache.drain()
             wid = w.spec.worker_id
-            for h in ev.stored:
-                holders.setdefault(h, set()).add(wid)
-            for h in ev.removed:
+            for h, stored in w.core.cache.take().items():
                 hs = holders.get(h)
-                if hs is not None:
+                if stored:
+                    if hs is None:
+                        holders[h] = {wid}
+                    else:
+                        hs.add(wid)
+                elif hs is not None:
                     hs.discard(wid)
                     if not hs:
                         del holders[h]
@@ -259,22 +271,24 @@ class Simulator:
     # ---- request lifecycle ----
     def _arrive(self, req: _Req, block_tokens: int) -> None:
         self.reqs[req.rid] = req
-        info = RequestInfo(request_id=str(req.rid), model=self._model, prompt_len=req.n_in, max_tokens=req.n_out,
-                           cached_blocks=self._cached_blocks(req.hashes), block_size=block_tokens, arrival=self.now)
+        info = RequestInfo(request_id=str(req.rid), model=req.model or self._model, prompt_len=req.n_in,
+                           max_tokens=req.n_out, cached_blocks=self._cached_blocks(req.hashes), block_size=block_tokens, arrival=self.now)
         d = self.policy.place(info, self._views())
-        if d is None:
-            self._reject(req)
+        if d is None or d.mode == REFUSED:  # no worker, or SLO-aware admission refused it
+            self.refused += d is not None
+            # A refused closed-loop client backs off for the wait it was refused for, as Retry-After tells it.
+            self._reject(req, (d.predicted_ttft_s or 0.0) if d is not None else 0.0)
             return
         req.decision = d
         dw = self.by_id[d.decode_worker]
         pw = self.by_id[d.prefill_worker] if d.prefill_worker else dw
         req.mode = "aggregated" if pw is dw else "disaggregated"
         req.pw, req.dw = pw, dw
-        kind = Kind.FULL if pw is dw else Kind.PREFILL
+        kind = _FULL if pw is dw else _PREFILL
         try:
-            pw.core.add(Seq(req.rid, kind, req.n_in, req.hashes, req.n_out if kind == Kind.FULL else 1))
+            pw.core.add(Seq(req.rid, kind, req.n_in, req.hashes, req.n_out if kind == _FULL else 1))
             if pw is not dw:
-                need = dw.core.blocks_needed(req.n_in, Kind.DECODE, req.n_out)
+                need = dw.core.blocks_needed(req.n_in, _DECODE, req.n_out)
                 if need > dw.core.s.kv_blocks:
                     pw.core.abort(req.rid)
                     raise ValueError("too long for the decode worker")
@@ -286,10 +300,10 @@ class Simulator:
             self._stale.add(dw)
         self._wake(pw)
 
-    def _reject(self, req: _Req) -> None:
+    def _reject(self, req: _Req, backoff: float = 0.0) -> None:
         self.rejected += 1
         del self.reqs[req.rid]
-        self._next()
+        self._next(backoff)
 
     def _wake(self, w: _Worker) -> None:
         """New work for w: it starts a step once every event of this instant is in (as the live engine's loop
@@ -310,18 +324,16 @@ class Simulator:
         w.kicked = False
         self._stale.add(w)
         core = w.core
-        while True:
-            step = core.schedule(self.now)
-            empty = not step.prefills and not step.n_decode
-            if not step.ended:
-                break
+        step = core.schedule(self.now)
+        while step.ended:
             for s in step.ended:  # DECODEs whose first token already ended them
                 self._finished(self.reqs[s.rid])
-            if not empty:
+            if step.prefills or step.n_decode:
                 break
+            step = core.schedule(self.now)
         if core.cache.dirty:
             self._dirty.add(w)
-        if empty:
+        if not step.prefills and not step.n_decode:
             w.busy = False
             return
         if w.steps is not None:
@@ -332,9 +344,11 @@ class Simulator:
         k = core.quiet(step, MAX_SPAN)
         if k:
             span = [end]
-            for j in range(1, k + 1):
-                end += w.cm.step_seconds(following(step, j))
+            nxt, n, seconds = following(step, 1), step.n_decode, w.cm.step_seconds
+            for _ in range(k):  # one scratch step, its context grown by the batch each time (`following`)
+                end += seconds(nxt)
                 span.append(end)
+                nxt.decode_context += n
             w.span = span
         else:
             w.span = None
@@ -364,7 +378,7 @@ class Simulator:
                 r.cached = s.cached_tokens
         for s in out.finished:
             r = reqs[s.rid]
-            if s.kind != Kind.PREFILL:
+            if s.kind != _PREFILL:
                 self._finished(r)
             elif r.n_out <= 1:  # nothing left to decode: no KV to ship
                 dw = r.dw
@@ -394,7 +408,7 @@ class Simulator:
         d = r.dw
         assert d is not None
         d.inbound -= 1
-        d.core.add(Seq(r.rid, Kind.DECODE, r.n_in, r.hashes, r.n_out, n_first=1))
+        d.core.add(Seq(r.rid, _DECODE, r.n_in, r.hashes, r.n_out, n_first=1))
         self._wake(d)
 
     def _finished(self, r: _Req) -> None:
@@ -404,25 +418,37 @@ class Simulator:
         self.records.append(RequestRecord(
             r.arrival, r.first, r.finish, r.n_in, r.n_out, r.cached, r.mode,
             pw.spec.worker_id if pw else "", dw.spec.worker_id if dw else "",
-            getattr(d, "predicted_ttft_s", None), getattr(d, "predicted_tpot_s", None)))
+            getattr(d, "predicted_ttft_s", None), getattr(d, "predicted_tpot_s", None), r.model or self._model))
         if dw is not None:
             self._stale.add(dw)
         del self.reqs[r.rid]
         self._next()
 
-    def _next(self) -> None:
+    def _next(self, delay: float = 0.0) -> None:
         self._finished_n += 1
         if self._source is not None:
-            nxt = self._source.next(self.now)
+            nxt = self._source.next(self.now + delay)
             if nxt is not None:
-                self._push(self.now, _ARRIVAL, nxt)
+                self._push(self.now + delay, _ARRIVAL, nxt)
 
     # ---- driver ----
     def run(self, trace: Trace | ClosedLoop, progress: Callable[[int, int], None] | None = None) -> SimResult:
+        # A run allocates millions of short-lived objects that hold no reference cycles (events, steps,
+        # sequences): the cyclic collector would only walk them, and every long-lived one, again and again.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return self._run(trace, progress)
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _run(self, trace: Trace | ClosedLoop, progress: Callable[[int, int], None] | None) -> SimResult:
         models = {s.model for s in self._specs}
-        if len(models) != 1:
-            raise ValueError(f"the simulator replays a one-model trace; workers serve {sorted(models)}")
-        self._model = models.pop()
+        # A request without a model asks for the one model the workers serve.
+        self._model = next(iter(models)) if len(models) == 1 else ""
+        if not self._model and (isinstance(trace, ClosedLoop) or not all(r.model for r in trace.requests)):
+            raise ValueError(f"workers serve {sorted(models)}: every trace request must name its model")
         block_tokens = trace.block_tokens
         self._build(block_tokens)
         self._finished_n = 0
@@ -475,7 +501,8 @@ class Simulator:
             progress(self._finished_n, total)
         end = max((r.finish for r in self.records), default=self.now)
         stats = [WorkerStats(w.spec.worker_id, w.spec.pool, w.spec.accelerator, str(w.spec.role), w.busy_time,
-                             w.prefill_tokens, w.decode_tokens, w.core.stats.preempted) for w in self.workers]
+                             w.prefill_tokens, w.decode_tokens, w.core.stats.preempted, w.spec.devices)
+                 for w in self.workers]
         steps = {w.spec.worker_id: w.steps for w in self.workers if w.steps is not None}
         return SimResult(self.records, stats, t_start, end, self.kv_bytes, self.rejected,
-                         getattr(self.policy, "name", type(self.policy).__name__), steps)
+                         getattr(self.policy, "name", type(self.policy).__name__), steps, self.refused)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from hetmesh.costmodel.economics import fleet_usd_per_hour, usd_per_mtok
 from hetmesh.sim.cluster import SimResult
 
 
@@ -24,14 +26,24 @@ def _pct(xs: np.ndarray) -> dict[str, float]:
     return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(xs.mean())}
 
 
-def summarize(res: SimResult, slo: Slo = Slo()) -> dict[str, Any]:
+def summarize(res: SimResult, slo: Slo | Mapping[str, Slo] = Slo(),
+              prices: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """`slo`: one for every request, or one per model (the model's own SLOs). `prices`: $/device-hour
+    overrides of the catalog's, for the fleet's $/hour and $ per million (good) output tokens."""
     recs = res.records
     dur = max(res.end - res.start, 1e-9)
     out = np.array([r.output_len for r in recs], dtype=float)
     ttft = np.array([r.ttft for r in recs])
     multi = [r for r in recs if r.output_len > 1]
     tpot = np.array([r.tpot for r in multi])
-    ok = np.array([r.ttft <= slo.ttft_s and (r.output_len <= 1 or r.tpot <= slo.tpot_s) for r in recs], dtype=bool)
+    slos = slo if isinstance(slo, Mapping) else {}
+    one = slo if isinstance(slo, Slo) else Slo()
+
+    def met(r: Any) -> bool:
+        s = slos.get(r.model, one)
+        return r.ttft <= s.ttft_s and (r.output_len <= 1 or r.tpot <= s.tpot_s)
+
+    ok = np.array([met(r) for r in recs], dtype=bool)
     # steady state: requests finishing between the 10th and 90th percentile of finish times
     # (drops the ramp-up of a closed loop and the drain at the end)
     steady = float("nan")
@@ -58,6 +70,14 @@ def summarize(res: SimResult, slo: Slo = Slo()) -> dict[str, Any]:
     modes: dict[str, int] = defaultdict(int)
     for r in recs:
         modes[r.mode] += 1
+    usd_h = fleet_usd_per_hour(((w.accelerator, w.devices) for w in res.workers), prices)
+    goodput = float(out[ok].sum() / dur) if recs else 0.0
+    per_model: dict[str, dict[str, float]] = {}
+    names = np.array([r.model for r in recs])
+    for m in sorted(set(names.tolist())) if len(set(names.tolist())) > 1 else []:
+        sel = names == m
+        per_model[m] = {"requests": int(sel.sum()), "output_tok_s": float(out[sel].sum() / dur),
+                        "goodput_tok_s": float(out[sel & ok].sum() / dur), "slo_attainment": float(ok[sel].mean())}
     return {
         "policy": res.policy,
         "requests": len(recs),
@@ -68,12 +88,20 @@ def summarize(res: SimResult, slo: Slo = Slo()) -> dict[str, Any]:
         "requests_per_s": len(recs) / dur,
         "ttft_s": _pct(ttft),
         "tpot_s": _pct(tpot),
-        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
+        "slo": {m: {"ttft_s": s.ttft_s, "tpot_s": s.tpot_s} for m, s in slos.items()} if slos
+        else {"ttft_s": one.ttft_s, "tpot_s": one.tpot_s},
         "slo_attainment": float(ok.mean()) if recs else 0.0,
-        "goodput_tok_s": float(out[ok].sum() / dur) if recs else 0.0,
+        # of every request offered: the rejected (and admission-refused) ones count as misses
+        "refused": res.refused,
+        "offered_slo_attainment": float(ok.sum() / (len(recs) + res.rejected)) if recs or res.rejected else 0.0,
+        "goodput_tok_s": goodput,
+        "usd_per_hour": usd_h,
+        "usd_per_mtok": usd_per_mtok(usd_h, float(out.sum() / dur)),
+        "usd_per_good_mtok": usd_per_mtok(usd_h, goodput),
         "goodput_req_s": float(ok.sum() / dur),
         "kv_transfer_gb": res.kv_transfer_bytes / 1e9,
         "prefix_hit_rate": sum(r.cached_tokens for r in recs) / prompt if prompt else 0.0,
         "modes": dict(modes),
         "pools": pool_out,
+        **({"models": per_model} if per_model else {}),
     }

@@ -27,6 +27,7 @@ class TraceRequest:
     input_len: int
     output_len: int
     hash_ids: tuple[int, ...] = ()
+    model: str = ""  # which model it asks for; "" in a one-model trace
 
 
 @dataclass
@@ -40,7 +41,7 @@ class Trace:
 
     def scaled(self, rate_factor: float) -> Trace:
         """The same requests arriving `rate_factor` times faster (load sweeps)."""
-        return Trace([TraceRequest(r.arrival / rate_factor, r.input_len, r.output_len, r.hash_ids)
+        return Trace([TraceRequest(r.arrival / rate_factor, r.input_len, r.output_len, r.hash_ids, r.model)
                       for r in self.requests], self.block_tokens, f"{self.name}x{rate_factor:g}")
 
     def head(self, n: int) -> Trace:

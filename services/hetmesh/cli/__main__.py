@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hetmesh import config, subjects
+from hetmesh.cli import plan
 from hetmesh.protocol import SchedulerStatus
 
 DEFAULT_NATS = "nats://127.0.0.1:4222"
@@ -61,7 +62,8 @@ def table(status: SchedulerStatus) -> Table:
         kv = f"{w.kv_blocks_used}/{w.kv_blocks_total}" if w.kv_blocks_total else "-"
         use = f"{100 * w.kv_blocks_used / w.kv_blocks_total:.1f}%" if w.kv_blocks_total else "-"
         accel = w.accelerator if w.devices == 1 else f"{w.devices}x {w.accelerator}"
-        t.add_row(w.worker_id, w.model, accel, w.role.value, w.engine, str(w.queue_depth),
+        role = f"{w.role.value} -> {w.moving_to}" if w.moving_to else w.role.value + (" (draining)" if w.draining else "")
+        t.add_row(w.worker_id, w.model, accel, role, w.engine, str(w.queue_depth),
                   f"{w.running}/{w.max_batch}", kv, use, w.kv_endpoint or "-", str(w.tokens_generated),
                   f"{w.heartbeat_age_s:.1f}s ago")
     return t
@@ -76,7 +78,29 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--cluster", help="cluster file to read mesh.nats_url from")
     st.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for NATS and the scheduler")
     st.add_argument("--json", action="store_true", help="print the scheduler's reply as JSON")
-    args = ap.parse_args(argv)
+    plan.add_parser(sub)
+    sub.add_parser("up", help="start the whole mesh (python -m hetmesh.launcher; --cluster FILE --port N)",
+                   add_help=False)
+    sub.add_parser("sim", help="replay a trace on a cluster file in the simulator (python -m hetmesh.sim)",
+                   add_help=False)
+    args, rest = ap.parse_known_args(argv)
+    if args.command == "up":
+        from hetmesh.launcher.__main__ import main as up
+
+        up(rest)
+        return 0
+    if args.command == "sim":
+        from hetmesh.sim.__main__ import main as sim
+
+        return sim(rest)
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "plan":
+        try:
+            return plan.run(args)
+        except plan.PlanError as e:
+            print(f"hetmesh plan: {e}", file=sys.stderr)
+            return 2
     url = nats_url(args.nats, args.cluster)
     try:
         status = asyncio.run(fetch_status(url, args.timeout))

@@ -80,6 +80,7 @@ class Call:
         self.prep = prep
         self.request = request
         self.t0 = time.perf_counter()
+        self.model = model
         self.req = InferenceRequest(
             request_id=rid, model=model.name, prompt_tokens=prep.prompt_tokens,
             block_hashes=block_hashes(model.name, prep.prompt_tokens, model.block_size),
@@ -88,7 +89,10 @@ class Call:
         self.key = ""
         mesh = gw.cfg.mesh
         # The reply stream's bookkeeping (order, retries, resumes, stalls); this class only carries it out.
-        self.stream = ReplyStream(mesh.max_attempts, mesh.stall_timeout_s, asyncio.get_running_loop().time())
+        self.stream = ReplyStream(mesh.max_attempts, mesh.stall_timeout_s, asyncio.get_running_loop().time(),
+                                  mesh.migration_limit)
+        self.migrated_at: float | None = None  # a migration waits for its first new token since then
+        self.last_token_at = self.t0
         self.placement: Placement | None = None
         self.closed = False
         self.first_token_at: float | None = None
@@ -157,11 +161,27 @@ class Call:
     async def retry(self, act: Retry) -> ErrorInfo | None:
         self.gw.inboxes.pop(self.key, None)
         self.box.items.clear()  # the old attempt's leftovers
-        self.req.attempt = act.attempt
+        req = self.req
+        req.attempt = act.attempt
         lost = act.lost_worker
-        if lost and lost not in self.req.exclude_workers:
-            self.req.exclude_workers.append(lost)
-        self.gw.event(self.rid, "retried", attempt=act.attempt, lost_worker=lost)
+        if lost and lost not in req.exclude_workers:
+            req.exclude_workers.append(lost)
+        gen = act.generated
+        if gen:
+            # Migration: the prompt plus the tokens so far (the new worker's prefix cache and the index find the
+            # prompt's blocks), max_tokens less what came, the sampler's stream advanced past them (the engine's).
+            prompt = self.prep.prompt_tokens
+            req.prompt_tokens = [*prompt, *gen]
+            req.continued = len(gen)
+            req.block_hashes = block_hashes(self.model.name, req.prompt_tokens, self.model.block_size)
+            req.sampling = msgspec.structs.replace(self.prep.sampling,
+                                                   max_tokens=self.prep.sampling.max_tokens - len(gen))
+            self.migrated_at = time.perf_counter()
+            self.gw.metrics.migrations.labels(req.model, act.reason).inc()
+            self.gw.event(self.rid, "migrated", attempt=act.attempt, lost_worker=lost, reason=act.reason,
+                          from_index=len(gen), migrations=self.stream.migrations)
+        else:
+            self.gw.event(self.rid, "retried", attempt=act.attempt, lost_worker=lost, reason=act.reason)
         return await self.submit()
 
     async def pull(self) -> list[TokenChunk] | ErrorInfo:
@@ -188,6 +208,9 @@ class Call:
                 s.progress(loop.time())
             ready = s.drained(loop.time())
             if ready:
+                if self.migrated_at is not None:
+                    self._migration_resumed()
+                self.last_token_at = time.perf_counter()
                 return ready
             while True:  # the clocks (resume, poll the client, stall), then wait for a message
                 now = loop.time()
@@ -237,24 +260,39 @@ class Call:
                 self.close()
 
     async def _collect(self, fmt: Formatter) -> Response:
+        got = await self.collect()
+        if isinstance(got, ErrorInfo):
+            return self._error(got)
+        return Response(fmt.full_chunks(got, self.stream.finish_reason, self.usage()), media_type=JSON)
+
+    async def collect(self) -> list[TokenChunk] | ErrorInfo:
+        """Every chunk of the reply, in order (a non-streamed response), or the error that ended it."""
         self.start_stream_span()
-        texts: list[str] = []
-        attempt = self.req.attempt
-        while not self.stream.done:
+        chunks: list[TokenChunk] = []
+        while not self.stream.done:  # a retry goes on after the tokens so far: nothing here is void
             got = await self.pull()
             if isinstance(got, ErrorInfo):
-                return self._error(got)
-            if self.req.attempt != attempt:  # a retry started over: what came before is void
-                texts.clear()
-                attempt = self.req.attempt
+                return got
             if self.first_token_at is None:
                 self._first_token()
-            texts.extend(c.text for c in got)
+            chunks.extend(got)  # the chunks, not only their text: logprobs ride on them
         self._finished()
-        return Response(fmt.full("".join(texts), self.stream.finish_reason, self.usage()), media_type=JSON)
+        return chunks
+
+    def _migration_resumed(self) -> None:
+        """The first new tokens after a migration: the pause the client saw (last token before the loss
+        to this one) and the part of it from the migration decision on."""
+        now = time.perf_counter()
+        assert self.migrated_at is not None
+        gap = now - self.last_token_at
+        self.gw.metrics.migration_gap.labels(self.req.model).observe(gap)
+        self.gw.event(self.rid, "migration_resumed", gap_ms=round(gap * 1e3, 3),
+                      replaced_ms=round((now - self.migrated_at) * 1e3, 3), from_index=self.req.continued,
+                      worker_id=self.placement.decode_worker if self.placement is not None else None)
+        self.migrated_at = None
 
     def usage(self) -> Usage:
-        return self.stream.usage(len(self.req.prompt_tokens))
+        return self.stream.usage(len(self.prep.prompt_tokens))  # not req's: a migration lengthens that
 
     def start_stream_span(self) -> None:
         """Tokens from the mesh to the client: from the placement to the last token."""
@@ -272,6 +310,7 @@ class Call:
         self.gw.event(self.rid, "finished", finish_reason=self.stream.finish_reason,
                       completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens,
                       attempts=self.req.attempt + 1, resumes=self.stream.resumes,
+                      migrations=self.stream.migrations,
                       duration_ms=round((time.perf_counter() - self.t0) * 1e3, 3))
 
     def _error(self, info: ErrorInfo) -> Response:

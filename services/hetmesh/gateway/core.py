@@ -1,20 +1,19 @@
-"""The gateway's pure core: request bodies -> prompt tokens and sampling; token chunks -> the
+"""The gateway's pure core: what a prepared request is (params.py makes them from bodies); token chunks -> the
 client's bytes. No I/O here, so every rule is unit-testable without a mesh.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
-from hetmesh.config import ModelConfig
 from hetmesh.protocol import ErrorInfo, SamplingParams, TokenChunk, Usage
-from hetmesh.tokenizer import Tokenizer, render_chat
 
-from .schemas import ChatCompletionRequest, CompletionRequest, invalid
-
-MAX_STOP = 4  # OpenAI's limit on stop sequences
+from .schemas import invalid
 
 
 class ApiError(Exception):
@@ -25,101 +24,39 @@ class ApiError(Exception):
         self.info = info
 
 
+@dataclass(frozen=True, slots=True)
+class ToolMode:
+    """How a reply becomes tool calls: `named` (the text is the arguments of `name`), or `required`
+    (the text is a JSON array of {"name", "parameters"}): both forced by structured outputs; or `auto`
+    (the model's own syntax, read by the model's tool-call parser, given `request`: the chat body)."""
+
+    kind: str
+    name: str = ""
+    request: dict[str, Any] | None = None
+
+
+# (reply text, the chat body) -> (content, tool calls), or None for a plain reply (gateway/toolcalls.py)
+ToolParser = Callable[[str, dict[str, Any]], tuple[str | None, list[dict[str, Any]]] | None]
+
+
 @dataclass(slots=True)
 class Prepared:
+    """One mesh request (one choice of the response) and how its reply is shaped."""
+
     prompt_tokens: list[int]
     sampling: SamplingParams
     stream: bool
     include_usage: bool
+    index: int = 0  # the choice's index in the response
+    echo: str = ""  # completions' echo: the prompt's text comes first
+    tools: ToolMode | None = None
+    counts_prompt: bool = True  # its prompt counts in the usage (n > 1 counts each prompt once)
+    extra: list[Prepared] = field(default_factory=list)  # the other choices (n > 1, a list of prompts)
 
 
 def model_not_found(name: str) -> ErrorInfo:
     return invalid(f"The model `{name}` does not exist or you do not have access to it.", param="model",
                    code="model_not_found", status=404)
-
-
-def _common_checks(body: ChatCompletionRequest | CompletionRequest) -> None:
-    if body.n is not None and body.n != 1:
-        raise ApiError(invalid(f"Invalid value for 'n': only n=1 is supported, got {body.n}.", param="n"))
-    stops = body.stops()
-    if len(stops) > MAX_STOP:
-        raise ApiError(invalid(f"Invalid value for 'stop': at most {MAX_STOP} stop sequences, got {len(stops)}.",
-                               param="stop"))
-    if any(s == "" for s in stops):
-        raise ApiError(invalid("Invalid value for 'stop': stop sequences must not be empty.", param="stop"))
-    if body.stream_options is not None and not body.stream:
-        raise ApiError(invalid("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
-                               param="stream_options"))
-
-
-def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None, prompt_len: int,
-              model: ModelConfig, prompt_param: str) -> SamplingParams:
-    ctx = model.max_context
-    if max_tokens is None:
-        # Like vLLM: no limit given means "up to the end of the context".
-        if prompt_len >= ctx:
-            raise ApiError(invalid(
-                f"This model's maximum context length is {ctx} tokens. However, your {prompt_param} resulted in "
-                f"{prompt_len} tokens. Please reduce the length of the {prompt_param}.",
-                param=prompt_param, code="context_length_exceeded"))
-        max_tokens = ctx - prompt_len
-    elif prompt_len + max_tokens > ctx:
-        raise ApiError(invalid(
-            f"This model's maximum context length is {ctx} tokens. However, you requested "
-            f"{prompt_len + max_tokens} tokens ({prompt_len} in the {prompt_param}, {max_tokens} in the completion). "
-            f"Please reduce the length of the {prompt_param} or completion.",
-            param=prompt_param, code="context_length_exceeded"))
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        seed=body.seed,
-        stop=body.stops(),
-        ignore_eos=body.ignore_eos,
-    )
-
-
-def _stream_flags(body: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool]:
-    stream = bool(body.stream)
-    return stream, stream and body.stream_options is not None and body.stream_options.include_usage
-
-
-def prepare_chat(body: ChatCompletionRequest, model: ModelConfig, tok: Tokenizer) -> Prepared:
-    _common_checks(body)
-    if body.max_tokens is not None and body.max_completion_tokens is not None \
-            and body.max_tokens != body.max_completion_tokens:
-        raise ApiError(invalid("Set only one of 'max_tokens' and 'max_completion_tokens'.",
-                               param="max_completion_tokens"))
-    tokens = tok.encode(render_chat([(m.role, m.text()) for m in body.messages]))
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    stream, usage = _stream_flags(body)
-    return Prepared(tokens, _sampling(body, max_tokens, len(tokens), model, "messages"), stream, usage)
-
-
-def prepare_completion(body: CompletionRequest, model: ModelConfig, tok: Tokenizer) -> Prepared:
-    _common_checks(body)
-    if body.best_of is not None and body.best_of != 1:
-        raise ApiError(invalid("Invalid value for 'best_of': only best_of=1 is supported.", param="best_of"))
-    if body.echo:
-        raise ApiError(invalid("Invalid value for 'echo': echo is not supported.", param="echo"))
-    p = body.prompt
-    if isinstance(p, list) and p and isinstance(p[0], list | str):
-        if len(p) != 1:
-            raise ApiError(invalid("Invalid value for 'prompt': only one prompt per request is supported.",
-                                   param="prompt"))
-        p = p[0]
-    if isinstance(p, str):
-        tokens = tok.encode(p)
-    else:
-        tokens = list(p)  # type: ignore[arg-type]
-        vocab = tok.vocab_size
-        if any(t < 0 or t >= vocab for t in tokens):
-            raise ApiError(invalid(f"Invalid value for 'prompt': token ids must be in [0, {vocab}).",
-                                   param="prompt"))
-    if not tokens:
-        raise ApiError(invalid("Invalid value for 'prompt': the prompt is empty.", param="prompt"))
-    stream, usage = _stream_flags(body)
-    return Prepared(tokens, _sampling(body, body.max_tokens, len(tokens), model, "prompt"), stream, usage)
 
 
 class Reassembler:
@@ -193,25 +130,39 @@ _enc = msgspec.json.Encoder()
 
 
 class Formatter:
-    """Builds one request's response bytes: SSE chunks in OpenAI's exact shapes, or the full JSON body.
+    """Builds one choice's response bytes: SSE chunks in OpenAI's exact shapes, or the full JSON body.
 
-    The constant head of every chunk is encoded once; per chunk only the text is escaped.
+    The constant head of every chunk is encoded once; per chunk only the text is escaped. Logprobs,
+    echo and tool calls (from `prep`) take a slower path; `piece` turns a token id into its text.
     """
 
-    __slots__ = ("chat", "created", "head", "id", "include_usage", "model", "tail")
+    __slots__ = ("buf", "chat", "created", "echo", "head", "id", "include_usage", "index", "lp", "model", "offset",
+                 "parse", "piece", "plain", "tail", "tools")
 
-    def __init__(self, chat: bool, completion_id: str, model: str, created: int, include_usage: bool) -> None:
+    def __init__(self, chat: bool, completion_id: str, model: str, created: int, include_usage: bool,
+                 prep: Prepared | None = None, piece: Callable[[int], str] | None = None,
+                 parse: ToolParser | None = None) -> None:
         self.chat = chat
         self.id = completion_id
         self.model = model
         self.created = created
         self.include_usage = include_usage
+        self.index = prep.index if prep is not None else 0
+        self.lp = prep is not None and prep.sampling.logprobs is not None and piece is not None
+        self.piece = piece or str
+        self.echo = prep.echo if prep is not None else ""
+        self.tools = prep.tools if prep is not None and chat else None
+        self.parse = parse
+        self.plain = not (self.lp or self.echo or self.tools)
+        self.buf: list[str] = []  # tool calls: the text so far (they are sent whole, at the end)
+        self.offset = 0  # completions' logprobs: text_offset of the next token
         obj = "chat.completion.chunk" if chat else "text_completion"
         head = _enc.encode({"id": completion_id, "object": obj, "created": created, "model": model})
-        self.head = b"data: " + head[:-1] + b',"system_fingerprint":null,"choices":[{"index":0,'
+        self.head = head[:-1] + b',"system_fingerprint":null,"choices":[{"index":%d,' % self.index
+        self.head = b"data: " + self.head
         self.tail = b'}],"usage":null}\n\n' if include_usage else b"}]}\n\n"
 
-    def sse(self, text: str, finish_reason: str | None, first: bool) -> bytes:
+    def sse(self, text: str, finish_reason: str | None, first: bool, logprobs: bytes = b"null") -> bytes:
         fr = _enc.encode(client_finish_reason(finish_reason))
         t = _enc.encode(text)
         if self.chat:
@@ -221,34 +172,127 @@ class Formatter:
                 delta = b'{"content":' + t + b"}"
             else:
                 delta = b"{}"
-            return self.head + b'"delta":' + delta + b',"logprobs":null,"finish_reason":' + fr + self.tail
-        return self.head + b'"text":' + t + b',"logprobs":null,"finish_reason":' + fr + self.tail
+            return self.head + b'"delta":' + delta + b',"logprobs":' + logprobs + b',"finish_reason":' + fr + self.tail
+        return self.head + b'"text":' + t + b',"logprobs":' + logprobs + b',"finish_reason":' + fr + self.tail
 
     def sse_chunks(self, chunks: list[TokenChunk], first: bool) -> bytes:
         """One write for every chunk that became deliverable together (fewer syscalls per token)."""
-        if len(chunks) == 1:
-            c = chunks[0]
-            return self.sse(c.text, c.finish_reason, first)
+        if self.plain:
+            if len(chunks) == 1:
+                c = chunks[0]
+                return self.sse(c.text, c.finish_reason, first)
+            text = "".join(c.text for c in chunks)
+            return self.sse(text, chunks[-1].finish_reason, first)
         text = "".join(c.text for c in chunks)
-        return self.sse(text, chunks[-1].finish_reason, first)
+        fr = chunks[-1].finish_reason
+        if self.tools is not None:
+            return self._sse_tools(text, fr, first)
+        if first:
+            text = self.echo + text
+        return self.sse(text, fr, first, _enc.encode(self._logprobs(chunks)) if self.lp else b"null")
+
+    def _sse_tools(self, text: str, finish_reason: str | None, first: bool) -> bytes:
+        self.buf.append(text)
+        out = b""
+        if first:
+            out = self.head + b'"delta":{"role":"assistant","content":null},"logprobs":null,"finish_reason":null' \
+                + self.tail
+        if finish_reason is None:
+            return out
+        whole = "".join(self.buf)
+        calls, fr, content = self._tool_calls(whole, finish_reason)
+        if calls is None:  # a plain reply, or not the JSON structured output promised (cut by max_tokens)
+            return out + self.sse(whole, finish_reason, False)
+        if content:
+            out += self.sse(content, None, False)
+        deltas = [{"index": i, **c} for i, c in enumerate(calls)]
+        return (out + self.head + b'"delta":' + _enc.encode({"tool_calls": deltas})
+                + b',"logprobs":null,"finish_reason":null' + self.tail
+                + self.head + b'"delta":{},"logprobs":null,"finish_reason":' + _enc.encode(fr) + self.tail)
+
+    def _tool_calls(self, text: str, finish_reason: str | None) -> tuple[list[dict[str, Any]] | None, str | None,
+                                                                       str | None]:
+        """The tool calls in the reply, the finish reason OpenAI gives them, and the text beside them."""
+        tools = self.tools
+        if tools is None:
+            return None, finish_reason, None
+        if tools.kind == "auto":
+            got = self.parse(text, tools.request or {}) if self.parse is not None else None
+            if got is None:
+                return None, finish_reason, None
+            return got[1], "tool_calls", got[0]
+        if finish_reason == "length":
+            return None, finish_reason, None
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None, finish_reason, None
+        ident = self.id.replace("chatcmpl-", "call_", 1)
+        if tools.kind == "named":
+            if not isinstance(value, dict):
+                return None, finish_reason, None
+            return [{"id": f"{ident}_{self.index}_0", "type": "function",
+                     "function": {"name": tools.name, "arguments": text.strip()}}], "stop", None
+        if not isinstance(value, list) or not all(isinstance(v, dict) and "name" in v for v in value):
+            return None, finish_reason, None
+        return [{"id": f"{ident}_{self.index}_{i}", "type": "function",
+                 "function": {"name": v["name"], "arguments": json.dumps(v.get("parameters", {}))}}
+                for i, v in enumerate(value)], "tool_calls", None
+
+    def _logprobs(self, chunks: list[TokenChunk]) -> dict[str, Any]:
+        entries = [e for c in chunks for e in (c.logprobs or ())]
+        piece = self.piece
+        if self.chat:
+            content = []
+            for e in entries:
+                s = piece(e.token_id)
+                top = []
+                for t, lp in e.top:
+                    ts = piece(t)
+                    top.append({"token": ts, "logprob": lp, "bytes": list(ts.encode())})
+                content.append({"token": s, "logprob": e.logprob, "bytes": list(s.encode()), "top_logprobs": top})
+            return {"content": content, "refusal": None}
+        tokens: list[str] = []
+        offsets: list[int] = []
+        for e in entries:
+            s = piece(e.token_id)
+            tokens.append(s)
+            offsets.append(self.offset)
+            self.offset += len(s)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{piece(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
 
     def sse_usage(self, u: Usage) -> bytes:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return b"data: " + _enc.encode({"id": self.id, "object": obj, "created": self.created, "model": self.model,
                                         "system_fingerprint": None, "choices": [], "usage": usage_json(u)}) + b"\n\n"
 
-    def full(self, text: str, finish_reason: str | None, u: Usage) -> bytes:
+    def choice(self, chunks: list[TokenChunk], finish_reason: str | None) -> dict[str, Any]:
+        """This choice of a full (non-streamed) response."""
+        text = "".join(c.text for c in chunks)
         fr = client_finish_reason(finish_reason)
-        if self.chat:
-            choice: dict[str, object] = {"index": 0, "message": {"role": "assistant", "content": text,
-                                                                 "refusal": None},
-                                         "logprobs": None, "finish_reason": fr}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": fr}
-            obj = "text_completion"
+        lp = self._logprobs(chunks) if self.lp else None
+        if not self.chat:
+            return {"index": self.index, "text": self.echo + text, "logprobs": lp, "finish_reason": fr}
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if self.tools is not None:
+            calls, tfr, content = self._tool_calls(text, finish_reason)
+            if calls is not None:
+                message = {"role": "assistant", "content": content, "refusal": None, "tool_calls": calls}
+                fr = tfr
+        return {"index": self.index, "message": message, "logprobs": lp, "finish_reason": fr}
+
+    def body(self, choices: list[dict[str, Any]], u: Usage) -> bytes:
+        obj = "chat.completion" if self.chat else "text_completion"
         return _enc.encode({"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                            "system_fingerprint": None, "choices": [choice], "usage": usage_json(u)})
+                            "system_fingerprint": None, "choices": choices, "usage": usage_json(u)})
+
+    def full_chunks(self, chunks: list[TokenChunk], finish_reason: str | None, u: Usage) -> bytes:
+        return self.body([self.choice(chunks, finish_reason)], u)
+
+    def full(self, text: str, finish_reason: str | None, u: Usage) -> bytes:
+        return self.full_chunks([TokenChunk(request_id="", worker_id="", index=0, token_ids=[], text=text)],
+                                finish_reason, u)
 
 
 DONE = b"data: [DONE]\n\n"

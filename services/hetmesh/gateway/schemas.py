@@ -1,7 +1,9 @@
 """OpenAI request bodies as pydantic models, and OpenAI-shaped error bodies.
 
 Strict scalar types: OpenAI rejects `"temperature": "0.5"` and `"max_tokens": true`, so do we.
-Unknown fields are ignored (clients send many harmless ones: presence_penalty, logprobs, ...).
+Every parameter of OpenAI's chat and completions APIs is declared here, and so are the vLLM extensions
+we honour; an unknown one is refused with OpenAI's own 400 ("Unrecognized request argument supplied"),
+never dropped. Declared is not honoured: core.py refuses, naming it, what the model's engines cannot do.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt
 from hetmesh.protocol import ErrorInfo
 
 Num = Annotated[float, Strict()]  # ints pass, strings and bools do not
+Penalty = Annotated[Num, Field(ge=-2.0, le=2.0)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
 
 class TextPart(_Body):
@@ -25,21 +28,77 @@ class TextPart(_Body):
     text: StrictStr
 
 
+class RefusalPart(_Body):
+    type: Literal["refusal"]
+    refusal: StrictStr
+
+
+class ToolCallFunction(_Body):
+    name: StrictStr
+    arguments: StrictStr
+
+
+class ToolCall(_Body):
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: StrictStr | list[TextPart] | None = None
+    content: StrictStr | list[TextPart | RefusalPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: StrictStr | None = None  # tool
+    refusal: StrictStr | None = None  # assistant
+    audio: dict[str, Any] | None = None  # assistant: refused (no audio)
+    function_call: dict[str, Any] | None = None  # assistant, deprecated: refused
 
     def text(self) -> str:
+        """The text content; parts joined by newlines, as vLLM does for string-content templates."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "\n".join(p.text if isinstance(p, TextPart) else p.refusal for p in self.content)
 
 
 class StreamOptions(_Body):
     include_usage: StrictBool = False
+    include_obfuscation: StrictBool | None = None
+
+
+class FunctionDef(_Body):
+    name: Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: StrictStr
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Body):
+    name: Annotated[StrictStr, Field(min_length=1, max_length=64)]
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Common(_Body):
@@ -49,11 +108,20 @@ class _Common(_Body):
     top_p: Annotated[Num, Field(ge=0.0, le=1.0)] | None = None
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    n: StrictInt | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=128)] | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
-    ignore_eos: StrictBool = False  # vLLM's extension; benchmarks use it for fixed-length output
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[Num, Field(ge=-100.0, le=100.0)]] | None = None
+    # vLLM's extensions (its SamplingParams); ignore_eos: benchmarks use it for fixed-length output
+    ignore_eos: StrictBool = False
+    top_k: StrictInt | None = None
+    min_p: Annotated[Num, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[Num, Field(gt=0.0, le=2.0)] | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    stop_token_ids: list[StrictInt] | None = None
 
     def stops(self) -> list[str]:
         if self.stop is None:
@@ -64,12 +132,43 @@ class _Common(_Body):
 class ChatCompletionRequest(_Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    # Accepted: no effect on generation in OpenAI either (metadata is kept only with store) or a routing hint
+    # that prefix-aware placement already follows (prompt_cache_key).
+    metadata: dict[StrictStr, StrictStr] | None = None
+    store: StrictBool | None = None
+    safety_identifier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None
+    service_tier: StrictStr | None = None
+    modalities: list[StrictStr] | None = None
+    prompt_cache_retention: StrictStr | None = None
+    # Declared so that they are refused by name (core.py), not as unknown fields.
+    audio: Any = None
+    functions: Any = None
+    function_call: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    prompt_cache_options: Any = None
+    # vLLM's chat extensions
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Common):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    best_of: StrictInt | None = None
+    best_of: Annotated[StrictInt, Field(ge=1)] | None = None
     echo: StrictBool = False
+    logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    suffix: StrictStr | None = None
 
 
 # --- errors ------------------------------------------------------------------------------
@@ -117,6 +216,9 @@ def from_validation(exc: ValidationError | list[dict[str, Any]]) -> ErrorInfo:
     if loc and loc[0] == "body":  # FastAPI prefixes body errors with "body"
         loc = loc[1:]
     param = _param(loc)
+    if first["type"] == "extra_forbidden":
+        return invalid(f"Unrecognized request argument supplied: {param}", param=param,
+                       code="unrecognized_argument")
     if first["type"] == "missing":
         return invalid(f"Missing required parameter: '{param}'.", param=param)
     what = f"'{param}'" if param else "the request body"

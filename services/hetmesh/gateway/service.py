@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -43,8 +44,10 @@ from .app import asgi_app as asgi_app  # re-exported: `python -m hetmesh.gateway
 from .app import create_app as create_app
 from .auth import Authenticator, Verdict, decide
 from .call import Call, Inbox
+from .choices import FanOut
 from .core import ApiError, Formatter, Prepared
 from .limits import SharedBuckets
+from .params import Caps, caps_for, prepare_chat, prepare_completion
 from .schemas import ChatCompletionRequest, CompletionRequest, from_validation
 from .stream import BUS_GAP
 
@@ -57,6 +60,17 @@ class Gateway:
         self.instance = subjects.token_safe(instance)
         self.models = {m.name: m for m in cfg.models}
         self.tokenizers = {m.name: tokenizer.load(m.tokenizer) for m in cfg.models}
+        # What every engine serving a model can do: the parameters none of them honours are refused.
+        self.caps = {m.name: caps_for({g.engine for g in cfg.workers if g.model == m.name}) for m in cfg.models}
+        self.tool_parsers: dict[str, core.ToolParser] = {}
+        for m in cfg.models:
+            if m.tool_parser:  # tool_choice "auto": vLLM's parser for the model's family (imports vLLM)
+                from .toolcalls import ToolParsing
+
+                p = ToolParsing(m.tool_parser, m.path or os.path.dirname(m.tokenizer))
+                self.tool_parsers[m.name] = p.parse
+                self.caps[m.name] = dataclasses.replace(self.caps[m.name], tool_parser=True,
+                                                        keeps_specials=p.keeps_specials)
         self.inboxes: dict[str, Inbox] = {}
         self.live: dict[str, dict[str, float]] = {m.name: {} for m in cfg.models}  # model -> worker -> seen
         self.tracer = telemetry.setup("gateway", self.instance)
@@ -258,23 +272,35 @@ class Gateway:
             return self.reject(model.name, ErrorInfo(message=f"no live worker serves model {model.name!r} right now",
                                                      type="server_error", code="no_workers", status=503,
                                                      retry_after_s=gc.retry_after_s), span)
-        if self.active >= gc.max_inflight:
+        preps = [prep, *prep.extra]
+        if self.active + len(preps) > gc.max_inflight:
             return self.reject(model.name, self.overloaded(), span)
-        verdict = await self.admit(verdict, len(prep.prompt_tokens))
+        verdict = await self.admit(verdict, sum(len(p.prompt_tokens) for p in preps if p.counts_prompt))
         if verdict.error is not None:
             self.refused["rate_limited"] += 1
             return self.reject(model.name, verdict.error, span, verdict.headers)
         rid = f"{self.instance}-{next(self._ids)}"
-        call = Call(self, rid, model, prep, request, verdict, span)
-        fmt = Formatter(chat, f"{'chatcmpl' if chat else 'cmpl'}-{rid}", model.name, int(time.time()),
-                        prep.include_usage)
-        return await call.run(fmt)
+        cid = f"{'chatcmpl' if chat else 'cmpl'}-{rid}"
+        created = int(time.time())
+        piece = None if prep.sampling.logprobs is None else tok.decode_one
+        if len(preps) == 1:
+            call = Call(self, rid, model, prep, request, verdict, span)
+            return await call.run(Formatter(chat, cid, model.name, created, prep.include_usage, prep, piece,
+                                            self.tool_parsers.get(model.name)))
+        # One mesh request per choice; the first keeps the response's id (and the trace span).
+        calls = [Call(self, rid if i == 0 else f"{self.instance}-{next(self._ids)}", model, p, request,
+                      verdict, span if i == 0 else trace.INVALID_SPAN)
+                 for i, p in enumerate(preps)]
+        fmts = [Formatter(chat, cid, model.name, created, p.include_usage, p, piece, self.tool_parsers.get(model.name))
+                for p in preps]
+        return await FanOut(calls, fmts, prep.stream).run()
 
-    @staticmethod
-    def _prepare(chat: bool, body: ChatCompletionRequest | CompletionRequest, model: config.ModelConfig,
+    def _prepare(self, chat: bool, body: ChatCompletionRequest | CompletionRequest, model: config.ModelConfig,
                  tok: tokenizer.Tokenizer) -> Prepared:
-        return (core.prepare_chat(body, model, tok) if chat  # type: ignore[arg-type]
-                else core.prepare_completion(body, model, tok))  # type: ignore[arg-type]
+        caps = self.caps.get(model.name, Caps())
+        base_seed = int.from_bytes(os.urandom(4), "little")  # seeds of choices 1.. when the client gave none
+        return (prepare_chat(body, model, tok, caps, base_seed) if chat  # type: ignore[arg-type]
+                else prepare_completion(body, model, tok, caps, base_seed))  # type: ignore[arg-type]
 
 
 def default_instance() -> str:

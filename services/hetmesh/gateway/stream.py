@@ -6,6 +6,11 @@ publish a Cancel, hand chunks or an error to the client side). Nothing here awai
 a clock (`now` is always passed in), so every rule about reordering, holes, retries and stalls is
 unit-testable without a mesh, like core.py's rules about bodies and bytes.
 
+A retry (the worker lost, drained, or a retryable error) never starts over: the next attempt goes on
+after the tokens in order so far (`Retry.generated`, a migration when there are any), and the one
+Reassembler numbers its chunks on from there, so the client sees one stream. Restarts with no token
+are bounded by `max_attempts`, migrations by `migration_limit`; a bus gap's retries use up neither.
+
 The driver's loop, per `pull` (call.Call.pull is the one real driver):
 
     progress(now)                                  # the client asked for more: the stall clock restarts
@@ -55,7 +60,8 @@ Message = TokenChunk | RequestError | WorkerLost | BusGap
 # --- actions ---------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Retry:
-    """Submit the request again as `attempt`, excluding `lost_worker` when there is one.
+    """Submit the request again as `attempt`, excluding `lost_worker` when there is one, going on after
+    `generated` (the completion tokens the stream already has, in order): a migration when there are any.
 
     The state is already the new attempt's: the old attempt's messages still queued must be dropped,
     and `progress(now)` called once the new attempt is placed.
@@ -63,6 +69,8 @@ class Retry:
 
     attempt: int
     lost_worker: str | None
+    generated: tuple[int, ...] = ()
+    reason: str = ""  # worker_lost | retryable code of the worker's error | bus_gap
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,16 +111,22 @@ class Wait:
 class ReplyStream:
     """Everything the gateway keeps about one request's reply stream, across its attempts."""
 
-    __slots__ = ("attempt", "cancelled", "delivered", "gap_retries", "max_attempts", "poll_client_at", "ready",
-                 "reasm", "resume_at", "resume_every", "resumes", "stall_at", "stall_s")
+    __slots__ = ("attempt", "cancelled", "delivered", "gap_retries", "max_attempts", "migration_limit", "migrations",
+                 "poll_client_at", "ready", "reasm", "restarts", "resume_at", "resume_every", "resumes", "stall_at",
+                 "stall_s", "tokens")
 
-    def __init__(self, max_attempts: int, stall_timeout_s: float, now: float) -> None:
+    def __init__(self, max_attempts: int, stall_timeout_s: float, now: float, migration_limit: int = 3) -> None:
         self.max_attempts = max_attempts
+        self.migration_limit = migration_limit
         self.stall_s = stall_timeout_s
-        self.reasm = Reassembler()  # the current attempt's
+        # One for all attempts: a new attempt goes on after the tokens in order so far, numbering from there.
+        self.reasm = Reassembler()
+        self.tokens: list[int] = []  # the completion's token ids in order so far (what a migration re-submits)
         self.ready: list[TokenChunk] = []  # deliverable, not yet handed out
         self.attempt = 0
-        self.gap_retries = 0  # attempts started because the bus reconnected (they do not use up max_attempts)
+        self.gap_retries = 0  # attempts started because the bus reconnected (they use up nothing)
+        self.restarts = 0  # attempts started with no token yet (bounded by max_attempts)
+        self.migrations = 0  # attempts that went on after some tokens (bounded by migration_limit)
         self.delivered = False  # some token reached the client: no more retries
         self.cancelled = False  # a Cancel went out (or the mesh ended it): an abort is then our own doing
         self.resumes = 0
@@ -139,7 +153,9 @@ class ReplyStream:
         return usage_of(self.reasm, prompt_len)
 
     def can_retry(self) -> bool:
-        return not self.delivered and self.attempt - self.gap_retries + 1 < self.max_attempts
+        if self.reasm.next_index:
+            return self.migrations < self.migration_limit
+        return self.restarts + 1 < self.max_attempts
 
     # --- events in ------------------------------------------------------------------------------
     def sent(self) -> None:
@@ -156,7 +172,11 @@ class ReplyStream:
             if msg.finish_reason == "abort" and not self.cancelled:
                 return Fail(ErrorInfo(message=f"worker {msg.worker_id} aborted the request", type="server_error",
                                       code="aborted", status=502))
-            self.ready.extend(self.reasm.add(msg))
+            got = self.reasm.add(msg)
+            if got:
+                self.ready.extend(got)
+                for c in got:
+                    self.tokens.extend(c.token_ids)
             return None
         if type(msg) is RequestError and not msg.retryable:
             return Fail(msg.error)
@@ -165,13 +185,15 @@ class ReplyStream:
                 self.resume_at = -math.inf  # tokens went out: it cannot start over, so fill the hole at once
                 return None
             # Chunks or the reply may have been published while this gateway was disconnected and be
-            # gone: nothing reached the client yet, so start the attempt over (not counted against it).
+            # gone: nothing reached the client yet, so place it again, after the tokens it has (uses up nothing).
             self.gap_retries += 1
-            return self._retry(None)
+            return self._retry(None, "bus_gap", counted=False)
         assert type(msg) is WorkerLost or type(msg) is RequestError  # a retryable error
         if not self.can_retry():
             return Fail(self._lost_info(msg))
-        return self._retry(msg.worker_id if type(msg) is WorkerLost else None)
+        if type(msg) is WorkerLost:
+            return self._retry(msg.worker_id, "worker_lost")
+        return self._retry(None, msg.error.code or "retryable_error")
 
     def drained(self, now: float) -> list[TokenChunk]:
         """The inbox is empty for now: the chunks for the client, in completion order (maybe none)."""
@@ -205,15 +227,27 @@ class ReplyStream:
         return Wait(min(self.stall_at, self.poll_client_at, self.resume_at))
 
     # --- internals -------------------------------------------------------------------------------
-    def _retry(self, lost_worker: str | None) -> Retry:
-        self.reasm = Reassembler()
-        self.ready = []  # what the old attempt made is void
+    def _retry(self, lost_worker: str | None, reason: str, counted: bool = True) -> Retry:
+        """The next attempt goes on after the tokens in order so far (the old worker's out-of-order ones are
+        dropped): with the sim engine, or greedy sampling, the new worker continues with the same text."""
+        self.reasm.pending.clear()
+        if counted:
+            if self.reasm.next_index:
+                self.migrations += 1
+            else:
+                self.restarts += 1
         self.attempt += 1
-        return Retry(self.attempt, lost_worker)
+        self.resume_at = math.inf  # the new attempt's stream starts afresh
+        self.resume_every = RESUME_EVERY_S
+        return Retry(self.attempt, lost_worker, tuple(self.tokens), reason)
 
     def _lost_info(self, msg: WorkerLost | RequestError) -> ErrorInfo:
+        if self.reasm.next_index:
+            who = f"worker {msg.worker_id} was lost" if type(msg) is WorkerLost else msg.error.message
+            return ErrorInfo(message=f"{who} after {self.migrations} migrations (mesh.migration_limit); the "
+                                     f"stream ends after {self.reasm.next_index} tokens", type="server_error",
+                             code="migration_limit", status=502)
         if type(msg) is RequestError:
             return msg.error
-        what = "after part of the response was sent" if self.delivered else f"after {self.attempt + 1} attempts"
-        return ErrorInfo(message=f"worker {msg.worker_id} was lost {what}", type="server_error",
-                         code="worker_lost", status=502)
+        return ErrorInfo(message=f"worker {msg.worker_id} was lost after {self.attempt + 1} attempts",
+                         type="server_error", code="worker_lost", status=502)

@@ -10,11 +10,11 @@ import time
 from hetmesh.launcher.mesh import Mesh
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m hetmesh.launcher", description=__doc__)
     ap.add_argument("--cluster", default=None, help="cluster file (default ops/clusters/default.toml)")
     ap.add_argument("--port", type=int, default=None, help="gateway port (default: the cluster file's)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from hetmesh import config
 
     mesh = Mesh(args.cluster or config.DEFAULT_CLUSTER, gateway_port=args.port)

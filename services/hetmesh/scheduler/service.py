@@ -8,7 +8,9 @@ stop leaves the view; every request it held gets a `WorkerLost` on its reply sub
 gateway can resubmit it (nothing streamed yet) or end it with an error — never a hang.
 
 Admission: a model's pool takes a bounded number of requests (`pool_full`); past it a submit
-gets 503 + Retry-After. Redis is optional at run time: while it is unreachable placement runs on
+gets 503 + Retry-After. With SLO-aware admission on (cost policy, `admission_margin`), a request the
+cost model predicts over margin x its SLO (hetmesh.placement.admission) gets 429 + Retry-After (the
+predicted excess wait). Redis is optional at run time: while it is unreachable placement runs on
 load alone, and when it is back (or restarted empty) the scheduler asks every worker to
 republish its whole prefix cache (`hetmesh.kv.resync`), which rebuilds the index.
 """
@@ -27,10 +29,14 @@ from opentelemetry import trace
 
 from hetmesh import config, metrics, subjects, telemetry, wiring
 from hetmesh.bus import REQUEST_ID, Bus, EventBatcher, encode, headers_for
+from hetmesh.costmodel.economics import device_usd_per_hour
 from hetmesh.kvindex.index import PrefixIndex
-from hetmesh.placement import ClusterState, Decision, RequestInfo, WorkerView, pool_full
+from hetmesh.placement import REFUSED, ClusterState, Decision, RequestInfo, WorkerView, pool_full
+from hetmesh.placement.admission import retry_after_s
+from hetmesh.planner.live import DemandWindow
 from hetmesh.protocol import (
     Cancel,
+    DemandReport,
     ErrorInfo,
     FinishedBatch,
     Heartbeat,
@@ -51,7 +57,7 @@ from hetmesh.workqueue import WorkQueue, msg_id
 
 log = logging.getLogger("hetmesh.scheduler")
 
-PREFIX_POLICIES = {"prefix_aware", "cost"}  # policies that read the prefix index
+PREFIX_POLICIES = {"prefix_aware", "cost", "llm_d", "dynamo"}  # policies that read the prefix index
 REDIS_PROBE_S = 1.0  # how often the scheduler checks Redis (down -> up, or restarted empty)
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, passed on untouched when not tracing
 
@@ -75,6 +81,7 @@ class Scheduler:
         self.block_size = {m.name: m.block_size for m in cfg.models}
         self.inflight: dict[str, _InFlight] = {}
         self.by_worker: dict[str, set[str]] = defaultdict(set)
+        self.draining: set[str] = set()  # workers whose heartbeats say they are draining: placed on no more
         self.kv_queue: asyncio.Queue[KvEvent] = asyncio.Queue(maxsize=100_000)
         self.tracer = telemetry.setup("scheduler", instance)
         # Spans, context extraction and injection cost more than the rest of a placement; without an
@@ -93,6 +100,7 @@ class Scheduler:
         self.refused = 0
         self.redis_ok = False
         self.redis_run_id = ""  # a different one means Redis restarted (empty: no persistence)
+        self.demand = DemandWindow(cfg.planner.window_s)  # what the planner plans from (hetmesh.sched.demand)
 
     async def start(self) -> None:
         self.bus = await Bus.for_mesh(self.cfg.mesh, f"scheduler-{self.instance}")
@@ -113,7 +121,7 @@ class Scheduler:
         # Last: an answer on the status subject means every subscription above is in place.
         await self.bus.nc.subscribe(subjects.SCHED_STATUS, queue=subjects.SCHEDULER_QUEUE, cb=self.on_status)
         self._tasks = [asyncio.create_task(self._expire_loop()), asyncio.create_task(self._kv_writer()),
-                       asyncio.create_task(self._redis_loop())]
+                       asyncio.create_task(self._redis_loop()), asyncio.create_task(self._demand_loop())]
         self.started = True
         self.http = metrics.serve_from_env(self.metrics.registry, self._ready)
         log.info("scheduler %s up, policy %s", self.instance, self.policy.name)
@@ -141,10 +149,19 @@ class Scheduler:
             except RuntimeError:
                 continue
         by_role: dict[str, int] = defaultdict(int)
+        usd: dict[tuple[str, str], float] = defaultdict(float)
         for v in views:
             by_role[v.role.value] += 1
+            try:
+                usd[(v.model, v.accelerator)] += device_usd_per_hour(v.accelerator, self.cfg.prices) * v.devices
+            except KeyError:  # an accelerator outside the catalog has no price: leave it out
+                pass
         rows: list[metrics.Row] = [("hetmesh_scheduler_workers", "Workers in the scheduler's view", "gauge",
                                     {"role": role}, n) for role, n in sorted(by_role.items())]
+        # $/Mtok = sum(this) / (sum(rate(hetmesh_gateway_completion_tokens_total[5m])) * 3600 / 1e6)
+        rows += [("hetmesh_fleet_usd_per_hour", "$ per hour of the live workers (catalog list prices or the "
+                  "cluster file's [prices])", "gauge", {"model": m, "accelerator": a}, v)
+                 for (m, a), v in sorted(usd.items())]
         rows.append(("hetmesh_scheduler_requests_in_flight", "Placed requests not finished yet", "gauge", {},
                      len(self.inflight)))
         rows.append(("hetmesh_scheduler_kv_index_queue_depth", "KV events waiting for the Redis prefix index",
@@ -162,13 +179,17 @@ class Scheduler:
                 devices=v.devices, queue_depth=v.queue_depth, running=v.running, max_batch=v.max_batch,
                 kv_blocks_used=v.kv_blocks_used, kv_blocks_total=v.kv_blocks_total,
                 heartbeat_age_s=max(now - hb.ts, 0.0), tokens_generated=hb.tokens_generated,
-                kv_endpoint=hb.kv_endpoint))
+                kv_endpoint=hb.kv_endpoint, draining=hb.draining, moving_to=hb.moving_to))
         await self.bus.respond(m, SchedulerStatus(instance=self.instance, policy=self.policy.name,
                                                   workers=[d.worker_id for d in details], details=details,
                                                   in_flight=len(self.inflight)))
 
     # --- cluster view -------------------------------------------------------------------
     async def on_heartbeat(self, hb: Heartbeat, _m: Msg) -> None:
+        if hb.draining:
+            self.draining.add(hb.worker_id)
+        elif self.draining:
+            self.draining.discard(hb.worker_id)
         if self.state.observe(hb, time.monotonic()):
             log.info("worker %s joined (%s x%d, %s)", hb.worker_id, hb.accelerator, hb.devices, hb.role)
             await self._event("", "worker_joined", worker_id=hb.worker_id, accelerator=hb.accelerator)
@@ -195,6 +216,7 @@ class Scheduler:
 
     async def worker_lost(self, worker_id: str) -> None:
         held = self.by_worker.pop(worker_id, set())
+        self.draining.discard(worker_id)
         log.warning("worker %s lost; %d requests affected", worker_id, len(held))
         self.metrics.workers_lost.inc()
         await self._event("", "worker_lost", worker_id=worker_id, requests=len(held))
@@ -319,7 +341,9 @@ class Scheduler:
         info = RequestInfo(
             request_id=req.request_id, model=req.model, prompt_len=len(req.prompt_tokens),
             max_tokens=req.sampling.max_tokens, cached_blocks=cached,
-            block_size=self.block_size.get(req.model, 16), exclude=frozenset(req.exclude_workers),
+            block_size=self.block_size.get(req.model, 16),
+            exclude=frozenset(req.exclude_workers).union(self.draining) if self.draining else frozenset(
+                req.exclude_workers),
             # The policy's clock is the engines' (virtual) time: a sim cluster at time_scale k runs k x wall.
             arrival=req.arrival_ts * self.cfg.mesh.time_scale,
         )
@@ -329,6 +353,16 @@ class Scheduler:
                 _placement_attributes(span, self.policy.name, info, decision)
         else:
             decision = self.policy.place(info, views)
+        if decision is not None and decision.mode == REFUSED:
+            # SLO-aware admission: served this late it would miss its SLO and delay the requests behind it.
+            self.refused += 1
+            self.metrics.rejected.labels("slo").inc()
+            wait = retry_after_s(decision.predicted_ttft_s or 0.0, self.cfg.slo(req.model)[0],
+                                 self.cfg.admission_margin(req.model), sc.retry_after_s)
+            return SubmitReply(request_id=req.request_id, error=ErrorInfo(
+                message=f"The workers of model {req.model!r} cannot serve this request within its latency SLO "
+                        f"now ({decision.reason}); please retry.", type="server_error", code="slo_unattainable",
+                status=429, retry_after_s=wait))
         if decision is None:
             # Nobody fit in the view (workers restarting, the bus just came back, the one left excluded):
             # wait one heartbeat timeout for heartbeats rather than refuse at once.
@@ -363,6 +397,9 @@ class Scheduler:
             return SubmitReply(request_id=req.request_id, error=ErrorInfo(
                 message=f"the work queue did not take the request: {exc!r}", type="server_error",
                 code="work_queue_unavailable", status=503, retry_after_s=sc.retry_after_s))
+        if req.attempt == 0:
+            self.demand.submitted(req.request_id, req.model, time.monotonic(), len(req.prompt_tokens),
+                                  req.sampling.max_tokens, decision.expected_cached_tokens)
         m = self.metrics
         m.placements.labels(self.policy.name, decision.mode).inc()
         m.placement_seconds.observe(time.perf_counter() - t0)
@@ -418,6 +455,17 @@ class Scheduler:
             self.by_worker.get(f.worker_id, set()).discard(f.request_id)
             if not fl.workers:
                 del self.inflight[f.request_id]
+                self.demand.finished(f.request_id, time.monotonic(), f.completion_tokens)
+
+    async def _demand_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.planner.interval_s)
+            try:
+                await self.bus.publish(subjects.DEMAND, DemandReport(
+                    instance=self.instance, window_s=self.demand.window_s, ts=time.time(),
+                    models=self.demand.report(time.monotonic())))
+            except Exception:
+                log.exception("publishing demand failed")
 
     async def on_cancel(self, c: Cancel, _m: Msg) -> None:
         self._forget(c.request_id)

@@ -79,8 +79,8 @@ class KvInbox(Generic[S]):
         got = e.nbytes if e is not None else 0
         if landed.direct and e is not None and e.sink is not None:
             return Claim(got, sink=e.sink)
-        if not (self.keep_bytes and landed.transfer_id):
-            return Claim(got)  # simulated KV: only its size travelled
+        if not (self.keep_bytes and landed.transfer_id) or landed.nbytes == 0:
+            return Claim(got)  # simulated KV (only its size travelled), or the engine's connector moves it (NIXL)
         if e is None or got != landed.nbytes or e.next_seq != landed.chunks:
             return Claim(got, problem=f"KV arrived incomplete ({got} of {landed.nbytes} bytes)")
         return Claim(got, data=b"".join(e.kept))
@@ -89,6 +89,11 @@ class KvInbox(Generic[S]):
         """Forget transfers nobody claimed; their sinks, for the caller to discard."""
         stale = [t for t, e in self._in.items() if now - e.last_seen > self.stale_s]
         return [s for s in (self._in.pop(t).sink for t in stale) if s is not None]
+
+    def cancel(self, request_id: str) -> list[S]:
+        """The request was cancelled: forget what landed for it; its sinks, for the caller to discard now."""
+        gone = [t for t in self._in if request_of(t) == request_id]
+        return [s for s in (self._in.pop(t).sink for t in gone) if s is not None]
 
     def drain(self) -> list[S]:
         """Forget everything (shutdown); the sinks to discard."""
@@ -117,6 +122,15 @@ class CacheMirror:
 
 
 # ---------------------------------------------------------------------- shipping a prefill's KV
+def transfer_id(request_id: str, nonce: str) -> str:
+    """A transfer's id names its request (`request_of`), so a cancel finds what landed for it."""
+    return f"{request_id}.{nonce}"
+
+
+def request_of(transfer_id: str) -> str:
+    return transfer_id.rpartition(".")[0]
+
+
 def wire_bytes(kv_bytes_per_token: int, prompt_tokens: int, max_wire_bytes: int) -> int:
     """What a simulated engine puts on the wire: the real size, capped when the cluster says so."""
     n = kv_bytes_per_token * prompt_tokens
@@ -142,4 +156,4 @@ def transfer_request(item: WorkItem, out: EngineOutput, src_worker: str, transfe
         transfer_id=transfer_id, request_id=req.request_id, model=req.model, src_worker=src_worker,
         dst_worker=item.placement.decode_worker, num_tokens=len(req.prompt_tokens), nbytes=nbytes,
         chunk_bytes=chunk_bytes, first_token_ids=out.token_ids, first_text=out.text,
-        cached_tokens=out.cached_tokens, endpoint=endpoint)
+        cached_tokens=out.cached_tokens, endpoint=endpoint, kv_transfer_params=out.kv_transfer_params)

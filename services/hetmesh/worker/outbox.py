@@ -65,7 +65,7 @@ class Outbox:
             usage = Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
                           cached_tokens=cached_tokens)
         return TokenChunk(request_id=request_id, worker_id=self.worker_id, index=out.index, token_ids=out.token_ids,
-                          text=out.text, finish_reason=out.finish_reason, usage=usage)
+                          text=out.text, finish_reason=out.finish_reason, usage=usage, logprobs=out.logprobs)
 
     async def send(self, subject: str, msg: msgspec.Struct) -> None:
         # Per-request traffic goes without headers: the request id is in every body, and header

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from opentelemetry import trace
 
@@ -50,10 +51,12 @@ class Phases:
 
     # ------------------------------------------------------------------ engine calls
     @staticmethod
-    def engine_request(item: WorkItem, first: list[int] | None = None) -> EngineRequest:
+    def engine_request(item: WorkItem, first: list[int] | None = None,
+                       kv_transfer_params: dict[str, Any] | None = None) -> EngineRequest:
         r = item.request
         return EngineRequest(request_id=r.request_id, prompt_tokens=r.prompt_tokens, block_hashes=r.block_hashes,
-                             sampling=r.sampling, phase=item.phase, first_token_ids=first or [])
+                             sampling=r.sampling, phase=item.phase, first_token_ids=first or [],
+                             continued=r.continued, kv_transfer_params=kv_transfer_params)
 
     async def submit(self, item: WorkItem, er: EngineRequest) -> bool:
         try:
@@ -70,14 +73,18 @@ class Phases:
         if r.superseded:
             self.out.event(rid, "superseded", phase=item.phase.value, attempt=r.attempt)
             return
+        # Retryable even with tokens out: the gateway goes on from its last token on another worker (migration).
         if out.finish_reason == "error":
-            await self.out.error(item, f"engine on {self.worker_id} failed", retryable=streamed == 0)
+            await self.out.error(item, f"engine on {self.worker_id} failed", retryable=True)
             self.out.finished(rid, "error", out.completion_tokens)
             return
         if r.cancelled:
             self.out.event(rid, "aborted", phase=item.phase.value, completion_tokens=out.completion_tokens)
-        else:  # aborted by shutdown, not by the client
-            await self.out.error(item, f"worker {self.worker_id} shut down", retryable=streamed == 0, status=503)
+        else:  # aborted by shutdown (a drain that ran out of time), not by the client
+            await self.out.error(item, f"worker {self.worker_id} shut down", retryable=True, status=503,
+                                 code="worker_draining")
+            self.out.event(rid, "handed_over", phase=item.phase.value, completion_tokens=out.completion_tokens,
+                           streamed=streamed)
         self.out.finished(rid, "abort", out.completion_tokens)
 
     # ------------------------------------------------------------------ FULL and PREFILL
@@ -104,11 +111,12 @@ class Phases:
         assert last is not None and last.finished
         self.metrics.requests.labels(item.phase.value, last.finish_reason or "prefill_done").inc()
         if item.phase == Phase.FULL:
-            self._observe_decode(item, first, time.time(), last.completion_tokens - 1)
+            self._observe_decode(item, first, time.time(), last.completion_tokens - req.continued - 1)
             self.out.event(rid, "decode_done", phase="full", completion_tokens=last.completion_tokens,
                            finish_reason=last.finish_reason, cached_tokens=last.cached_tokens)
             self.out.finished(rid, last.finish_reason or "stop", last.completion_tokens)
             return
+        r.shipping = True  # from here a Cancel stops the task (and so the KV stream), not the engine
         await self._prefill_handoff(item, last)
 
     async def _prefill_handoff(self, item: WorkItem, out: EngineOutput) -> None:
@@ -122,8 +130,10 @@ class Phases:
         # KV stream may connect and write without ever yielding, and the first token would wait behind the KV.
         await asyncio.sleep(0)
         # Ship the KV even when prefill already finished the request, so the decode side ends cleanly.
-        await self.shipper.ship(item, out)
-        self.out.finished(rid, out.finish_reason or "prefill_done", out.completion_tokens)
+        try:
+            await self.shipper.ship(item, out)
+        finally:  # also when a Cancel or the drain stopped the stream: the scheduler's record of it ends
+            self.out.finished(rid, out.finish_reason or "prefill_done", out.completion_tokens)
 
     # ------------------------------------------------------------------ DECODE
     async def serve_decode(self, r: Request[Run]) -> None:
@@ -145,8 +155,8 @@ class Phases:
             self.out.event(rid, "aborted", phase="decode", completion_tokens=0, waiting_for_kv=True)
             self.out.finished(rid, "abort", 0)
             return
-        except EngineError as exc:  # shutdown while waiting
-            await self.out.error(item, str(exc), retryable=False, status=503)
+        except EngineError as exc:  # shutdown while waiting: another worker takes it over
+            await self.out.error(item, str(exc), retryable=True, status=503, code="worker_draining")
             self.out.finished(rid, "error", 0)
             return
         finally:
@@ -159,6 +169,12 @@ class Phases:
         if landed.transfer_id and not landed.direct:
             await self._relay_settled(landed)
         claim = self.inbox.claim(landed)
+        if r.cancelled:  # cancelled as the KV landed: the sink (vLLM: its spool file) goes, not into the engine
+            if claim.sink is not None:
+                claim.sink.discard()
+            self.out.event(rid, "aborted", phase="decode", completion_tokens=0)
+            self.out.finished(rid, "abort", 0)
+            return
         if claim.sink is not None:
             claim.sink.commit()  # the engine takes the streamed KV as it lies
         elif claim.problem is not None:
@@ -183,7 +199,7 @@ class Phases:
                 "hetmesh.transfer_id": landed.transfer_id, "hetmesh.src": landed.src_worker,
                 "hetmesh.nbytes": landed.nbytes, "hetmesh.kv_transfer_s": landed.duration_s})
         first = list(landed.first_token_ids)
-        if not await self.submit(item, self.engine_request(item, first)):
+        if not await self.submit(item, self.engine_request(item, first, landed.kv_transfer_params)):
             return
         streamed = 0
         last: EngineOutput | None = None
@@ -192,14 +208,14 @@ class Phases:
             if out.finish_reason in ("abort", "error"):
                 await self.on_abort(r, out, streamed)
                 return
-            if out.finished and not out.token_ids and out.completion_tokens == len(first):
+            if out.finished and not out.token_ids and out.completion_tokens == req.continued + len(first):
                 break  # the first tokens already ended it and the prefill worker told the client
             # The prefix hit happened on the prefill side; the decode engine saw the KV land instead.
             await self.out.send(req.reply_subject, self.out.chunk(rid, out, landed.cached_tokens))
             streamed += len(out.token_ids)
         assert last is not None and last.finished
         self.metrics.requests.labels("decode", last.finish_reason or "stop").inc()
-        self._observe_decode(item, landed_at, time.time(), last.completion_tokens - len(first))
+        self._observe_decode(item, landed_at, time.time(), last.completion_tokens - req.continued - len(first))
         self.out.event(rid, "decode_done", phase="decode", completion_tokens=last.completion_tokens,
                        finish_reason=last.finish_reason, cached_tokens=landed.cached_tokens)
         self.out.finished(rid, last.finish_reason or "stop", last.completion_tokens)
@@ -240,12 +256,15 @@ class Phases:
                            finish_reason=last.finish_reason, cached_tokens=last.cached_tokens, local_prefill=True)
             self.out.finished(rid, last.finish_reason, last.completion_tokens)
             return None
+        handover = None
         if self.engine.real_kv:  # the local prefill's KV: the decode below loads it like a landed one
             kv = self.engine.take_kv(rid)
             if kv is not None:
                 self.engine.put_kv(rid, kv)
+                handover = last.kv_transfer_params
         return KvLanded(transfer_id="", request_id=rid, src_worker=self.worker_id, nbytes=0, chunks=0, duration_s=0.0,
-                        first_token_ids=last.token_ids, first_text=last.text, cached_tokens=last.cached_tokens)
+                        first_token_ids=last.token_ids, first_text=last.text, cached_tokens=last.cached_tokens,
+                        kv_transfer_params=handover)
 
     # ------------------------------------------------------------------ metrics and spans
     def _observe_first(self, item: WorkItem, start: float, first: float, queued_s: float) -> None:

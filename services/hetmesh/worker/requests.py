@@ -36,6 +36,7 @@ class Stop(StrEnum):
 
     NONE = "none"  # not held here (a Cancel for a WorkItem still on its way is remembered)
     KV_WAIT = "kv_wait"  # a decode still waiting for its KV, nothing in the engine yet: cancel its task
+    SHIPPING = "shipping"  # a prefill done in the engine, its KV on the way out: cancel its task (aborts the stream)
     ENGINE = "engine"  # abort it in the engine; its stream ends with finish_reason "abort"
 
 
@@ -47,6 +48,7 @@ class Request(Generic[H]):
     received: float  # when its WorkItem arrived
     handle: H  # the service's own: its task, its KV future
     waiting_for_kv: bool = False  # a DECODE item whose KV has not landed yet
+    shipping: bool = False  # a PREFILL item whose engine part is over, shipping its KV
     cancelled: bool = False  # the client went away: end quietly (event "aborted")
     superseded: bool = False  # a newer attempt takes the id over: end without a word
 
@@ -70,6 +72,7 @@ class RequestBook(Generic[H]):
         self._live: dict[str, Request[H]] = {}
         self._early_landed: dict[str, tuple[KvLanded, float]] = {}
         self._early_cancels: dict[str, float] = {}
+        self._cancelled: dict[str, float] = {}  # every cancelled id, for a while: KV for them is refused/dropped
         # Kept as a count: the metrics thread reads it while the event loop changes the requests.
         self.kv_waiting = 0
 
@@ -128,16 +131,28 @@ class RequestBook(Generic[H]):
         if r is None:
             return Stop.NONE
         r.superseded = True
-        return Stop.KV_WAIT if r.waiting_for_kv else Stop.ENGINE
+        return _how(r)
 
     def cancel(self, request_id: str, now: float) -> Stop:
+        _put(self._cancelled, request_id, now, self.early_max)
+        self._early_landed.pop(request_id, None)
         r = self._live.get(request_id)
         if r is None:
             # Every worker sees every Cancel; remember a few in case this one's WorkItem is still in flight.
             _put(self._early_cancels, request_id, now, self.early_max)
             return Stop.NONE
         r.cancelled = True
-        return Stop.KV_WAIT if r.waiting_for_kv else Stop.ENGINE
+        return _how(r)
+
+    def hand_over(self) -> list[tuple[Request[H], Stop]]:
+        """The drain ran out of time: every request still held, and how to stop it here so that it ends
+        with a retryable error (the gateway migrates it): fail a decode's KV wait, cancel a prefill's
+        KV shipping (the decode side prefills locally), abort the rest in the engine."""
+        return [(r, _how(r)) for r in self._live.values()]
+
+    def was_cancelled(self, request_id: str) -> bool:
+        """Cancelled lately: KV streaming in for it is refused, or dropped when it lands."""
+        return request_id in self._cancelled
 
     # ------------------------------------------------------------------ the KV wait of a DECODE item
     def landed(self, landed: KvLanded, now: float) -> Request[H] | None:
@@ -163,11 +178,19 @@ class RequestBook(Generic[H]):
             del self._early_landed[rid]
         for rid in [r for r, ts in self._early_cancels.items() if now - ts > self.stale_s]:
             del self._early_cancels[rid]
+        for rid in [r for r, ts in self._cancelled.items() if now - ts > self.stale_s]:
+            del self._cancelled[rid]
 
     def _set_waiting(self, r: Request[H], waiting: bool) -> None:
         if r.waiting_for_kv != waiting:
             r.waiting_for_kv = waiting
             self.kv_waiting += 1 if waiting else -1
+
+
+def _how(r: Request[H]) -> Stop:
+    if r.waiting_for_kv:
+        return Stop.KV_WAIT
+    return Stop.SHIPPING if r.shipping else Stop.ENGINE
 
 
 V = TypeVar("V")

@@ -43,6 +43,7 @@ from hetmesh.protocol import (
     Phase,
     Resume,
     Role,
+    RoleSwitch,
     WorkItem,
 )
 from hetmesh.runtime import run_service
@@ -63,7 +64,7 @@ SUPERSEDE_WAIT_S = 5.0  # how long a newer attempt waits for the old one to let 
 
 class Worker:
     def __init__(self, cfg: config.ClusterConfig, worker_id: str, role: Role | None = None,
-                 kv_landed_timeout_s: float = 30.0, drain_timeout_s: float = 10.0,
+                 kv_landed_timeout_s: float = 30.0, drain_timeout_s: float | None = None,
                  engine: Engine | None = None) -> None:
         self.cfg = cfg
         self.worker_id = worker_id
@@ -73,10 +74,10 @@ class Worker:
         self.cost = wiring.cost_model(cfg, self.group)
         self.engine: Engine = engine or engines.create(cfg, self.group, self.cost)
         self.kv_landed_timeout_s = kv_landed_timeout_s
-        self.drain_timeout_s = drain_timeout_s
+        self.drain_timeout_s = cfg.worker.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         vendor, accel = self.group.vendor, self.group.accelerator
         self.work_subject = subjects.work_direct(self.role.value, vendor, accel, worker_id)
-        self.pool_subject = subjects.work_pool(self.role.value, vendor, accel)
+        self.pool_subject = subjects.work_pool(self.role.value, vendor, accel)  # both again in _take_work
         self.tracer = telemetry.setup("worker", worker_id)
         # Spans cost tens of microseconds each; make them only when someone collects them.
         self.tracing = telemetry.enabled()
@@ -98,6 +99,8 @@ class Worker:
         self._subs: list[Any] = []
         self._work_subs: list[Any] = []
         self._loops: list[asyncio.Task[None]] = []
+        self.moving_to: Role | None = None  # a role switch under way (the planner's RoleSwitch)
+        self._switch: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -114,22 +117,17 @@ class Worker:
             await self.bus.subscribe(subjects.RESUME, Resume, self.on_resume),
             await self.bus.subscribe(subjects.kv_landed(self.worker_id), KvLanded, self.on_kv_landed),
             await self.bus.subscribe(subjects.KV_RESYNC, KvResync, self.on_kv_resync),
+            await self.bus.subscribe(subjects.worker_command(self.worker_id), RoleSwitch, self.on_role_switch),
             await nc.subscribe(subjects.kv_recv(self.worker_id), cb=self.on_kv_recv,
                                pending_msgs_limit=1_000_000, pending_bytes_limit=1 << 30),
         ]
-        kvc = self.cfg.kv_transfer
-        if kvc.data_plane == "direct" and self.role != Role.PREFILL:
-            self.kv_port = kvstream.Receiver(self.worker_id, self._open_sink, self._stream_landed,
-                                             self._stream_failed, kvc.stream_idle_timeout_s,
-                                             secret=kvc.secret.encode())
-            await self.kv_port.start(kvc.listen_host, kvc.listen_port, kvc.advertise_host)
+        await self._open_kv_port()
         # The index must forget whatever an earlier incarnation of this worker held.
         await self._publish_kv_events(force_cleared=True)
         # The stream may not exist yet (this worker started before any scheduler): make it, then the consumers.
         self.queue = WorkQueue(self.bus, self.cfg.work_queue)
         await self.queue.ensure()
-        self._work_subs = [await self.queue.consume(self.work_subject, False, self.on_work_msg),
-                           await self.queue.consume(self.pool_subject, True, self.on_work_msg)]
+        await self._take_work()
         await nc.flush()
         self._loops = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._kv_event_loop())]
         await self._heartbeat()
@@ -138,34 +136,119 @@ class Worker:
                  self.group.devices, self.role, self.engine.name, self.work_subject)
 
     async def stop(self) -> None:
-        """Graceful: no new work, no heartbeats, let in-flight requests finish, error the rest, drain."""
-        self.book.draining = True
+        """The drain (SIGTERM): take no new work and say so in the heartbeats (the scheduler places nothing
+        here, and does not count the worker lost while it finishes), let running requests finish within
+        worker.drain_timeout_s, hand the rest over (a retryable error: the gateway migrates each stream to
+        another worker after its last token), then leave. The planner's role and model switches drain the
+        same way."""
+        t0 = time.monotonic()
+        if self._switch is not None and not self._switch.done():  # a role switch's drain gives way to this one
+            self._switch.cancel()
+            with contextlib.suppress(BaseException):
+                await self._switch
+        self.out.event("", "draining", running=len(self._pending_tasks()), drain_timeout_s=self.drain_timeout_s)
+        handed = await self._drain_work(0.0)
+        self.out.event("", "drained", handed_over=handed, seconds=round(time.monotonic() - t0, 3))
         if self.http is not None:
             self.http.close()
         for t in self._loops:
             t.cancel()
-        for s in self._work_subs:
-            with contextlib.suppress(Exception):
-                await s.unsubscribe()
-        pending = self._pending_tasks()
-        if pending:
-            log.info("draining %d in-flight requests", len(pending))
-            await asyncio.wait(pending, timeout=self.drain_timeout_s)
-        for r in self.book.waiting():
-            if r.handle.kv is not None and not r.handle.kv.done():
-                r.handle.kv.set_exception(EngineError("worker shutting down"))
         if self.kv_port is not None:
             await self.kv_port.close()
         for sink in self.inbox.drain():
             sink.discard()
-        await self.engine.close()  # aborts what is left; their tasks send RequestError
-        rest = self._pending_tasks()
-        if rest:
-            await asyncio.wait(rest, timeout=5.0)
+        await self.engine.close()
         with contextlib.suppress(Exception):
             await self._publish_kv_events()
         await self.out.close()
         await self.bus.close()
+
+    async def _drain_work(self, settle_s: float) -> int:
+        """Take no new work and say so at once in a heartbeat (the scheduler places nothing more here), wait
+        `settle_s` (placements made before the scheduler heard it still arrive, and get a retryable 503), drop
+        the work subscriptions, let running requests finish within worker.drain_timeout_s and hand the rest
+        over. Returns how many were handed over."""
+        self.book.draining = True
+        with contextlib.suppress(Exception):
+            await self._heartbeat()
+        if settle_s > 0:
+            await asyncio.sleep(settle_s)
+        for s in self._work_subs:
+            with contextlib.suppress(Exception):
+                await s.unsubscribe()
+        self._work_subs = []
+        pending = self._pending_tasks()
+        if pending:
+            log.info("draining %d in-flight requests", len(pending))
+            await asyncio.wait(pending, timeout=self.drain_timeout_s)
+        left = self.book.hand_over()
+        for r, how in left:  # out of time: each ends with a retryable error, and the gateway migrates it
+            if how == Stop.KV_WAIT and r.handle.kv is not None and not r.handle.kv.done():
+                r.handle.kv.set_exception(EngineError(f"worker {self.worker_id} is draining"))
+            elif how == Stop.SHIPPING and r.handle.task is not None:
+                r.handle.task.cancel()
+            elif how == Stop.ENGINE:
+                await self.engine.abort(r.request_id)
+        rest = self._pending_tasks()
+        if rest:
+            await asyncio.wait(rest, timeout=5.0)
+        return len(left)
+
+    async def _open_kv_port(self) -> None:
+        kvc = self.cfg.kv_transfer
+        if kvc.data_plane == "direct" and self.role != Role.PREFILL and self.kv_port is None:
+            self.kv_port = kvstream.Receiver(self.worker_id, self._open_sink, self._stream_landed,
+                                             self._stream_failed, kvc.stream_idle_timeout_s,
+                                             secret=kvc.secret.encode())
+            await self.kv_port.start(kvc.listen_host, kvc.listen_port, kvc.advertise_host)
+
+    async def _take_work(self) -> None:
+        """Read this role's direct and pool work subjects."""
+        vendor, accel = self.group.vendor, self.group.accelerator
+        self.work_subject = subjects.work_direct(self.role.value, vendor, accel, self.worker_id)
+        self.pool_subject = subjects.work_pool(self.role.value, vendor, accel)
+        self._work_subs = [await self.queue.consume(self.work_subject, False, self.on_work_msg),
+                           await self.queue.consume(self.pool_subject, True, self.on_work_msg)]
+
+    # ------------------------------------------------------------------ role switch (the planner)
+    async def on_role_switch(self, cmd: RoleSwitch, _m: Msg) -> None:
+        """Switch in a task: the drain takes a while, and the command subscription must stay responsive."""
+        if cmd.worker_id != self.worker_id:
+            log.warning("ignoring a role switch for %s sent to %s", cmd.worker_id, self.worker_id)
+        elif self._switch is not None and not self._switch.done():
+            self.out.event("", "role_switch_refused", to_role=cmd.role.value, planner=cmd.planner,
+                           reason=f"already moving to {self.moving_to}")
+        elif cmd.role != self.role and not self.book.draining:
+            self._switch = asyncio.create_task(self.switch_role(cmd.role, cmd.planner, cmd.reason))
+
+    async def switch_role(self, role: Role, planner: str = "", reason: str = "") -> None:
+        """Serve `role` from now on, without reloading the engine: drain the old role's work (as SIGTERM's
+        drain does: finish within worker.drain_timeout_s, hand the rest over), then read the new role's
+        work subjects. The heartbeats say `draining` and `moving_to` meanwhile, so the scheduler places no
+        work of the old role here; the first heartbeat after says the new role."""
+        old, t0 = self.role, time.monotonic()
+        self.moving_to = role
+        self.out.event("", "role_switching", from_role=old.value, to_role=role.value, planner=planner, reason=reason)
+        try:
+            handed = await self._drain_work(self.cfg.mesh.heartbeat_interval_s)
+            gone = {self.work_subject, self.pool_subject}
+            self.queue.consumers = [c for c in self.queue.consumers if c[0] not in gone]
+            self.role = role
+            await self._open_kv_port()
+            await self._take_work()
+        except Exception:
+            log.exception("role switch to %s failed; serving %s again", role, self.role)
+            handed = -1
+            if not self._work_subs:
+                await self._take_work()
+        finally:
+            self.book.draining = False
+            self.moving_to = None
+        with contextlib.suppress(Exception):
+            await self._heartbeat()
+        self.out.event("", "role_switched", from_role=old.value, to_role=self.role.value, handed_over=handed,
+                       seconds=round(time.monotonic() - t0, 3), planner=planner)
+        log.info("worker %s: role %s -> %s in %.2fs", self.worker_id, old, self.role, time.monotonic() - t0)
 
     def _pending_tasks(self) -> list[asyncio.Task[None]]:
         return [r.handle.task for r in self.book.live() if r.handle.task is not None and not r.handle.task.done()]
@@ -199,6 +282,8 @@ class Worker:
              self.shipper.bytes_sent),
             ("hetmesh_worker_kv_transfer_received_bytes", "KV bytes landed from prefill workers", "counter", g,
              self.inbox.bytes_received),
+            ("hetmesh_worker_kv_landed_unclaimed", "Transfers landed here that no decode has taken yet", "gauge", g,
+             len(self.inbox)),
         ]
 
     # ------------------------------------------------------------------ work intake
@@ -277,8 +362,10 @@ class Worker:
         await asyncio.wait([r.handle.task], timeout=SUPERSEDE_WAIT_S)
 
     async def _stop(self, rid: str, how: Stop, run: Run) -> None:
-        if how == Stop.KV_WAIT and run.task is not None:
-            run.task.cancel()  # still waiting for KV: nothing in the engine yet
+        if how in (Stop.KV_WAIT, Stop.SHIPPING) and run.task is not None:
+            # Waiting for KV: nothing in the engine yet. Shipping: the engine is done with it; cancelling the
+            # task closes the KV stream, and the receiving worker drops what it got.
+            run.task.cancel()
         elif how == Stop.ENGINE:
             await self.engine.abort(rid)
 
@@ -309,10 +396,15 @@ class Worker:
 
     # ------------------------------------------------------------------ cancel and resume
     async def on_cancel(self, c: Cancel, _m: Msg) -> None:
-        r = self.book.get(c.request_id)
-        how = self.book.cancel(c.request_id, time.time())
+        """Every worker sees every Cancel: whatever phase the request is in here, all of it goes now (the
+        engine's blocks, a KV stream going out or coming in, KV that landed and its sink or spool file)."""
+        rid = c.request_id
+        r = self.book.get(rid)
+        how = self.book.cancel(rid, time.time())
         if r is not None:
-            await self._stop(c.request_id, how, r.handle)
+            await self._stop(rid, how, r.handle)
+        for sink in self.inbox.cancel(rid):
+            sink.discard()
 
     async def on_resume(self, r: Resume, _m: Msg) -> None:
         await self.out.resend(r)
@@ -332,11 +424,14 @@ class Worker:
         self.inbox.chunk(h.get("Kv-Transfer", ""), m.data, int(h.get("Kv-Seq", "-1")), time.time())
 
     def _open_sink(self, header: KvTransferRequest) -> kvstream.KvSink:
-        if self.book.draining:
-            raise ValueError("worker draining")
+        if self.book.was_cancelled(header.request_id):
+            raise ValueError("request cancelled")
         return self.engine.kv_sink(header.request_id, header.nbytes)
 
     async def _stream_landed(self, header: KvTransferRequest, sink: kvstream.KvSink, seconds: float) -> None:
+        if self.book.was_cancelled(header.request_id):  # cancelled while it streamed in
+            sink.discard()
+            return
         self.inbox.streamed(header.transfer_id, header.nbytes, sink, time.time())
         self._landed(KvLanded.of(header, nbytes=header.nbytes, chunks=1, duration_s=seconds, direct=True))
 
@@ -355,7 +450,8 @@ class Worker:
             ts=time.time(), tokens_generated=s.tokens_generated, prompt_tokens_computed=s.prompt_tokens_computed,
             prompt_tokens_cached=s.prompt_tokens_cached, aborted=s.aborted,
             kv_endpoint=self.kv_port.endpoint if self.kv_port is not None else "", parallel=g.parallel,
-            step_tokens=g.step_tokens))
+            step_tokens=g.step_tokens, draining=self.book.draining,
+            moving_to=self.moving_to.value if self.moving_to is not None else ""))
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -406,7 +502,9 @@ def main(default_role: Role | None = None) -> None:
     ap.add_argument("--kv-landed-timeout-s", type=float,
                     default=float(os.environ.get("HETMESH_KV_LANDED_TIMEOUT_S", "30")),
                     help="a DECODE item whose KV has not landed by then ends with an error")
-    ap.add_argument("--drain-timeout-s", type=float, default=10.0)
+    ap.add_argument("--drain-timeout-s", type=float, default=None,
+                    help="SIGTERM: how long running requests may finish before the rest migrate "
+                         "(default: the cluster file's worker.drain_timeout_s)")
     args = ap.parse_args()
     cfg = config.load(args.cluster)
     run_service(lambda: Worker(cfg, args.worker_id, Role(args.role) if args.role else None,

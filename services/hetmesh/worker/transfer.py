@@ -8,6 +8,7 @@ worker asks kv-transfer first (request/reply), which names the port or a relay s
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -51,12 +52,15 @@ class KvShipper:
         dst = item.placement.decode_worker
         # A real engine (vLLM) hands over its KV cache's bytes; the sim engine's are only a size.
         data = self.engine.take_kv(rid) if self.engine.real_kv else None
+        if self.engine.real_kv and data is None and out.kv_transfer_params:
+            await self._hand_over(item, out)
+            return
         nbytes = len(data) if data is not None else kv.wire_bytes(
             self.kv_bytes_per_token, len(req.prompt_tokens), self.cfg.max_wire_bytes)
         chunk = kv.chunk_size(self.cfg.chunk_bytes, self.bus.nc.max_payload)
         endpoint = kv.direct_endpoint(item.placement, self.cfg.data_plane)
-        treq = kv.transfer_request(item, out, self.worker_id, f"{rid}.{uuid.uuid4().hex[:8]}", nbytes, chunk,
-                                   endpoint)
+        treq = kv.transfer_request(item, out, self.worker_id, kv.transfer_id(rid, uuid.uuid4().hex[:8]), nbytes,
+                                   chunk, endpoint)
         t0 = time.perf_counter()
         span = trace.INVALID_SPAN
         if self.tracing:  # the kv-transfer service's span becomes this one's child (the bus injects it)
@@ -95,11 +99,23 @@ class KvShipper:
                           chunks=chunks, chunk_bytes=chunk, duration_s=time.perf_counter() - t0,
                           direct=bool(endpoint))
 
+    async def _hand_over(self, item: WorkItem, out: EngineOutput) -> None:
+        """The engine's connector moves the KV itself (NIXL: the decode engine reads the blocks the params name):
+        only vLLM's hand-over goes to the decode worker, as a KvLanded of no bytes."""
+        rid = item.request.request_id
+        dst = item.placement.decode_worker
+        treq = kv.transfer_request(item, out, self.worker_id, kv.transfer_id(rid, uuid.uuid4().hex[:8]), 0, 0)
+        await self.bus.publish(subjects.kv_landed(dst), KvLanded.of(treq), rid)
+        self.outbox.event(rid, "kv_handed_over", phase="prefill", transfer_id=treq.transfer_id, dst=dst)
+
     async def _stream(self, endpoint: str, treq: KvTransferRequest, data: bytes | memoryview | None,
                       t0: float) -> None:
         """The direct data plane: the bytes go to the decode worker's KV port; kv-transfer hears how it went."""
         try:
             await kvstream.send(endpoint, treq, data, self.cfg.stream_idle_timeout_s, self.cfg.secret.encode())
+        except asyncio.CancelledError:  # the request was cancelled: the socket is closed, the receiver drops it
+            await self._done(treq, t0, "cancelled")
+            raise
         except Exception as exc:
             await self._done(treq, t0, repr(exc))
             raise

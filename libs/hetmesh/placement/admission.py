@@ -1,0 +1,53 @@
+"""SLO-aware admission (early rejection): refuse a request the cost model predicts will miss its SLO by far.
+
+Mooncake (Qin et al., FAST'25, "Mooncake: A KVCache-centric Architecture", section 7: overload-oriented
+scheduling) rejects a request at arrival when its predicted TTFT/TBT would break the SLO, instead of
+serving it late and making every request behind it late too. Here the prediction is the cost policy's
+own: for each placement it weighs, TTFT (backlog + prefill) and TPOT (decode step at the batch it joins)
+from the cost model. A request is refused when even its best placement is over `margin` times an SLO:
+
+    over(placement) = max(predicted TTFT / TTFT SLO, predicted TPOT / TPOT SLO)   (TPOT only if > 1 token)
+    admit  iff  margin <= 0 (off)  or  min over placements of over(placement) <= margin x max(1, idle)
+
+where idle is what no load would give: the larger of the best prefill alone / TTFT SLO and the best decode
+step alone in its batch / TPOT SLO. A request that misses its SLO even on an idle worker is refused only for
+what load adds (a retry could never do better than idle).
+
+The live scheduler answers a refusal with 429 and `Retry-After` (the predicted excess wait: how long
+until the backlog it saw would let the request in); the simulator counts it as rejected.
+Pure functions: predictions in, verdict out.
+"""
+
+from __future__ import annotations
+
+from hetmesh.placement.state import Decision
+
+REFUSED = "refused"  # Decision.mode of a request refused by admission
+MAX_RETRY_AFTER_S = 60.0
+
+
+def over_slo(ttft_s: float, tpot_s: float, output_tokens: int, ttft_slo_s: float, tpot_slo_s: float) -> float:
+    """How many times its SLO a placement is predicted to take (<= 1: within both)."""
+    over = ttft_s / ttft_slo_s
+    if output_tokens > 1:
+        over = max(over, tpot_s / tpot_slo_s)
+    return over
+
+
+def admit(best_over: float, margin: float, idle_over: float = 0.0) -> bool:
+    """The rule: admit unless admission is on and the best placement is over `margin` x its SLO. `idle_over`:
+    the best over with no load (prefill alone, decode alone); a request that cannot meet its SLO even then is
+    judged against that, so only what load adds refuses it (retrying would never help)."""
+    return margin <= 0 or best_over <= margin * max(1.0, idle_over)
+
+
+def retry_after_s(ttft_s: float, ttft_slo_s: float, margin: float, floor_s: float) -> float:
+    """What Retry-After says: the predicted wait past what admission allows (the backlog that must drain
+    first), at least `floor_s`, at most a minute."""
+    return min(max(ttft_s - margin * ttft_slo_s, floor_s), MAX_RETRY_AFTER_S)
+
+
+def refusal(ttft_s: float, tpot_s: float, best_over: float, margin: float) -> Decision:
+    """The Decision a policy returns for a refused request (no worker; the predictions that refused it)."""
+    return Decision(mode=REFUSED, decode_worker="", predicted_ttft_s=ttft_s, predicted_tpot_s=tpot_s,
+                    reason=f"admission: best placement {best_over:.2f}x its SLO > margin {margin:g}")

@@ -1,0 +1,187 @@
+"""Capacity planning: the cheapest mix of servers that meets every model's SLOs for a demand, and
+the Pareto front of $/hour against goodput. Same options and integer program as the fleet plan
+(hetmesh.planner.plan), with the purchasable servers as groups (`count`: the most one may buy);
+every answer is checked by simulation and re-solved with more headroom until it meets the SLOs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import msgspec
+
+from hetmesh.costmodel import Efficiency
+from hetmesh.costmodel.economics import device_usd_per_hour
+from hetmesh.planner.inputs import ModelDemand, ServerGroup
+from hetmesh.planner.plan import Assignment, _servers, demand_trace, evaluate, options, score
+from hetmesh.planner.solve import Option, solve
+from hetmesh.protocol import Role
+from hetmesh.sim.traces import Trace
+
+
+class Purchase(msgspec.Struct, frozen=True):
+    servers: dict[str, int]  # group name -> servers to buy
+    usd_per_hour: float
+    goodput_tok_s: float  # simulated
+    slo_attainment: float  # simulated
+    served_share: float  # the demand share the solver was asked to serve (> 1: headroom it needed)
+    assignments: list[Assignment]
+    meets: bool
+
+
+def _purchase(groups: Sequence[ServerGroup], lay: list[Assignment], sm: dict, share: float,
+              target: float) -> Purchase:
+    bought: dict[str, int] = {}
+    for a in lay:
+        if a.model:
+            bought[a.group] = bought.get(a.group, 0) + 1
+    return Purchase(servers=bought, usd_per_hour=sm["usd_per_hour"], goodput_tok_s=sm["goodput_tok_s"],
+                    slo_attainment=sm["slo_attainment"], served_share=share,
+                    assignments=[a for a in lay if a.model], meets=sm["slo_attainment"] >= target)
+
+
+def calibrate(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], opts: Sequence[Option], trace: Trace,
+              attainment: float, prices: Mapping[str, float] | None = None,
+              efficiencies: Mapping[str, Efficiency] | None = None, requests: int = 1000,
+              steps: int = 3, max_pool: int = 8) -> list[Option]:
+    """Options with capacities measured by simulation: for each (group, model, layout), the highest
+    rate at which a pool of `both` servers of it meets `attainment` on the model's own requests (the
+    trace's arrivals sped up or slowed down: its bursts included, which the steady state misses).
+    The pool is as large as the steady state says the model's bursts need (ModelDemand.peak_rate;
+    at most `max_pool`), since a pool absorbs bursts that one server cannot. The measured / steady-state ratio scales that
+    option's prefill and decode capacities too."""
+    dem = {d.name: d for d in demands}
+    ratio: dict[tuple[int, str, str], float] = {}
+    for o in opts:
+        key = (o.group, o.model, o.parallel)
+        if o.role != Role.BOTH or key in ratio or o.capacity <= 0:
+            continue
+        d = dem[o.model]
+        mine = Trace([r for r in trace.requests if (r.model or o.model) == o.model][:requests], trace.block_tokens)
+        if not mine.requests or d.rate <= 0:
+            continue
+        g = kinds[o.group]
+        n = max(1, min(g.count, max_pool, math.ceil(max(d.peak_rate, d.rate) / o.capacity)))
+        lay = [Assignment(f"{g.name}-{i}", g.name, g.accelerator, g.devices, o.model, Role.BOTH, o.parallel)
+               for i in range(n)]
+        guess = o.capacity * n  # req/s of the pool
+
+        def meets(rate: float, lay: list[Assignment] = lay, mine: Trace = mine, d: ModelDemand = d) -> bool:
+            sm = evaluate(lay, [d], kinds, mine.scaled(rate / d.rate), prices, efficiencies)
+            return sm is not None and sm["slo_attainment"] >= attainment
+
+        # bracket by halving / doubling from the steady-state guess, then bisect geometrically
+        lo, hi = 0.0, guess
+        if meets(guess):
+            lo, hi = guess, guess * 2
+            while hi < guess * 64 and meets(hi):
+                lo, hi = hi, hi * 2
+        else:
+            while hi > guess / 256:
+                hi, lo = hi / 2, 0.0
+                if meets(hi):
+                    lo, hi = hi, hi * 2
+                    break
+        for _ in range(steps if lo > 0 else 0):
+            mid = (lo * hi) ** 0.5
+            lo, hi = (mid, hi) if meets(mid) else (lo, mid)
+        ratio[key] = lo / guess
+    out = []
+    for o in opts:
+        r = ratio.get((o.group, o.model, o.parallel), 1.0)
+        out.append(msgspec.structs.replace(o, capacity=o.capacity * r, prefill=o.prefill * r, decode=o.decode * r))
+    return [o for o in out if max(o.capacity, o.prefill, o.decode) > 0]
+
+
+def trim(p: Purchase, kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], trace: Trace,
+         attainment: float, prices: Mapping[str, float] | None = None,
+         efficiencies: Mapping[str, Efficiency] | None = None, limit: int = 12) -> Purchase:
+    """Local search on a purchase that meets the SLOs: drop servers, dearest first, while the
+    simulation still says it meets them (the solver sizes whole servers on estimates; this takes
+    back what the estimates over-bought). At most `limit` simulations."""
+    lay = list(p.assignments)
+    best = p
+    tries = 0
+    for a in sorted(p.assignments, key=lambda a: -device_usd_per_hour(a.accelerator, prices) * a.devices):
+        if tries >= limit or sum(1 for b in lay if b.model == a.model) <= 1:
+            continue
+        tries += 1
+        rest = [b for b in lay if b.server != a.server]
+        sm = evaluate(rest, demands, kinds, trace, prices, efficiencies)
+        if sm is not None and sm["slo_attainment"] >= attainment:
+            lay = rest
+            best = _purchase(kinds, rest, sm, p.served_share, attainment)
+    return best
+
+
+def cheapest(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], *, trace: Trace | None = None,
+             attainment: float = 0.9, prices: Mapping[str, float] | None = None,
+             efficiencies: Mapping[str, Efficiency] | None = None, check_duration_s: float = 300.0,
+             tries: int = 8, measure: bool = True, seed: int = 0) -> Purchase | None:
+    """The lowest-$/hour servers (at most `count` of each kind) whose simulated SLO attainment on the
+    demand is >= `attainment`; None when even the most the solver may buy does not meet it.
+
+    The solver sizes for a share of the mean demand; the simulation says whether that meets the
+    SLOs. With `measure`, the capacities are first measured by simulation (`calibrate`). The
+    share is searched between 1 (the mean) and the bursts' peak (ModelDemand.peak_rate),
+    doubling past it while it fails, in at most `tries` simulations."""
+    opts = options(kinds, demands, prices, efficiencies)
+    tr = trace or demand_trace(demands, check_duration_s, seed)
+    if measure:
+        opts = calibrate(kinds, demands, opts, tr, attainment, prices, efficiencies)
+    if not opts:
+        return None
+    tried: dict[float, Purchase | None] = {}
+
+    def attempt(share: float) -> Purchase | None:
+        if share not in tried:
+            s = solve(kinds, demands, opts, minimize_cost=True, served_share=share)
+            lay = _servers(kinds, opts, s.counts) if s is not None else []
+            sm = evaluate(lay, demands, kinds, tr, prices, efficiencies) if lay else None
+            tried[share] = _purchase(kinds, lay, sm, share, attainment) if sm is not None else None
+        return tried[share]
+
+    lo, hi = 1.0, 1.25 if measure else max(max(d.peak_rate / d.rate for d in demands if d.rate > 0), 1.25)
+    first = attempt(lo)
+    if first is not None and first.meets:
+        for share in (0.8, 0.64):  # measured pools may be conservative for the whole fleet: try less
+            got = attempt(share)
+            if got is None or not got.meets:
+                break
+        return trim(min((p for p in tried.values() if p is not None and p.meets), key=lambda p: p.usd_per_hour),
+                    kinds, demands, tr, attainment, prices, efficiencies)
+    while len(tried) < tries and not ((top := attempt(hi)) is not None and top.meets):
+        if top is None:
+            return first  # the solver cannot serve that much with what it may buy
+        lo, hi = hi, hi * 2
+    while len(tried) < tries and hi / lo > 1.1:
+        mid = (lo * hi) ** 0.5
+        got = attempt(mid)
+        lo, hi = (lo, mid) if got is not None and got.meets else (mid, hi)
+    meeting = [p for p in tried.values() if p is not None and p.meets]
+    if meeting:
+        return trim(min(meeting, key=lambda p: p.usd_per_hour), kinds, demands, tr, attainment, prices,
+                    efficiencies)
+    return max((p for p in tried.values() if p is not None), key=lambda p: p.slo_attainment, default=None)
+
+
+def pareto(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], budgets: Sequence[float], *,
+           trace: Trace | None = None, prices: Mapping[str, float] | None = None,
+           efficiencies: Mapping[str, Efficiency] | None = None, check_duration_s: float = 300.0,
+           seed: int = 0) -> list[Purchase]:
+    """For each $/hour budget, the most goodput the servers it buys deliver (simulated)."""
+    opts = options(kinds, demands, prices, efficiencies)
+    tr = trace or demand_trace(demands, check_duration_s, seed)
+    out: list[Purchase] = []
+    for b in budgets:
+        s = solve(kinds, demands, opts, budget_usd_h=b)
+        if s is None or not s.counts:
+            continue
+        lay = _servers(kinds, opts, s.counts)
+        sm = evaluate(lay, demands, kinds, tr, prices, efficiencies)
+        if sm is not None:
+            out.append(_purchase(kinds, lay, sm, 1.0, 0.0))
+    return out
+
+
+__all__ = ["Purchase", "cheapest", "pareto", "score"]

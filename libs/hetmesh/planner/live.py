@@ -1,0 +1,144 @@
+"""The live planner's pure parts: the scheduler's demand window, the fleet as the scheduler sees it
+turned into planner input, and which of a plan's moves to send now.
+
+The planner service (services/hetmesh/planner) is the shell: it feeds these with the scheduler's
+status and demand reports, runs `hetmesh.planner.plan` per model, and sends `RoleSwitch` commands.
+Only role moves are carried out live (a switch without reload); a model or layout change is
+reported, not made.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+
+from hetmesh.config import ClusterConfig
+from hetmesh.planner.inputs import ModelDemand, ServerGroup
+from hetmesh.planner.plan import Move, Plan
+from hetmesh.protocol import ModelDemandStats, Role, WorkerStatus
+
+FORGET_AFTER_WINDOWS = 10  # a submitted request never seen finishing is forgotten after this many windows
+
+
+class _Arrival:
+    __slots__ = ("cached", "max_tokens", "model", "prompt", "ts")
+
+    def __init__(self, ts: float, model: str, prompt: int, max_tokens: int, cached: int) -> None:
+        self.ts, self.model, self.prompt, self.max_tokens, self.cached = ts, model, prompt, max_tokens, cached
+
+
+class DemandWindow:
+    """Per-model demand over the last `window_s` seconds. Fed events with their time; `report(now)`
+    summarises the window (and forgets what fell out of it)."""
+
+    def __init__(self, window_s: float) -> None:
+        if window_s <= 0:
+            raise ValueError("window_s must be > 0")
+        self.window_s = window_s
+        self._arrivals: deque[_Arrival] = deque()
+        self._finishes: deque[tuple[float, str, int, bool | None]] = deque()  # ts, model, tokens, within SLO
+        self._open: dict[str, tuple[str, float]] = {}  # request id -> (model, submitted at)
+
+    def submitted(self, request_id: str, model: str, now: float, prompt_tokens: int, max_tokens: int,
+                  cached_tokens: int = 0) -> None:
+        self._arrivals.append(_Arrival(now, model, prompt_tokens, max_tokens, min(cached_tokens, prompt_tokens)))
+        self._open[request_id] = (model, now)
+
+    def finished(self, request_id: str, now: float, completion_tokens: int, within_slo: bool | None = None) -> None:
+        """A request ended (its last worker let go of it); unknown ids (placed before this window began
+        or by another scheduler instance) are ignored."""
+        got = self._open.pop(request_id, None)
+        if got is not None:
+            self._finishes.append((now, got[0], completion_tokens, within_slo))
+
+    def _forget(self, now: float) -> None:
+        start = now - self.window_s
+        while self._arrivals and self._arrivals[0].ts < start:
+            self._arrivals.popleft()
+        while self._finishes and self._finishes[0][0] < start:
+            self._finishes.popleft()
+        stale = now - FORGET_AFTER_WINDOWS * self.window_s
+        if self._open and next(iter(self._open.values()))[1] < stale:  # insertion order = submit order
+            self._open = {k: v for k, v in self._open.items() if v[1] >= stale}
+
+    def report(self, now: float) -> list[ModelDemandStats]:
+        self._forget(now)
+        out: list[ModelDemandStats] = []
+        for model in sorted({a.model for a in self._arrivals} | {f[1] for f in self._finishes}):
+            arr = [a for a in self._arrivals if a.model == model]
+            fin = [f for f in self._finishes if f[1] == model]
+            prompt = sum(a.prompt for a in arr)
+            judged = [f[3] for f in fin if f[3] is not None]
+            out.append(ModelDemandStats(
+                model=model, requests=len(arr), rate=len(arr) / self.window_s,
+                prompt_mean=prompt / len(arr) if arr else 0.0,
+                output_mean=sum(f[2] for f in fin) / len(fin) if fin else 0.0,
+                max_tokens_mean=sum(a.max_tokens for a in arr) / len(arr) if arr else 0.0,
+                prefix_hit=sum(a.cached for a in arr) / prompt if prompt else 0.0,
+                slo_attainment=sum(judged) / len(judged) if judged else None))
+        return out
+
+
+def server_id(worker_id: str) -> str:
+    """The planner names the servers of a group `<group>-<i>`; a live group is one worker (i = 0)."""
+    return f"{worker_id}-0"
+
+
+def fleet(workers: Iterable[WorkerStatus], cfg: ClusterConfig, model: str) -> list[ServerGroup]:
+    """The live workers of `model` (not those leaving or moving), one planner group each, as they run now."""
+    out = []
+    for w in sorted(workers, key=lambda w: w.worker_id):
+        if w.model != model or w.draining or w.moving_to:
+            continue
+        try:
+            g = cfg.group_of(w.worker_id)
+        except KeyError:  # a worker of another cluster file: the planner cannot price what it does not know
+            continue
+        out.append(ServerGroup(name=w.worker_id, accelerator=w.accelerator, devices=w.devices, count=1, model=model,
+                               role=w.role, parallel=g.parallel, max_batch=g.max_batch, step_tokens=g.step_tokens))
+    return out
+
+
+def demand(stats: ModelDemandStats, cfg: ClusterConfig) -> ModelDemand | None:
+    """The planner's demand from the scheduler's window (None: no traffic to plan for)."""
+    if stats.requests == 0 or stats.rate <= 0:
+        return None
+    try:
+        m = cfg.model(stats.model)
+    except KeyError:  # a model this cluster file does not know: nothing to plan with
+        return None
+    ttft, tpot = cfg.slo(stats.model)
+    return ModelDemand(name=m.name, spec=m.spec, rate=stats.rate, input_mean=max(stats.prompt_mean, 1.0),
+                       output_mean=max(stats.output_mean or stats.max_tokens_mean, 1.0), prefix_hit=stats.prefix_hit,
+                       ttft_slo_s=ttft, tpot_slo_s=tpot, priority=m.priority)
+
+
+def role_moves(p: Plan) -> list[tuple[str, Role, Move]]:
+    """(worker id, new role, move) for each role switch of the plan; reloads and stops are not made live."""
+    new = {a.server: a for a in p.assignments}
+    out = []
+    for mv in p.moves:
+        if mv.change == "role" and mv.server.endswith("-0"):
+            out.append((mv.server[:-2], new[mv.server].role, mv))
+    return out
+
+
+def to_send(moves: Sequence[tuple[str, Role, Move]], fleet_size: int, moving_now: int,
+            max_moving_share: float) -> list[tuple[str, Role, Move]]:
+    """The moves to start now: at most `max_moving_share` of the fleet moving at once (at least one worker),
+    counting those still moving; the shortest first (the fleet is back at strength soonest)."""
+    cap = max(1, math.floor(max_moving_share * fleet_size)) - moving_now
+    return sorted(moves, key=lambda m: (m[2].seconds, m[0]))[:max(cap, 0)]
+
+
+def plan_models(stats: Sequence[ModelDemandStats], workers: Sequence[WorkerStatus], cfg: ClusterConfig,
+                planner: Callable[[list[ServerGroup], list[ModelDemand]], Plan]) -> dict[str, Plan]:
+    """One plan per model with traffic, over that model's own workers (roles move, models stay)."""
+    out = {}
+    for s in stats:
+        d = demand(s, cfg)
+        groups = fleet(workers, cfg, s.model)
+        if d is not None and groups:
+            out[s.model] = planner(groups, [d])
+    return out

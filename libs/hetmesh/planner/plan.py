@@ -1,0 +1,309 @@
+"""The planner: fleet + models + demand + prices in, a layout out, checked by simulation.
+
+`plan()` builds every (server group, model, parallel layout, role) option the cost model can run
+within the model's SLOs, asks the integer program (hetmesh.planner.solve) for the best layouts
+under a few structural choices (free, all aggregated, all P/D) plus the current layout, simulates
+each with the cost policy the scheduler runs (hetmesh.sim) on the demand, and returns the one with
+the most priority-weighted SLO goodput, with the moves from today's layout and what they cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+from hetmesh.costmodel import Efficiency, server_model
+from hetmesh.costmodel.economics import device_usd_per_hour, usd_per_mtok
+from hetmesh.costmodel.model import PARALLEL
+from hetmesh.planner.capacity import capacity
+from hetmesh.planner.inputs import ModelDemand, ServerGroup
+from hetmesh.planner.solve import Option, Solution, solve
+from hetmesh.protocol import Role
+from hetmesh.sim import SimConfig, Slo, WorkerSpec, simulate
+from hetmesh.sim.traces import Trace, TraceRequest, synthetic
+
+STORAGE_BYTES_PER_S = 5e9  # assumed weight-load bandwidth of one server (NVMe RAID or a fast network store)
+
+
+class Assignment(msgspec.Struct, frozen=True):
+    server: str
+    group: str
+    accelerator: str
+    devices: int
+    model: str  # "" idle
+    role: Role
+    parallel: str
+
+
+class Move(msgspec.Struct, frozen=True):
+    server: str
+    change: str  # role (drain, no reload) | reload (model or layout: drain, then load weights) | stop
+    before: str
+    after: str
+    seconds: float  # the server is out of service this long
+
+
+class CandidateResult(msgspec.Struct, frozen=True):
+    name: str
+    score: float  # priority-weighted SLO goodput, output tokens/s, simulated, less what its moves cost
+    goodput_tok_s: float
+    slo_attainment: float
+    usd_per_hour: float
+
+
+class Plan(msgspec.Struct, frozen=True):
+    assignments: list[Assignment]
+    moves: list[Move]
+    chosen: str  # which candidate
+    predicted: dict[str, Any]  # the chosen candidate's simulated summary (goodput, attainment, $/h, $/Mtok, pools)
+    candidates: list[CandidateResult]
+    served: dict[str, float]  # the solver's req/s per model (before simulation)
+    headroom: float
+
+    def layout(self) -> dict[tuple[str, str, Role, str], int]:
+        """(group, model, role, parallel) -> servers."""
+        out: dict[tuple[str, str, Role, str], int] = {}
+        for a in self.assignments:
+            if a.model:
+                k = (a.group, a.model, a.role, a.parallel)
+                out[k] = out.get(k, 0) + 1
+        return out
+
+
+def options(groups: Sequence[ServerGroup], demands: Sequence[ModelDemand],
+            prices: Mapping[str, float] | None = None,
+            efficiencies: Mapping[str, Efficiency] | None = None) -> list[Option]:
+    """Every (group, model, layout, role) a server can run within the model's SLOs, with its capacity."""
+    out: list[Option] = []
+    for gi, g in enumerate(groups):
+        usd = device_usd_per_hour(g.accelerator, prices) * g.devices
+        for d in demands:
+            seen: set[str] = set()
+            for par in PARALLEL:
+                cm = server_model(g.accelerator, d.spec, devices=g.devices, parallel=par, dtype=d.dtype,
+                                  efficiencies=efficiencies)
+                if cm.parallel in seen:  # ep on a dense model is tp
+                    continue
+                seen.add(cm.parallel)
+                caps = {role: capacity(cm, d, role, g.max_batch, g.step_tokens)
+                        for role in (Role.BOTH, Role.PREFILL, Role.DECODE)}
+                if any(caps.values()):
+                    out.append(Option(gi, d.name, Role.BOTH, cm.parallel, caps[Role.BOTH], usd,
+                                      prefill=caps[Role.PREFILL], decode=caps[Role.DECODE]))
+                out += [Option(gi, d.name, role, cm.parallel, caps[role], usd)
+                        for role in (Role.PREFILL, Role.DECODE) if caps[role] > 0]
+    return out
+
+
+def demand_trace(demands: Sequence[ModelDemand], duration_s: float, seed: int = 0,
+                 max_requests: int = 4000) -> Trace:
+    """A synthetic open-loop trace with each model's rate and mean lengths (lognormal), merged."""
+    reqs: list[TraceRequest] = []
+    total = sum(d.rate for d in demands)
+    for i, d in enumerate(demands):
+        n = max(1, int(min(d.rate * duration_s, max_requests * d.rate / total)))
+        t = synthetic(n, d.rate, input_mean=int(d.input_mean), output_mean=int(d.output_mean), seed=seed + i,
+                      prefix_groups=8 if d.prefix_hit > 0 else 0,
+                      prefix_tokens=int(d.input_mean * d.prefix_hit))
+        reqs += [TraceRequest(r.arrival, r.input_len, r.output_len, r.hash_ids, d.name) for r in t.requests]
+    reqs.sort(key=lambda r: r.arrival)
+    return Trace(reqs, name="demand")
+
+
+def _servers(groups: Sequence[ServerGroup], opts: Sequence[Option], counts: Mapping[int, int]) -> list[Assignment]:
+    """Concrete servers for option counts: servers keep what they run where the plan still runs it."""
+    out: list[Assignment] = []
+    for gi, g in enumerate(groups):
+        mine = sorted(((j, n) for j, n in counts.items() if opts[j].group == gi),
+                      key=lambda jn: (opts[jn[0]].model, opts[jn[0]].role, opts[jn[0]].parallel) !=
+                      (g.model, g.role, g.parallel))  # the current option first: its servers stay
+        ids = iter(g.server_ids())
+        for j, n in mine:
+            o = opts[j]
+            out += [Assignment(next(ids), g.name, g.accelerator, g.devices, o.model, o.role, o.parallel)
+                    for _ in range(n)]
+        out += [Assignment(s, g.name, g.accelerator, g.devices, "", Role.BOTH, g.parallel) for s in ids]
+    return out
+
+
+def current_layout(groups: Sequence[ServerGroup]) -> list[Assignment]:
+    return [Assignment(s, g.name, g.accelerator, g.devices, g.model, g.role, g.parallel)
+            for g in groups for s in g.server_ids()]
+
+
+def moves(groups: Sequence[ServerGroup], new: Sequence[Assignment], demands: Sequence[ModelDemand],
+          storage_bytes_per_s: float = STORAGE_BYTES_PER_S) -> list[Move]:
+    """What changes per server and how long it is out: a role switch drains (the longest request in
+    flight: TTFT SLO + output x TPOT SLO of its model); a model or layout change drains and reloads
+    the weights (their bytes / the storage bandwidth)."""
+    dem = {d.name: d for d in demands}
+    old = {a.server: a for a in current_layout(groups)}
+    out: list[Move] = []
+    for a in new:
+        b = old[a.server]
+        if (a.model, a.role, a.parallel) == (b.model, b.role, b.parallel) or (not a.model and not b.model):
+            continue
+        drain = 0.0
+        if b.model in dem:
+            d = dem[b.model]
+            drain = d.ttft_slo_s + d.output_mean * d.tpot_slo_s
+        before = f"{b.model}/{b.role}/{b.parallel}" if b.model else "idle"
+        after = f"{a.model}/{a.role}/{a.parallel}" if a.model else "idle"
+        if not a.model:
+            out.append(Move(a.server, "stop", before, after, drain))
+        elif a.model == b.model and a.parallel == b.parallel:
+            out.append(Move(a.server, "role", before, after, drain))
+        else:
+            d = dem[a.model]
+            w = server_model(a.accelerator, d.spec, devices=a.devices, parallel=a.parallel, dtype=d.dtype)
+            out.append(Move(a.server, "reload", before, after, drain + w.weights_bytes() / storage_bytes_per_s))
+    return out
+
+
+def workers_for(layout: Sequence[Assignment], demands: Sequence[ModelDemand],
+                groups: Sequence[ServerGroup]) -> list[WorkerSpec]:
+    dem = {d.name: d for d in demands}
+    gs = {g.name: g for g in groups}
+    return [WorkerSpec(worker_id=a.server, pool=f"{a.group}/{a.model}/{a.role}", model=a.model,
+                       spec=dem[a.model].spec, accelerator=a.accelerator, devices=a.devices, role=a.role,
+                       max_batch=gs[a.group].max_batch, parallel=a.parallel, dtype=dem[a.model].dtype,
+                       step_tokens=gs[a.group].step_tokens)
+            for a in layout if a.model]
+
+
+def score(summary: Mapping[str, Any], demands: Sequence[ModelDemand]) -> float:
+    """Priority-weighted SLO goodput (output tokens/s) of a simulated summary."""
+    per = summary.get("models")
+    if not per:
+        return summary["goodput_tok_s"] * (demands[0].priority if len(demands) == 1 else 1.0)
+    return sum(d.priority * per.get(d.name, {}).get("goodput_tok_s", 0.0) for d in demands)
+
+
+def evaluate(layout: Sequence[Assignment], demands: Sequence[ModelDemand], groups: Sequence[ServerGroup],
+             trace: Trace, prices: Mapping[str, float] | None = None,
+             efficiencies: Mapping[str, Efficiency] | None = None) -> dict[str, Any] | None:
+    """Simulate `layout` on `trace` with the cost policy (the scheduler's); None when it serves nothing."""
+    workers = workers_for(layout, demands, groups)
+    served = {w.model for w in workers}
+    if not workers:
+        return None
+    tr = Trace([r for r in trace.requests if (r.model or demands[0].name) in served], trace.block_tokens, trace.name)
+    if not tr.requests:
+        return None
+    slos = {d.name: Slo(d.ttft_slo_s, d.tpot_slo_s) for d in demands}
+    summary, _ = simulate(workers, "cost", tr, SimConfig(efficiencies=efficiencies or {}),
+                          slo=slos if len(served) > 1 else slos[next(iter(served))], prices=prices)
+    # requests for a model nobody serves count as served late (none of their tokens is good)
+    missed = len(trace.requests) - len(tr.requests)
+    summary["unserved_requests"] = missed
+    if missed:
+        summary["slo_attainment"] *= len(tr.requests) / len(trace.requests)
+    if len(served) == 1 and len(demands) > 1:
+        summary["models"] = {next(iter(served)): {"goodput_tok_s": summary["goodput_tok_s"]}}
+    return summary
+
+
+def _neighbours(lay: list[Assignment], sm: dict[str, Any], best: float, demands: Sequence[ModelDemand],
+                groups: Sequence[ServerGroup], opts: Sequence[Option], trace: Trace, budget: int,
+                priced: Any, prices: Mapping[str, float] | None,
+                efficiencies: Mapping[str, Efficiency] | None) -> list[tuple[list[Assignment], dict[str, Any]]]:
+    """Greedy local search: hand one server from the best-served model to the worst-served one while
+    the simulated score improves; every layout tried is returned (with its summary)."""
+    tried: list[tuple[list[Assignment], dict[str, Any]]] = []
+    gi = {g.name: i for i, g in enumerate(groups)}
+    while len(tried) < budget:
+        per = sm.get("models", {})
+        att = {d.name: per.get(d.name, {}).get("slo_attainment", 0.0) for d in demands}
+        worst = min(att, key=lambda m: att[m])
+        donors = sorted((m for m in att if m != worst and sum(a.model == m for a in lay) > 1), key=lambda m: -att[m])
+        moved = None
+        for donor in donors:
+            for a in reversed(lay):
+                fit = [o for o in opts if o.group == gi[a.group] and o.model == worst and o.role == Role.BOTH]
+                if a.model == donor and fit:
+                    moved = [b if b.server != a.server else msgspec.structs.replace(
+                        b, model=worst, role=Role.BOTH, parallel=fit[0].parallel) for b in lay]
+                    break
+            if moved:
+                break
+        if moved is None:
+            break
+        new = evaluate(moved, demands, groups, trace, prices, efficiencies)
+        if new is None:
+            break
+        tried.append((moved, new))
+        got = priced("", moved, new).score
+        if got <= best:
+            break
+        lay, sm, best = moved, new, got
+    return tried
+
+
+def plan(groups: Sequence[ServerGroup], demands: Sequence[ModelDemand], *, trace: Trace | None = None,
+         prices: Mapping[str, float] | None = None, efficiencies: Mapping[str, Efficiency] | None = None,
+         check_duration_s: float = 300.0, storage_bytes_per_s: float = STORAGE_BYTES_PER_S,
+         horizon_s: float = 3600.0, refine: int = 4, seed: int = 0) -> Plan:
+    """The best layout of `groups` for `demands`, checked by simulating every candidate on `trace`
+    (default: a synthetic trace of the demands, `check_duration_s` long). A candidate's moves cost
+    it the goodput of the servers they take out of service, spread over `horizon_s` (how long the
+    plan is expected to hold): a move must pay for itself within it. `refine`: at most this many
+    more simulations of a local search from the best candidate, moving one server at a time from
+    the model that meets its SLOs best to the one that meets them worst (the steady-state
+    capacities the solver sizes with miss bursts and interference; the simulation does not)."""
+    if not demands:
+        raise ValueError("no models to plan for")
+    if not groups or not any(g.count for g in groups):
+        raise ValueError("no servers to plan")
+    opts = options(groups, demands, prices, efficiencies)
+    if not opts:
+        raise ValueError("no server can run any model within its SLOs: relax the SLOs or add faster chips")
+    n_servers = sum(g.count for g in groups)
+    tr = trace or demand_trace(demands, check_duration_s, seed)
+    sols: dict[str, Solution] = {}
+    for name, kw in (("flexible", {}), ("static-roles", {"flexible": False}),
+                     ("aggregated", {"modes": frozenset({"aggregated"})})):
+        s = solve(groups, demands, opts, **kw)  # type: ignore[arg-type]
+        if s is not None and s.counts and all(s.counts != o.counts for o in sols.values()):
+            sols[name] = s
+    layouts: dict[str, list[Assignment]] = {k: _servers(groups, opts, s.counts) for k, s in sols.items()}
+    if any(g.model for g in groups):
+        layouts["current"] = current_layout(groups)
+    results: list[CandidateResult] = []
+    summaries: dict[str, dict[str, Any]] = {}
+    for name, lay in layouts.items():
+        sm = evaluate(lay, demands, groups, tr, prices, efficiencies)
+        if sm is None:
+            continue
+        summaries[name] = sm
+        out_s = sum(m.seconds for m in moves(groups, lay, demands, storage_bytes_per_s))
+        results.append(CandidateResult(name, score(sm, demands) * (1.0 - min(out_s / horizon_s / n_servers, 1.0)),
+                                       sm["goodput_tok_s"], sm["slo_attainment"], sm["usd_per_hour"]))
+    if not results:
+        raise ValueError("no candidate layout serves any request")
+    n_servers = sum(g.count for g in groups)
+
+    def priced(name: str, lay: list[Assignment], sm: dict[str, Any]) -> CandidateResult:
+        out_s = sum(m.seconds for m in moves(groups, lay, demands, storage_bytes_per_s))
+        return CandidateResult(name, score(sm, demands) * (1.0 - min(out_s / horizon_s / n_servers, 1.0)),
+                               sm["goodput_tok_s"], sm["slo_attainment"], sm["usd_per_hour"])
+
+    if refine and len(demands) > 1:
+        start = max(results, key=lambda r: r.score)
+        for k, (lay, sm) in enumerate(_neighbours(layouts[start.name], summaries[start.name], start.score, demands,
+                                                  groups, opts, tr, refine, priced, prices, efficiencies)):
+            name = f"refined-{k + 1}"
+            layouts[name], summaries[name] = lay, sm
+            results.append(priced(name, lay, sm))
+    # the most weighted goodput; at a tie (within 1%) the current layout (no moves), then the cheaper
+    top = max(r.score for r in results)
+    best = min((r for r in results if r.score >= 0.99 * top),
+               key=lambda r: (r.name != "current", r.usd_per_hour, -r.score))
+    lay = layouts[best.name]
+    sol = sols.get(best.name)
+    pred = summaries[best.name]
+    pred["usd_per_good_mtok"] = usd_per_mtok(pred["usd_per_hour"], pred["goodput_tok_s"])
+    return Plan(assignments=lay, moves=moves(groups, lay, demands, storage_bytes_per_s), chosen=best.name,
+                predicted=pred, candidates=results, served=sol.served if sol else {},
+                headroom=sol.headroom if sol else 0.0)

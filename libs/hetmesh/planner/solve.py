@@ -1,0 +1,183 @@
+"""The planner's integer program (SciPy's HiGHS): how many servers of each group run each
+(model, parallel layout, role) option.
+
+A `both` server is flexible: the cost policy places each request aggregated or split over any two
+workers, so its time may go to aggregated requests, to prefills or to decodes of P/D requests in
+any mix (continuous split variables under its integer count). A `prefill` or `decode` server does
+only that. A model serves a_m requests/s aggregated and d_m P/D, the latter bounded by both its
+prefill and its decode capacity, and at most its demand.
+
+Stage 1 maximises the priority-weighted output tokens/s served, less a small price term and a small
+move term (both only break ties). Stage 2 keeps stage 1's served rates and spends what is left on
+headroom: the largest common factor (1 + u) by which every served rate could grow.
+Capacities per server come from hetmesh.planner.capacity (the cost model's steady state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import msgspec
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+from hetmesh.planner.inputs import ModelDemand, ServerGroup
+from hetmesh.protocol import Role
+
+PRICE_WEIGHT = 1e-6  # $/h against tokens/s: only breaks ties
+MOVE_WEIGHT = 1e-4  # per server moved, in the objective's tokens/s: only breaks ties
+ROLE_WEIGHT = 1e-5  # a fixed role where `both` does as well: keep the policy's freedom
+
+
+class Option(msgspec.Struct, frozen=True):
+    """One way to run a server of `group`: `model` in `role` over `parallel`. Capacities in req/s
+    within the model's SLOs: `capacity` in its role; a `both` server also `prefill` and `decode`."""
+
+    group: int  # index into the groups
+    model: str
+    role: Role
+    parallel: str
+    capacity: float
+    usd_per_hour: float  # of one server
+    prefill: float = 0.0
+    decode: float = 0.0
+
+
+class Solution(msgspec.Struct, frozen=True):
+    counts: dict[int, int]  # option index -> servers
+    served: dict[str, float]  # model -> req/s the layout serves of its demand
+    headroom: float  # stage 2's common growth factor u (served * (1 + u) still fits)
+    objective: float
+
+
+class _Program:
+    """Columns: x_j (servers per option, integer), then per `both` option its aggregated / prefill /
+    decode shares (servers' worth), then a_m and d_m per model, then u."""
+
+    def __init__(self, groups: Sequence[ServerGroup], demands: Sequence[ModelDemand], opts: Sequence[Option],
+                 flexible: bool) -> None:
+        self.n = len(opts)
+        self.both = [j for j, o in enumerate(opts) if o.role == Role.BOTH]
+        k = self.n
+        self.share = {}
+        for j in self.both:
+            self.share[j] = (k, k + 1, k + 2)
+            k += 3
+        self.a = {d.name: k + i for i, d in enumerate(demands)}
+        k += len(demands)
+        self.d = {d.name: k + i for i, d in enumerate(demands)}
+        k += len(demands)
+        self.u = k
+        self.nv = k + 1
+        self.rows: list[np.ndarray] = []
+        self.lo: list[float] = []
+        self.hi: list[float] = []
+        self.ub = np.full(self.nv, np.inf)
+        if not flexible:  # `both` servers only serve aggregated requests
+            for j in self.both:
+                self.ub[self.share[j][1]] = self.ub[self.share[j][2]] = 0.0
+
+    def row(self, coefs: Mapping[int, float], lo: float, hi: float) -> int:
+        r = np.zeros(self.nv)
+        for k, v in coefs.items():
+            r[k] += v
+        self.rows.append(r)
+        self.lo.append(lo)
+        self.hi.append(hi)
+        return len(self.rows) - 1
+
+    def capacity_terms(self, opts: Sequence[Option], model: str, role: Role) -> dict[int, float]:
+        """Minus the req/s of `model` in `role` the layout offers (dedicated servers and `both` shares)."""
+        out: dict[int, float] = {}
+        for j, o in enumerate(opts):
+            if o.model != model:
+                continue
+            if o.role == role and role != Role.BOTH:
+                out[j] = -o.capacity
+            elif o.role == Role.BOTH:
+                agg, pf, dc = self.share[j]
+                if role == Role.BOTH:
+                    out[agg] = -o.capacity
+                elif role == Role.PREFILL:
+                    out[pf] = -o.prefill
+                else:
+                    out[dc] = -o.decode
+        return out
+
+
+def solve(groups: Sequence[ServerGroup], demands: Sequence[ModelDemand], options: Sequence[Option], *,
+          flexible: bool = True, modes: frozenset[str] = frozenset({"aggregated", "disaggregated"}),
+          counts: Mapping[int, int] | None = None, minimize_cost: bool = False, served_share: float = 1.0,
+          budget_usd_h: float = np.inf, time_limit_s: float = 5.0) -> Solution | None:
+    """The best layout, or None when nothing can serve. `flexible`: `both` servers may prefill or
+    decode P/D requests too (the cost policy's freedom). `modes`: which request modes may carry
+    demand. `counts`: servers per group where they differ from the groups' (capacity planning
+    passes the most it may buy). `minimize_cost`: serve `served_share` of every model's demand at
+    the lowest $/hour instead of the most goodput. `budget_usd_h`: servers in use cost at most this."""
+    p = _Program(groups, demands, options, flexible)
+    if budget_usd_h < np.inf:
+        p.row({j: o.usd_per_hour for j, o in enumerate(options)}, 0.0, budget_usd_h)
+    for gi, g in enumerate(groups):
+        p.row({j: 1.0 for j, o in enumerate(options) if o.group == gi}, 0.0,
+              float(counts.get(gi, g.count) if counts else g.count))
+    for j in p.both:
+        p.row({**{s: 1.0 for s in p.share[j]}, j: -1.0}, -np.inf, 0.0)
+    cap_rows: list[tuple[int, int]] = []  # (row, served-rate column) for stage 2
+    for d in demands:
+        for role, var in ((Role.BOTH, p.a[d.name]), (Role.PREFILL, p.d[d.name]), (Role.DECODE, p.d[d.name])):
+            cap_rows.append((p.row({var: 1.0, **p.capacity_terms(options, d.name, role)}, -np.inf, 0.0), var))
+        if minimize_cost:
+            p.row({p.a[d.name]: 1.0, p.d[d.name]: 1.0}, d.rate * served_share, np.inf)
+        else:
+            p.row({p.a[d.name]: 1.0, p.d[d.name]: 1.0}, 0.0, d.rate)
+        if "aggregated" not in modes:
+            p.ub[p.a[d.name]] = 0.0
+        if "disaggregated" not in modes:
+            p.ub[p.d[d.name]] = 0.0
+    p.ub[p.u] = 0.0
+    price = np.array([o.usd_per_hour for o in options])
+    cur = np.array([float(groups[o.group].model == o.model and groups[o.group].role == o.role
+                          and groups[o.group].parallel == o.parallel) for o in options])
+    fixed_role = np.array([float(o.role != Role.BOTH) for o in options])
+    ties = PRICE_WEIGHT * price + MOVE_WEIGHT * (1.0 - cur) + ROLE_WEIGHT * fixed_role
+    c = np.zeros(p.nv)
+    if minimize_cost:
+        c[:p.n] = price + ties
+    else:
+        for d in demands:
+            c[p.a[d.name]] = c[p.d[d.name]] = -d.priority * d.output_mean
+        c[:p.n] = ties
+    integrality = np.zeros(p.nv)
+    integrality[:p.n] = 1
+    A = np.array(p.rows)
+    opts = {"time_limit": time_limit_s, "presolve": True}
+    r1 = milp(c, constraints=LinearConstraint(A, p.lo, p.hi), integrality=integrality, bounds=Bounds(0, p.ub),
+              options=opts)
+    if r1.x is None:
+        return None
+    x = r1.x
+    served = {d.name: float(x[p.a[d.name]] + x[p.d[d.name]]) for d in demands}
+    headroom = 0.0
+    if not minimize_cost:
+        # Stage 2: fix the served rates; rate * (1 + u) <= capacity, maximise u (cheap and unmoved at a tie).
+        lo2, hi2 = list(p.lo), list(p.hi)
+        A2 = A.copy()
+        ub2 = p.ub.copy()
+        for row, var in cap_rows:
+            amount = float(x[var])
+            A2[row, var] = 0.0
+            A2[row, p.u] = amount
+            hi2[row] = -amount
+        for d in demands:
+            ub2[p.a[d.name]] = ub2[p.d[d.name]] = 0.0  # their amounts now sit in the rows' bounds
+        ub2[p.u] = 100.0
+        c2 = np.zeros(p.nv)
+        c2[p.u] = -1.0
+        c2[:p.n] = ties
+        r2 = milp(c2, constraints=LinearConstraint(A2, lo2, hi2), integrality=integrality, bounds=Bounds(0, ub2),
+                  options=opts)
+        if r2.x is not None:
+            x = r2.x
+            headroom = float(x[p.u])
+    chosen = {j: round(x[j]) for j in range(p.n) if round(x[j]) > 0}
+    return Solution(counts=chosen, served=served, headroom=headroom, objective=float(-r1.fun))

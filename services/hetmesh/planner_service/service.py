@@ -1,0 +1,220 @@
+"""Planner: the asyncio shell that runs the pure planner on the live mesh.
+
+Every `planner.interval_s` the leading planner takes the scheduler's last demand report
+(`hetmesh.sched.demand`) and its view of the workers (`hetmesh.sched.status`), plans each model's
+own workers with `hetmesh.planner.plan` (its `horizon_s` is the hysteresis: a move must pay for its
+switch cost within it), and publishes the proposal on `hetmesh.planner.plan` plus a `proposal`
+event. In `act` mode it also sends `RoleSwitch` commands, at most `max_moving_share` of the fleet
+moving at once; the workers drain and switch on their own (hetmesh.worker). Only role switches are
+carried out; a model or layout change is reported, not made.
+
+One planner acts at a time: the leader holds a lease, the key "leader" of the JetStream KV bucket
+`hetmesh_planner`, whose TTL is `planner.lease_ttl_s`. It creates the key (only if absent) and renews
+it with a compare-and-set on its revision; a planner whose renewal fails has lost the lease and stops
+acting, and another creates the key once the dead leader's entry has aged out. If no planner runs,
+the mesh keeps its last layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+import uuid
+from typing import Any
+
+import nats.js.errors
+from nats.js.kv import KeyValue
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from hetmesh import config, metrics, subjects, telemetry
+from hetmesh.bus import Bus, EventBatcher, decode
+from hetmesh.planner import plan
+from hetmesh.planner.live import plan_models, role_moves, to_send
+from hetmesh.protocol import (
+    DemandReport,
+    PlanProposal,
+    ProposedMove,
+    RoleSwitch,
+    SchedulerStatus,
+    ServiceEvent,
+)
+from hetmesh.runtime import run_service
+
+log = logging.getLogger("hetmesh.planner")
+
+LEASE_KEY = "leader"
+STATUS_TIMEOUT_S = 5.0
+CHECK_DURATION_S = 120.0  # seconds of synthetic demand each candidate layout is simulated on
+
+
+class Lease:
+    """Leader election on a JetStream KV key: create-if-absent to take it, compare-and-set on the revision
+    to keep it; the bucket's TTL ends a dead leader's lease."""
+
+    def __init__(self, kv: KeyValue, instance: str) -> None:
+        self.kv = kv
+        self.instance = instance
+        self.revision: int | None = None  # set while this planner holds the lease
+
+    @property
+    def held(self) -> bool:
+        return self.revision is not None
+
+    async def refresh(self) -> bool:
+        """Renew the lease if held, else try to take it. True while held."""
+        try:
+            if self.revision is not None:
+                self.revision = await self.kv.update(LEASE_KEY, self.instance.encode(), last=self.revision)
+            else:
+                self.revision = await self.kv.create(LEASE_KEY, self.instance.encode())
+        except nats.js.errors.KeyWrongLastSequenceError:
+            self.revision = None  # someone else holds it (or ours aged out and was taken)
+        except Exception as exc:  # the bus or JetStream away: not knowing is not holding
+            log.warning("lease refresh failed: %r", exc)
+            self.revision = None
+        return self.held
+
+
+class PlannerService:
+    def __init__(self, cfg: config.ClusterConfig, instance: str, mode: str) -> None:
+        self.cfg = cfg
+        self.instance = instance
+        self.mode = mode
+        self.demand: DemandReport | None = None
+        self.tracer = telemetry.setup("planner", instance)
+        self.registry = CollectorRegistry()
+        self.m_plans = Counter("hetmesh_planner_plans", "Plans made by the leading planner", ["chosen"],
+                               registry=self.registry)
+        self.m_moves = Counter("hetmesh_planner_moves", "Role switches proposed and sent", ["state"],
+                               registry=self.registry)
+        self.m_gain = Gauge("hetmesh_planner_predicted_gain", "Proposed over current simulated goodput",
+                            registry=self.registry)
+        self.m_leader = Gauge("hetmesh_planner_leader", "1 while this planner holds the lease", registry=self.registry)
+        self.http: metrics.MetricsServer | None = None
+        self.bus: Bus
+        self.events: EventBatcher
+        self.lease: Lease
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        self.bus = await Bus.for_mesh(self.cfg.mesh, f"planner-{self.instance}")
+        self.events = EventBatcher(self.bus, "planner")
+        js = self.bus.nc.jetstream(timeout=STATUS_TIMEOUT_S)
+        try:
+            kv = await js.create_key_value(bucket=subjects.PLANNER_BUCKET, ttl=self.cfg.planner.lease_ttl_s,
+                                           history=1)
+        except nats.js.errors.BadRequestError:  # there already, made with another TTL: use it as it is
+            kv = await js.key_value(subjects.PLANNER_BUCKET)
+        self.lease = Lease(kv, self.instance)
+        await self.bus.subscribe(subjects.DEMAND, DemandReport, self.on_demand)  # garbage: logged, dropped
+        self._tasks = [asyncio.create_task(self._lease_loop()), asyncio.create_task(self._plan_loop())]
+        self.http = metrics.serve_from_env(self.registry, self._ready)
+        log.info("planner %s up, mode %s, every %.1fs", self.instance, self.mode, self.cfg.planner.interval_s)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        if self.lease.held:  # hand the lease on at once rather than after its TTL
+            try:
+                await self.lease.kv.delete(LEASE_KEY, last=self.lease.revision)
+            except Exception as exc:
+                log.info("lease not released (%r); it ages out", exc)
+        if self.http is not None:
+            self.http.close()
+        await self.events.close()
+        await self.bus.close()
+
+    def _ready(self) -> dict[str, object]:
+        return {"ready": self.bus.nc.is_connected, "instance": self.instance, "leader": self.lease.held}
+
+    def _event(self, kind: str, **detail: str | int | float | bool | None) -> None:
+        self.events.add(ServiceEvent(service="planner", instance=self.instance, request_id="", kind=kind,
+                                     ts=time.time(), detail=detail))
+
+    async def on_demand(self, report: DemandReport, _m: Any) -> None:
+        self.demand = report
+
+    async def _lease_loop(self) -> None:
+        period = self.cfg.planner.lease_ttl_s / 3
+        while True:
+            was = self.lease.held
+            now = await self.lease.refresh()
+            if now != was:
+                log.info("planner %s %s the lease", self.instance, "holds" if now else "lost")
+                self._event("leader_acquired" if now else "leader_lost")
+                self.m_leader.set(1 if now else 0)
+            await asyncio.sleep(period)
+
+    async def _plan_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.planner.interval_s)
+            if not self.lease.held:
+                continue
+            try:
+                await self.plan_once()
+            except Exception as exc:  # bad input or a planner failure: logged, and the next round tries again
+                log.exception("planning failed")
+                self._event("plan_failed", error=repr(exc)[:300])
+
+    async def plan_once(self) -> PlanProposal | None:
+        demand = self.demand
+        reply = await self.bus.nc.request(subjects.SCHED_STATUS, b"", timeout=STATUS_TIMEOUT_S)
+        status = decode(reply.data, SchedulerStatus)
+        workers = status.details
+        pc = self.cfg.planner
+        with self.tracer.start_as_current_span("plan") as span:
+            plans = await asyncio.to_thread(
+                plan_models, demand.models if demand else [], workers, self.cfg,
+                lambda g, d: plan(g, d, horizon_s=pc.horizon_s, check_duration_s=CHECK_DURATION_S))
+            moves = [m for p in plans.values() for m in role_moves(p)]
+            sent: list[str] = []
+            if self.mode == "act" and moves:
+                moving = sum(bool(w.moving_to) for w in workers)
+                if not await self.lease.refresh():  # the lease may have gone while the plan ran
+                    return None
+                for wid, role, _mv in to_send(moves, len(workers), moving, pc.max_moving_share):
+                    await self.bus.publish(subjects.worker_command(wid), RoleSwitch(
+                        worker_id=wid, role=role, planner=self.instance, reason="planner"))
+                    sent.append(wid)
+            pred = sum(p.predicted.get("goodput_tok_s", 0.0) for p in plans.values())
+            cur = sum(next((c.goodput_tok_s for c in p.candidates if c.name == "current"), 0.0)
+                      for p in plans.values())
+            proposal = PlanProposal(
+                planner=self.instance, mode=self.mode, ts=time.time(),
+                chosen=",".join(f"{m}:{p.chosen}" for m, p in sorted(plans.items())),
+                current={w.worker_id: f"{w.model}/{w.role.value}" for w in workers},
+                proposed={a.server[:-2]: f"{a.model}/{a.role.value}" for p in plans.values() for a in p.assignments},
+                moves=[ProposedMove(worker_id=wid, change=mv.change, before=mv.before, after=mv.after,
+                                    seconds=mv.seconds) for wid, _r, mv in moves],
+                sent=sent, predicted_goodput_tok_s=pred, current_goodput_tok_s=cur)
+            span.set_attribute("hetmesh.moves", len(moves))
+            span.set_attribute("hetmesh.sent", len(sent))
+        await self.bus.publish(subjects.PLAN, proposal)
+        self._event("proposal", mode=self.mode, chosen=proposal.chosen, moves=len(moves), sent=",".join(sent),
+                    predicted_goodput_tok_s=round(pred, 3), current_goodput_tok_s=round(cur, 3))
+        for p in plans.values():
+            self.m_plans.labels(p.chosen).inc()
+        self.m_moves.labels("proposed").inc(len(moves))
+        self.m_moves.labels("sent").inc(len(sent))
+        if cur > 0:
+            self.m_gain.set(pred / cur)
+        return proposal
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m hetmesh.planner", description=__doc__)
+    ap.add_argument("--cluster", help="cluster file (TOML)")
+    ap.add_argument("--instance", default=f"planner-{uuid.uuid4().hex[:6]}")
+    ap.add_argument("--mode", choices=["advise", "act"], default=None,
+                    help="override the cluster file's planner.mode")
+    args = ap.parse_args()
+    cfg = config.load(args.cluster)
+    mode = args.mode or cfg.planner.mode
+    if mode == "off":
+        print("python -m hetmesh.planner: planner.mode is off in the cluster file; pass --mode advise|act",
+              file=sys.stderr)
+        sys.exit(2)
+    run_service(lambda: PlannerService(cfg, args.instance, mode))

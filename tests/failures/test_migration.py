@@ -1,0 +1,233 @@
+"""A stream survives its worker: a worker SIGKILLed mid-decode or drained by SIGTERM, and the client gets
+one continuous stream with exactly the undisturbed run's text (the sim engine is deterministic); a client
+that goes away in any phase leaves nothing behind on any worker (the engines' own stats, the workers'
+KV inboxes, kv-transfer's records).
+
+The mesh is conftest.py's. Each test leaves it whole for the next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from typing import Any
+
+import httpx
+import nats
+import pytest
+
+from hetmesh import subjects
+from hetmesh.bus import decode
+from hetmesh.launcher import Mesh
+from hetmesh.protocol import SchedulerStatus
+
+from ..e2e.conftest import EventLog, scrape
+from .conftest import DRAIN_TIMEOUT_S, Sse, complete, expected_text, first_placed, respawn, stream
+
+# ~0.2 s a decode token at the mesh's time scale: a kill after 3 chunks lands mid-decode
+N = 24
+
+
+async def worker_event(events: EventLog, kind: str, worker_id: str, since: float) -> Any:
+    """A worker's own event (no request id) after `since`, e.g. `drained`."""
+    async with asyncio.timeout(5):
+        while True:
+            for e in events.events:
+                if e.kind == kind and e.detail.get("worker_id") == worker_id and e.ts >= since:
+                    return e
+            await asyncio.sleep(0.02)
+
+
+async def victim_of(events: EventLog, sse: Sse) -> str:
+    placed = await events.wait_for(sse.request_id, "placed", timeout_s=10)
+    return str(placed.detail["decode_worker"])
+
+
+async def sigkill_mid_decode(mesh: Mesh, events: EventLog, model: str, prompt: str) -> None:
+    """SIGKILL the worker decoding a stream after 3 chunks: the stream goes on elsewhere, same text."""
+    victims: list[str] = []
+
+    async def kill_at_3(sse: Sse) -> bool:
+        if len(sse.chunks) == 3:
+            victims.append(await victim_of(events, sse))
+            mesh.kill(f"worker:{victims[0]}")
+        return True
+
+    sse = await stream(mesh, model, prompt, N, kill_at_3)
+    assert not sse.errors, sse.errors
+    assert sse.done and sse.text == expected_text(prompt, N)
+    assert sse.chunks[-1]["usage"]["completion_tokens"] == N
+    assert sse.chunks[-1]["usage"]["prompt_tokens"] == len(prompt)
+    rid = sse.request_id
+    moved = await events.wait_for(rid, "migrated", timeout_s=5)
+    assert moved.detail["lost_worker"] == victims[0] and int(str(moved.detail["from_index"])) >= 3
+    resumed = await events.wait_for(rid, "migration_resumed", timeout_s=5)
+    assert resumed.detail["worker_id"] not in (None, victims[0])
+    respawn(mesh, f"worker:{victims[0]}")
+
+
+async def test_aggregated_stream_survives_its_worker_sigkilled_mid_decode(mesh: Mesh, events: EventLog) -> None:
+    await sigkill_mid_decode(mesh, events, "agg", "an aggregated stream whose worker dies ")
+
+
+async def test_disaggregated_stream_survives_its_decode_worker_sigkilled(mesh: Mesh, events: EventLog) -> None:
+    await sigkill_mid_decode(mesh, events, "pd", "a disaggregated stream whose decode worker dies ")
+
+
+async def test_sigterm_drain_hands_an_unfinished_stream_over_and_exits_0(mesh: Mesh, events: EventLog) -> None:
+    """Longer than the drain timeout: the worker hands the stream over (retryable error), the gateway
+    migrates it, and the worker exits 0."""
+    prompt = "a stream longer than the drain "
+    since = time.time()
+    victims: list[str] = []
+    drains: list[asyncio.Task[None]] = []
+
+    async def drain_at_3(sse: Sse) -> bool:
+        if len(sse.chunks) == 3:
+            victims.append(await victim_of(events, sse))
+            drains.append(asyncio.create_task(asyncio.to_thread(mesh.kill, f"worker:{victims[0]}", signal.SIGTERM)))
+        return True
+
+    sse = await stream(mesh, "agg", prompt, N, drain_at_3)
+    await drains[0]
+    assert not sse.errors, sse.errors
+    assert sse.done and sse.text == expected_text(prompt, N)
+    assert mesh.services[f"worker:{victims[0]}"].proc.returncode == 0  # type: ignore[union-attr]
+    rid = sse.request_id
+    moved = await events.wait_for(rid, "migrated", timeout_s=5)
+    assert moved.detail["reason"] == "worker_draining"
+    await events.wait_for(rid, "handed_over", timeout_s=5, worker_id=victims[0])
+    drained = await worker_event(events, "drained", victims[0], since)
+    assert drained.detail["handed_over"] == 1
+    respawn(mesh, f"worker:{victims[0]}")
+
+
+async def test_sigterm_drain_lets_a_short_request_finish_where_it_is(mesh: Mesh, events: EventLog,
+                                                                    aclient: Any) -> None:
+    prompt, n = "short enough to finish during the drain ", 2  # well under DRAIN_TIMEOUT_S
+    t0 = asyncio.get_running_loop().time()
+    since = time.time()
+    task = complete(aclient, prompt, n, model="agg")
+    placed = await first_placed(events, since)
+    victim = str(placed.detail["decode_worker"])
+    await events.wait_for(placed.request_id, "accepted", timeout_s=10)
+    await asyncio.to_thread(mesh.kill, f"worker:{victim}", signal.SIGTERM)
+    r = await asyncio.wait_for(task, 30)
+    assert r.choices[0].text == expected_text(prompt, n)
+    assert mesh.services[f"worker:{victim}"].proc.returncode == 0  # type: ignore[union-attr]
+    assert asyncio.get_running_loop().time() - t0 < 10 * DRAIN_TIMEOUT_S  # sanity: it did not wait it out
+    done = await events.wait_for(placed.request_id, "decode_done", timeout_s=5)
+    assert done.detail["worker_id"] == victim, [(e.service, e.kind, e.ts, e.detail)
+                                                for e in events.for_request(placed.request_id)]
+    assert not [e for e in events.for_request(placed.request_id) if e.kind == "migrated"]
+    drained = await worker_event(events, "drained", victim, since)
+    assert drained.detail["handed_over"] == 0
+    respawn(mesh, f"worker:{victim}")
+
+
+# --- cancellation in every phase ------------------------------------------------------------------
+async def workers_hold_nothing(mesh: Mesh) -> None:
+    """Every worker's engine (its heartbeats: queue, running, pinned KV blocks), its KV inbox, and
+    kv-transfer's open records all come back to zero once the Cancel went round."""
+    nc = await nats.connect(mesh.nats_url)
+    last: Any = None
+    try:
+        async with asyncio.timeout(15):
+            while True:
+                st = decode((await nc.request(subjects.SCHED_STATUS, b"", timeout=2)).data, SchedulerStatus)
+                busy = [(w.worker_id, w.queue_depth, w.running, w.kv_blocks_used) for w in st.details
+                        if w.queue_depth or w.running or w.kv_blocks_used]
+                urls = mesh.metrics_urls()
+                try:
+                    inbox = {n: v for n in urls if n.startswith("worker:") and mesh.services[n].alive
+                             if (v := _gauge(urls[n], "hetmesh_worker_kv_landed_unclaimed"))}
+                    records = _gauge(urls["kv-transfer-0"], "hetmesh_kv_transfer_active")
+                except httpx.ConnectError as exc:  # a worker just restarted: its metrics port opens last
+                    last = repr(exc)
+                    await asyncio.sleep(0.2)
+                    continue
+                last = (busy, inbox, records)
+                if not busy and not inbox and not records:
+                    return
+                await asyncio.sleep(0.2)
+    except TimeoutError:
+        pytest.fail(f"something is still held (busy workers, unclaimed KV, open transfers): {last}")
+    finally:
+        await nc.close()
+
+
+def _gauge(url: str, name: str) -> float:
+    return sum(v for (n, _), v in scrape(url).items() if n == name)
+
+
+async def hang_up_when(mesh: Mesh, model: str, prompt: str, n: int, when: int) -> Sse:
+    """Stream, and go away after `when` chunks."""
+    async def at(sse: Sse) -> bool:
+        return len(sse.chunks) < when
+
+    return await stream(mesh, model, prompt, n, at)
+
+
+async def test_cancel_while_prefilling_on_the_prefill_worker(mesh: Mesh, events: EventLog, aclient: Any) -> None:
+    since = time.time()
+    task = complete(aclient, "p" * 6000, 8)  # ~1.3 s of prefill
+    placed = await first_placed(events, since)
+    await events.wait_for(placed.request_id, "accepted", timeout_s=10, worker_id=placed.detail["prefill_worker"])
+    task.cancel()  # the client goes away
+    await events.wait_for(placed.request_id, "cancelled", timeout_s=10)
+    await events.wait_for(placed.request_id, "aborted", timeout_s=10, worker_id=placed.detail["prefill_worker"])
+    # ... and the decode worker, which was waiting for the KV, let it go at once (not at its KV timeout)
+    await events.wait_for(placed.request_id, "aborted", timeout_s=5, worker_id=placed.detail["decode_worker"],
+                          waiting_for_kv=True)
+    assert "decode_done" not in {e.kind for e in events.for_request(placed.request_id)}
+    await workers_hold_nothing(mesh)
+
+
+async def test_cancel_at_the_first_token(mesh: Mesh, events: EventLog) -> None:
+    """Gone at the first token: the prefill worker ships the KV then (128 MiB), the decode worker takes it
+    in and starts. On loopback the transfer lands in about 0.1 s, under the gateway's 0.2 s disconnect
+    poll, so the Cancel may find it in any of those steps; whichever, nothing may be left behind. (What a
+    Cancel does to a KV stream under way is unit-tested: tests/unit/test_migration.py.)"""
+    sse = await hang_up_when(mesh, "pd", "s" * 4000, 12, when=1)
+    rid = sse.request_id
+    await events.wait_for(rid, "cancelled", timeout_s=10)
+    await workers_hold_nothing(mesh)
+    assert "decode_done" not in {e.kind for e in events.for_request(rid)}
+
+
+async def test_cancel_while_decoding(mesh: Mesh, events: EventLog) -> None:
+    sse = await hang_up_when(mesh, "pd", "gone mid decode ", N, when=3)
+    placed = await events.wait_for(sse.request_id, "placed", timeout_s=5)
+    await events.wait_for(sse.request_id, "aborted", timeout_s=10, worker_id=placed.detail["decode_worker"])
+    await workers_hold_nothing(mesh)
+
+
+async def test_cancel_while_being_migrated(mesh: Mesh, events: EventLog) -> None:
+    """The worker dies, the gateway re-places the stream, and the client goes away before the new
+    worker's first token: the new worker lets it go too."""
+    victims: list[str] = []
+    killed = asyncio.Event()
+
+    async def kill_at_3(sse: Sse) -> bool:
+        if len(sse.chunks) == 3:
+            victims.append(await victim_of(events, sse))
+            mesh.kill(f"worker:{victims[0]}")
+            killed.set()
+        return True
+
+    prompt = "gone while migrating " * 40  # a longer prompt: the new worker's prefill takes a moment
+    since = time.time()
+    task = asyncio.create_task(stream(mesh, "agg", prompt, N, kill_at_3))
+    await asyncio.wait_for(killed.wait(), 30)
+    moved = None
+    async with asyncio.timeout(15):
+        while moved is None:
+            moved = next((e for e in events.events if e.kind == "migrated" and e.ts >= since
+                          and e.detail["lost_worker"] == victims[0]), None)
+            await asyncio.sleep(0.01)
+    task.cancel()  # the client goes away
+    rid = moved.request_id
+    await events.wait_for(rid, "cancelled", timeout_s=10)
+    await workers_hold_nothing(mesh)
+    respawn(mesh, f"worker:{victims[0]}")

@@ -1,0 +1,206 @@
+"""Live re-planning with real processes: a worker switches role under load and no request is lost or
+changed; of two planners started only the lease holder acts, and the other takes over when it dies;
+garbage on the planner's subjects is logged and ignored.
+
+The mesh is conftest.py's (its `[planner]` section: a round a second, a 2 s lease). Each test leaves it
+whole for the next: every worker back in its cluster file's role.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import nats
+import pytest
+
+from hetmesh import subjects
+from hetmesh.bus import decode, encode
+from hetmesh.launcher import Mesh
+from hetmesh.protocol import DemandReport, ModelDemandStats, PlanProposal, Role, RoleSwitch, SchedulerStatus
+
+from ..e2e.conftest import EventLog
+from .conftest import Sse, expected_text, stream
+
+
+async def status(nc: Any) -> SchedulerStatus:
+    return decode((await nc.request(subjects.SCHED_STATUS, b"", timeout=5)).data, SchedulerStatus)
+
+
+async def switch(nc: Any, worker_id: str, role: Role) -> None:
+    await nc.publish(subjects.worker_command(worker_id), encode(RoleSwitch(worker_id=worker_id, role=role,
+                                                                          planner="test")))
+
+
+async def roles_settle(nc: Any, want: dict[str, Role], timeout_s: float = 30) -> SchedulerStatus:
+    """Wait until every worker in `want` heartbeats that role and none is moving."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            st = await status(nc)
+            got = {w.worker_id: w for w in st.details}
+            if all(w in got and got[w].role == r and not got[w].moving_to for w, r in want.items()):
+                return st
+            await asyncio.sleep(0.1)
+
+
+@pytest.fixture
+async def bus(mesh: Mesh) -> AsyncIterator[Any]:
+    nc = await nats.connect(mesh.nats_url)
+    yield nc
+    # back to the cluster file's layout, whatever a test or a planner did
+    want = {wid: g.role for g in mesh.cfg.workers for wid in g.worker_ids()}
+    for w in (await status(nc)).details:
+        if w.role != want[w.worker_id] and not w.moving_to:
+            await switch(nc, w.worker_id, want[w.worker_id])
+    await roles_settle(nc, want, 60)
+    await nc.close()
+
+
+def check(got: Sse, prompt: str, n: int) -> None:
+    assert not got.errors and got.done, got.errors
+    assert got.text == expected_text(prompt, n)
+    assert got.chunks[-1]["usage"]["completion_tokens"] == n
+
+
+async def test_role_flip_under_load_loses_no_request(mesh: Mesh, events: EventLog, bus: Any) -> None:
+    """h100-0 goes both -> prefill -> both while streams run on the aggregated model: every stream ends
+    with exactly the undisturbed text, the switch drained the old role's work, and the heartbeats (and
+    `hetmesh status`) showed the move."""
+    n = 16
+    prompts = [f"re-plan {i} " + "x" * (40 * i) for i in range(12)]
+    since = time.time()
+    seen_moving: list[str] = []
+
+    async def watch() -> None:
+        while True:
+            for w in (await status(bus)).details:
+                if w.moving_to:
+                    seen_moving.append(f"{w.worker_id}:{w.role.value}->{w.moving_to}")
+            await asyncio.sleep(0.05)
+
+    async def flips() -> None:
+        await asyncio.sleep(0.5)  # the first wave is decoding
+        await switch(bus, "h100-0", Role.PREFILL)
+        await roles_settle(bus, {"h100-0": Role.PREFILL})
+        await asyncio.sleep(0.5)
+        await switch(bus, "h100-0", Role.BOTH)
+        await roles_settle(bus, {"h100-0": Role.BOTH})
+
+    async def wave(ps: list[str], delay: float) -> list[Sse]:
+        await asyncio.sleep(delay)
+        return list(await asyncio.gather(*(stream(mesh, "agg", p, n) for p in ps)))
+
+    watcher = asyncio.create_task(watch())
+    try:
+        results = await asyncio.gather(wave(prompts[:4], 0), wave(prompts[4:8], 0.6), wave(prompts[8:], 2.0), flips())
+    finally:
+        watcher.cancel()
+    for got, p in zip([s for w in results[:3] for s in w], prompts, strict=True):
+        check(got, p, n)
+    mine = [e for e in events.events if e.service == "worker" and e.detail.get("worker_id") == "h100-0"
+            and e.ts >= since]
+    switched = [e for e in mine if e.kind == "role_switched"]
+    assert [(e.detail["from_role"], e.detail["to_role"]) for e in switched] == [("both", "prefill"),
+                                                                                  ("prefill", "both")]
+    assert "h100-0:both->prefill" in seen_moving and "h100-0:prefill->both" in seen_moving
+    # While it moved it took no work; as a prefill worker it took prefills only.
+    start, mid = [e.ts for e in mine if e.kind == "role_switching"]
+    end_first = switched[0].ts
+    accepted = [e for e in mine if e.kind == "accepted"]
+    assert not [e for e in accepted if start <= e.ts <= end_first or mid <= e.ts <= switched[1].ts]
+    assert all(e.detail["phase"] == "prefill" for e in accepted if end_first < e.ts < mid)
+
+
+async def until(pred: Callable[[], bool], timeout_s: float) -> None:
+    async with asyncio.timeout(timeout_s):
+        while True:
+            if pred():
+                return
+            await asyncio.sleep(0.1)
+
+
+def planner(mesh: Mesh, name: str) -> None:
+    mesh.add(name, [sys.executable, "-m", "hetmesh.planner", "--cluster", str(mesh.cluster_path), "--instance",
+                    name, "--mode", "act"])
+    mesh.spawn(name)
+
+
+async def test_two_planners_one_acts_and_garbage_does_not_kill_it(mesh: Mesh, bus: Any) -> None:
+    proposals: list[PlanProposal] = []
+    commands: list[RoleSwitch] = []
+
+    async def on_plan(m: Any) -> None:
+        proposals.append(decode(m.data, PlanProposal))
+
+    async def on_command(m: Any) -> None:
+        commands.append(decode(m.data, RoleSwitch))
+
+    await bus.subscribe(subjects.PLAN, cb=on_plan)
+    await bus.subscribe(subjects.worker_command("*"), cb=on_command)
+    planner(mesh, "planner-a")
+    planner(mesh, "planner-b")
+    prompts = [f"plan load {i} " + "y" * (100 * i) for i in range(24)]
+
+    async def paced(p: str, delay: float) -> tuple[Sse, str]:
+        await asyncio.sleep(delay)
+        return await stream(mesh, "pd", p, 8), p
+
+    # demand for the planners to plan on; their role switches, if any, must lose none of it
+    load = asyncio.gather(*(paced(p, 0.25 * i) for i, p in enumerate(prompts)))
+    try:
+        await until(lambda: len(proposals) >= 4 and any(p.proposed for p in proposals), 60)
+        leaders = {p.planner for p in proposals}
+        assert len(leaders) == 1, leaders  # only the lease holder plans and acts
+        (leader,) = leaders
+        assert {c.planner for c in commands} <= {leader}
+        for got, p in await load:
+            check(got, p, 8)
+
+        # The leader dies without letting go: the other takes the lease once it ages out.
+        mesh.kill(leader)
+        other = "planner-b" if leader == "planner-a" else "planner-a"
+        await until(lambda: any(p.planner == other for p in proposals), 30)
+
+        # Garbage on its subject: not JSON, the wrong shape, and a well-formed report of nonsense.
+        await bus.publish(subjects.DEMAND, b"\xff\x00 not json")
+        await bus.publish(subjects.DEMAND, b'{"instance": 5}')
+        await bus.publish(subjects.DEMAND, encode(DemandReport(instance="x", window_s=-1, ts=0, models=[
+            ModelDemandStats(model="no-such-model", requests=5, rate=1e9, prompt_mean=-3, output_mean=float("nan"),
+                             max_tokens_mean=0, prefix_hit=7)])))
+        await bus.flush()
+        after = time.time()
+        await until(lambda: any(p.planner == other and p.ts > after + 1.0 for p in proposals), 30)
+        assert mesh.services[other].alive
+    finally:
+        if not load.done():
+            load.cancel()
+        for name in ("planner-a", "planner-b"):
+            mesh.kill(name, signal.SIGTERM)
+            del mesh.services[name]
+
+
+async def test_planner_in_act_mode_switches_roles_back_into_service(mesh: Mesh, events: EventLog, bus: Any) -> None:
+    """Both workers of the aggregated model made prefill-only (so it has no decode): the planner, acting on
+    the demand the scheduler measured before, switches one back, and the model serves again."""
+    prompts = [f"demand {i} " + "z" * (50 * i) for i in range(6)]
+    for got, p in zip(await asyncio.gather(*(stream(mesh, "agg", p, 8) for p in prompts)), prompts, strict=True):
+        check(got, p, 8)
+    for w in ("h100-0", "h100-1"):
+        await switch(bus, w, Role.PREFILL)
+    await roles_settle(bus, {"h100-0": Role.PREFILL, "h100-1": Role.PREFILL})
+    since = time.time()
+    planner(mesh, "planner-c")
+    try:
+        await until(lambda: any(e.kind == "role_switched" and e.ts > since and e.detail.get("planner") == "planner-c"
+                                and str(e.detail.get("worker_id", "")).startswith("h100") for e in events.events), 60)
+        st = await roles_settle(bus, {}, 10)
+        assert {w.role for w in st.details if w.model == "agg"} != {Role.PREFILL}
+        got = await stream(mesh, "agg", "served again", 8)
+        check(got, "served again", 8)
+    finally:
+        mesh.kill("planner-c", signal.SIGTERM)
+        del mesh.services["planner-c"]

@@ -1,0 +1,117 @@
+"""The live planner's pure parts: the scheduler's demand window, the fleet and demand the planner
+service builds from the scheduler's reports, and which role switches it sends within the cap."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hetmesh import config
+from hetmesh.planner import Move, plan
+from hetmesh.planner.live import DemandWindow, demand, fleet, plan_models, role_moves, to_send
+from hetmesh.protocol import ModelDemandStats, Role, WorkerStatus
+
+CLUSTER = """
+[scheduler]
+ttft_slo_s = 2.0
+tpot_slo_s = 0.1
+
+[[models]]
+name = "m"
+spec = "llama-3.1-8b"
+
+[[workers]]
+name = "h"
+model = "m"
+accelerator = "nvidia-h100"
+count = 3
+"""
+
+
+@pytest.fixture
+def cfg(tmp_path: Path) -> config.ClusterConfig:
+    p = tmp_path / "c.toml"
+    p.write_text(CLUSTER)
+    return config.load(p)
+
+
+def worker(wid: str, role: Role = Role.BOTH, model: str = "m", **kw: object) -> WorkerStatus:
+    return WorkerStatus(worker_id=wid, model=model, accelerator="nvidia-h100", role=role, engine="sim", devices=1,
+                        queue_depth=0, running=0, max_batch=64, kv_blocks_used=0, kv_blocks_total=100,
+                        heartbeat_age_s=0.0, **kw)  # type: ignore[arg-type]
+
+
+def test_window_rates_means_and_prefix_share() -> None:
+    w = DemandWindow(10.0)
+    for i in range(5):
+        w.submitted(f"a{i}", "m", 100.0 + i, prompt_tokens=100, max_tokens=50, cached_tokens=40)
+    w.submitted("b0", "n", 101.0, prompt_tokens=30, max_tokens=8)
+    w.finished("a0", 103.0, completion_tokens=20, within_slo=True)
+    w.finished("a1", 104.0, completion_tokens=40, within_slo=False)
+    w.finished("zzz", 104.0, completion_tokens=99)  # never submitted here: ignored
+    (m, n) = w.report(105.0)
+    assert (m.model, m.requests, m.rate) == ("m", 5, 0.5)
+    assert (m.prompt_mean, m.output_mean, m.max_tokens_mean, m.prefix_hit) == (100.0, 30.0, 50.0, 0.4)
+    assert m.slo_attainment == 0.5
+    assert (n.requests, n.output_mean, n.slo_attainment, n.prefix_hit) == (1, 0.0, None, 0.0)
+
+
+def test_window_forgets_what_fell_out() -> None:
+    w = DemandWindow(10.0)
+    w.submitted("old", "m", 0.0, 10, 10)
+    w.submitted("new", "m", 15.0, 30, 10)
+    w.finished("old", 12.0, 5)  # finished inside the window: counted though it arrived before it
+    (m,) = w.report(20.0)
+    assert (m.requests, m.prompt_mean, m.output_mean) == (1, 30.0, 5.0)
+    assert w.report(40.0) == []
+    w.finished("new", 41.0, 7)  # still remembered as open (FORGET_AFTER_WINDOWS)
+    assert w.report(42.0)[0].output_mean == 7.0
+    with pytest.raises(ValueError):
+        DemandWindow(0)
+
+
+def test_fleet_leaves_out_moving_draining_and_other_models(cfg: config.ClusterConfig) -> None:
+    ws = [worker("h-0"), worker("h-1", moving_to="prefill"), worker("h-2", draining=True),
+          worker("h-0x", model="m"), worker("h-0", model="other")]
+    groups = fleet(ws, cfg, "m")
+    assert [g.name for g in groups] == ["h-0"]  # h-0x is in no group of the cluster file
+    assert (groups[0].count, groups[0].role, groups[0].server_ids()) == (1, Role.BOTH, ["h-0-0"])
+
+
+def test_demand_from_stats(cfg: config.ClusterConfig) -> None:
+    s = ModelDemandStats(model="m", requests=10, rate=2.0, prompt_mean=500, output_mean=0.0, max_tokens_mean=64,
+                         prefix_hit=0.2)
+    d = demand(s, cfg)
+    assert d is not None and (d.rate, d.input_mean, d.output_mean, d.ttft_slo_s, d.tpot_slo_s) == (2.0, 500, 64, 2, .1)
+    assert demand(msg_replace(s, model="nope"), cfg) is None  # unknown model: garbage in, nothing planned
+    assert demand(msg_replace(s, requests=0), cfg) is None
+
+
+def msg_replace(s: ModelDemandStats, **kw: object) -> ModelDemandStats:
+    import msgspec
+
+    return msgspec.structs.replace(s, **kw)  # type: ignore[arg-type]
+
+
+def test_to_send_caps_the_moving_share() -> None:
+    mv = [(f"w{i}", Role.PREFILL, Move(f"w{i}-0", "role", "a", "b", float(10 - i))) for i in range(6)]
+    assert [m[0] for m in to_send(mv, 10, 0, 0.25)] == ["w5", "w4"]  # shortest first, 2 of 10
+    assert [m[0] for m in to_send(mv, 10, 1, 0.25)] == ["w5"]  # one already moving
+    assert to_send(mv, 10, 3, 0.25) == []
+    assert len(to_send(mv, 2, 0, 0.1)) == 1  # at least one worker may move
+
+
+def test_plan_models_gives_role_moves_of_known_workers(cfg: config.ClusterConfig) -> None:
+    """A real plan per model over the live workers: every move it asks for is a role switch of one of them."""
+    stats = [ModelDemandStats(model="m", requests=600, rate=20.0, prompt_mean=4000, output_mean=400,
+                              max_tokens_mean=400, prefix_hit=0.0)]
+    ws = [worker("h-0", Role.PREFILL), worker("h-1", Role.PREFILL), worker("h-2", Role.PREFILL)]
+    plans = plan_models(stats, ws, cfg, lambda g, d: plan(g, d, horizon_s=3600, check_duration_s=30, refine=0))
+    assert set(plans) == {"m"}
+    p = plans["m"]
+    assert {a.server for a in p.assignments} == {"h-0-0", "h-1-0", "h-2-0"}
+    moves = role_moves(p)
+    # all-prefill serves nothing (no decode): the plan must move someone, and only by role
+    assert moves and all(w in {"h-0", "h-1", "h-2"} and r != Role.PREFILL for w, r, _ in moves)
+    assert plan_models(stats, [], cfg, lambda g, d: plan(g, d)) == {}

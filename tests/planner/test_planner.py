@@ -1,0 +1,148 @@
+"""The planner's pure core on hand-checkable cases: the solver's obvious splits, capacities, the
+moves and their costs, the price arithmetic, multi-model simulation with each model's SLOs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hetmesh.costmodel import accelerator, server_model
+from hetmesh.costmodel.economics import device_usd_per_hour, fleet_usd_per_hour, usd_per_mtok
+from hetmesh.planner import Assignment, ModelDemand, ServerGroup, demand_from_trace, demand_trace, moves, plan
+from hetmesh.planner.buy import cheapest
+from hetmesh.planner.capacity import capacity, mdl_utilization
+from hetmesh.planner.solve import Option, solve
+from hetmesh.protocol import Role
+from hetmesh.sim import SimConfig, Slo, pool, simulate
+from hetmesh.sim.traces import Trace, TraceRequest
+
+
+def _demand(rate: float = 1.0, **kw: object) -> ModelDemand:
+    return ModelDemand(name="m", spec="llama-3.1-70b", rate=rate, input_mean=2048, output_mean=256, **kw)
+
+
+def test_solver_gives_the_prefill_chip_prefill_and_the_decode_chip_decode() -> None:
+    groups = [ServerGroup(name="compute", accelerator="nvidia-rubin-cpx"),
+              ServerGroup(name="bandwidth", accelerator="nvidia-rubin-vr200")]
+    opts = [Option(0, "m", Role.PREFILL, "tp", 10.0, 1.0), Option(0, "m", Role.DECODE, "tp", 1.0, 1.0),
+            Option(1, "m", Role.PREFILL, "tp", 1.0, 1.0), Option(1, "m", Role.DECODE, "tp", 10.0, 1.0),
+            Option(0, "m", Role.BOTH, "tp", 0.9, 1.0), Option(1, "m", Role.BOTH, "tp", 0.9, 1.0)]
+    s = solve(groups, [_demand(5.0)], opts, flexible=False)
+    assert s is not None
+    assert s.counts == {0: 1, 3: 1}  # compute prefills, bandwidth decodes
+    assert s.served["m"] == pytest.approx(5.0)
+    assert s.headroom == pytest.approx(1.0)  # both sides could carry 10 req/s: twice the demand
+
+
+def test_solver_serves_at_most_the_demand_and_spends_the_rest_on_headroom() -> None:
+    groups = [ServerGroup(name="g", accelerator="amd-mi300x", count=4)]
+    opts = [Option(0, "m", Role.BOTH, "tp", 1.0, 1.0)]
+    s = solve(groups, [_demand(2.5)], opts)
+    assert s is not None and s.served["m"] == pytest.approx(2.5)
+    assert s.counts == {0: 4} and s.headroom == pytest.approx(4 / 2.5 - 1)
+    cheap = solve(groups, [_demand(2.5)], opts, minimize_cost=True)
+    assert cheap is not None and cheap.counts == {0: 3}  # ceil(2.5 / 1.0) servers
+
+
+def test_flexible_both_servers_split_their_time_between_prefill_and_decode() -> None:
+    # One both server: 1 req/s aggregated, or prefill 4 / decode 4 for P/D. Flexible: half its time
+    # prefills, half decodes: 2 req/s P/D beats 1 aggregated.
+    groups = [ServerGroup(name="g", accelerator="amd-mi300x", count=2)]
+    opts = [Option(0, "m", Role.BOTH, "tp", 1.0, 1.0, prefill=4.0, decode=4.0)]
+    flex = solve(groups, [_demand(100.0)], opts)
+    rigid = solve(groups, [_demand(100.0)], opts, flexible=False)
+    assert flex is not None and rigid is not None
+    assert flex.served["m"] == pytest.approx(4.0) and rigid.served["m"] == pytest.approx(2.0)
+
+
+def test_mdl_utilization_meets_the_bound_exactly() -> None:
+    s, bound = 0.4, 2.0
+    rho = mdl_utilization(s, bound)
+    assert s + rho * s / (2 * (1 - rho)) == pytest.approx(bound)
+    assert mdl_utilization(3.0, 2.0) == 0.0  # a prompt alone takes longer than the bound
+
+
+def test_capacity_follows_the_slos_and_memory() -> None:
+    cm = server_model("nvidia-h200", "llama-3.1-70b", devices=8)
+    loose, tight = _demand(tpot_slo_s=0.2), _demand(tpot_slo_s=0.02)
+    assert capacity(cm, loose, Role.DECODE) >= capacity(cm, tight, Role.DECODE) > 0
+    assert capacity(cm, _demand(ttft_slo_s=0.01), Role.PREFILL) == 0.0  # no prompt is that fast
+    small = server_model("nvidia-h100", "deepseek-r1", devices=8)  # 671 GB of weights on 640 GB
+    assert all(capacity(small, _demand(), r) == 0.0 for r in Role)
+
+
+def test_moves_cost_a_drain_for_a_role_and_a_reload_for_a_model() -> None:
+    d = _demand(ttft_slo_s=2.0, tpot_slo_s=0.1)
+    other = ModelDemand(name="q", spec="qwen3-32b", rate=1.0, input_mean=1024, output_mean=128)
+    groups = [ServerGroup(name="g", accelerator="nvidia-h200", count=3, model="m", role=Role.BOTH)]
+    new = [Assignment("g-0", "g", "nvidia-h200", 8, "m", Role.BOTH, "tp"),
+           Assignment("g-1", "g", "nvidia-h200", 8, "m", Role.PREFILL, "tp"),
+           Assignment("g-2", "g", "nvidia-h200", 8, "q", Role.BOTH, "tp")]
+    ms = {m.server: m for m in moves(groups, new, [d, other], storage_bytes_per_s=1e9)}
+    assert set(ms) == {"g-1", "g-2"}
+    drain = 2.0 + 256 * 0.1
+    assert ms["g-1"].change == "role" and ms["g-1"].seconds == pytest.approx(drain)
+    weights = server_model("nvidia-h200", "qwen3-32b", devices=8).weights_bytes()
+    assert ms["g-2"].change == "reload" and ms["g-2"].seconds == pytest.approx(drain + weights / 1e9)
+
+
+def test_prices_come_from_the_catalog_unless_overridden() -> None:
+    assert device_usd_per_hour("nvidia-h100") == accelerator("nvidia-h100").usd_per_hour > 0
+    assert accelerator("nvidia-h100").price_source
+    assert device_usd_per_hour("nvidia-h100", {"nvidia-h100": 1.5}) == 1.5
+    assert fleet_usd_per_hour([("nvidia-h100", 8), ("amd-mi300x", 8)], {"nvidia-h100": 1.0, "amd-mi300x": 2.0}) == 24.0
+    assert usd_per_mtok(36.0, 1000.0) == pytest.approx(10.0)  # 3.6M tokens an hour for $36
+    assert math.isinf(usd_per_mtok(1.0, 0.0))
+
+
+def test_two_models_each_on_its_own_servers_with_its_own_slos() -> None:
+    workers = (pool("a", 1, "nvidia-h200", model="llama", spec="llama-3.1-70b")
+               + pool("b", 1, "nvidia-h200", model="qwen", spec="qwen3-32b"))
+    reqs = [TraceRequest(i * 0.5, 512, 32, (), "llama" if i % 2 else "qwen") for i in range(40)]
+    slos = {"llama": Slo(2.0, 0.1), "qwen": Slo(2.0, 1e-6)}  # nothing meets qwen's TPOT
+    summary, res = simulate(workers, "cost", Trace(reqs), SimConfig(), slo=slos, prices={"nvidia-h200": 2.0})
+    assert {r.model for r in res.records} == {"llama", "qwen"}
+    assert all(r.decode_worker.startswith("a" if r.model == "llama" else "b") for r in res.records)
+    assert summary["models"]["qwen"]["slo_attainment"] == 0.0
+    assert summary["models"]["llama"]["slo_attainment"] == 1.0
+    assert summary["usd_per_hour"] == 32.0  # 2 servers x 8 devices x $2
+    with pytest.raises(ValueError, match="must name its model"):
+        simulate(workers, "cost", Trace([TraceRequest(0.0, 16, 4)]))
+
+
+def test_plan_gives_each_model_a_server_that_holds_it() -> None:
+    # deepseek-r1 (671 GB) does not fit 8x H100 (640 GB); llama-70b fits both: R1 must go to the MI300X.
+    groups = [ServerGroup(name="h100", accelerator="nvidia-h100"), ServerGroup(name="mi300x", accelerator="amd-mi300x")]
+    demands = [ModelDemand(name="r1", spec="deepseek-r1", rate=0.2, input_mean=1024, output_mean=128),
+               ModelDemand(name="llama", spec="llama-3.1-70b", rate=0.5, input_mean=1024, output_mean=128)]
+    p = plan(groups, demands, check_duration_s=60)
+    where = {a.server: a.model for a in p.assignments}
+    assert where == {"mi300x-0": "r1", "h100-0": "llama"}
+    assert p.predicted["slo_attainment"] > 0.8
+    assert all(c.score > 0 for c in p.candidates)
+
+
+def test_a_plan_keeps_the_current_layout_when_a_move_does_not_pay() -> None:
+    groups = [ServerGroup(name="g", accelerator="nvidia-h200", count=2, model="m", role=Role.BOTH)]
+    p = plan(groups, [_demand(0.5)], check_duration_s=60)
+    assert p.chosen == "current" and p.moves == []
+
+
+def test_demand_from_a_trace_window() -> None:
+    reqs = [TraceRequest(float(i), 100 + i, 10, (1, 2) if i else (1, 3)) for i in range(10)]
+    d = demand_from_trace(Trace(reqs), name="m", spec="llama-3.1-70b", start=0.0, end=5.0)
+    assert d.rate == pytest.approx(1.0) and d.input_mean == pytest.approx(102.0)
+    assert d.prefix_hit == pytest.approx(7 / 10)  # after the first two requests every block is seen
+    with pytest.raises(ValueError, match="no requests"):
+        demand_from_trace(Trace(reqs), name="m", spec="x", start=100.0)
+    tr = demand_trace([_demand(2.0), ModelDemand(name="q", spec="qwen3-32b", rate=1.0, input_mean=64,
+                                                  output_mean=8)], 50.0)
+    assert {r.model for r in tr.requests} == {"m", "q"}
+
+
+def test_cheapest_purchase_meets_the_slos() -> None:
+    kinds = [ServerGroup(name="h200", accelerator="nvidia-h200", count=8)]
+    best = cheapest(kinds, [_demand(1.0)], check_duration_s=60)
+    assert best is not None and best.meets and best.slo_attainment >= 0.9
+    assert best.usd_per_hour == pytest.approx(sum(best.servers.values()) * 8 * device_usd_per_hour("nvidia-h200"))

@@ -1,0 +1,118 @@
+"""SLO-aware admission in the live scheduler (real nats-server): a request the cost model predicts over its
+model's SLO because of the queue ahead of it is refused with 429 + Retry-After; a model with admission off is
+placed all the same."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from hetmesh import subjects
+from hetmesh.bus import Bus
+from hetmesh.protocol import Heartbeat, InferenceRequest, Role, SamplingParams, SubmitReply
+from hetmesh.servers import env_with
+
+# A 32K-token prompt of Llama-3.1-70B takes seconds to prefill on one 8xH100 server, and the TTFT SLO is that
+# long: the first request is within it, the second waits behind the first (2x its SLO). "strict" refuses it at
+# the default margin (1.0), "lax" has admission off for itself.
+CLUSTER = """
+[mesh]
+heartbeat_interval_s = 0.1
+heartbeat_timeout_s = 0.6
+[scheduler]
+policy = "cost"
+retry_after_s = 0.5
+[[models]]
+name = "strict"
+spec = "llama-3.1-70b"
+max_context = 65536
+ttft_slo_s = 1.0
+[[models]]
+name = "lax"
+spec = "llama-3.1-70b"
+max_context = 65536
+ttft_slo_s = 1.0
+admission_margin = 0.0
+[[workers]]
+name = "s"
+model = "strict"
+accelerator = "nvidia-h100"
+devices = 8
+[[workers]]
+name = "l"
+model = "lax"
+accelerator = "nvidia-h100"
+devices = 8
+"""
+
+
+@pytest.fixture(scope="module")
+def scheduler(nats_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    d = tmp_path_factory.mktemp("sched-slo")
+    (d / "c.toml").write_text(CLUSTER)
+    log = open(d / "scheduler.log", "wb")
+    p = subprocess.Popen([sys.executable, "-m", "hetmesh.scheduler", "--cluster", str(d / "c.toml")],
+                         env=env_with(HETMESH_NATS_URL=nats_url, HETMESH_REDIS_URL=redis_url), stdout=log,
+                         stderr=subprocess.STDOUT)
+    yield
+    p.terminate()
+    p.wait(10)
+    print(Path(d / "scheduler.log").read_text()[-3000:])
+
+
+@pytest.fixture
+async def bus(scheduler: None, nats_url: str) -> AsyncIterator[Bus]:
+    b = await Bus.connect(nats_url, "test-slo")
+    yield b
+    await b.close()
+
+
+def beat(wid: str, model: str) -> Heartbeat:
+    return Heartbeat(worker_id=wid, model=model, accelerator="nvidia-h100", vendor="nvidia", devices=8, role=Role.BOTH,
+                     engine="sim", work_subject=subjects.work_direct("both", "nvidia", "nvidia-h100", wid),
+                     queue_depth=0, running=0, max_batch=8, kv_blocks_total=4096, kv_blocks_used=0, block_size=16,
+                     ts=time.time())
+
+
+async def submit(bus: Bus, rid: str, model: str) -> SubmitReply:
+    for _ in range(50):  # the scheduler subscribes a moment after it starts
+        # stamped at each try: the policy's clock is the arrival, and the backlog drains by it
+        req = InferenceRequest(request_id=rid, model=model, prompt_tokens=list(range(32_000)), block_hashes=[],
+                               sampling=SamplingParams(max_tokens=4), reply_subject=subjects.reply(rid),
+                               arrival_ts=time.time())
+        try:
+            return await bus.request(subjects.SUBMIT, req, SubmitReply, timeout_s=1)
+        except Exception:
+            await asyncio.sleep(0.1)
+    raise AssertionError("scheduler never answered")
+
+
+async def test_refused_with_429_and_retry_after_unless_the_model_turns_it_off(bus: Bus) -> None:
+    async def beats() -> None:
+        while True:
+            await bus.publish(subjects.heartbeat("s-0"), beat("s-0", "strict"))
+            await bus.publish(subjects.heartbeat("l-0"), beat("l-0", "lax"))
+            await asyncio.sleep(0.1)
+
+    task = asyncio.create_task(beats())
+    try:
+        await asyncio.sleep(0.4)
+        for rid in ("r-lax-1", "r-lax-2"):  # admission off: placed, backlog or not (and the scheduler is up)
+            reply = await submit(bus, rid, "lax")
+            assert reply.error is None and reply.placement is not None and reply.placement.decode_worker == "l-0"
+        reply = await submit(bus, "r-strict-1", "strict")
+        assert reply.error is None and reply.placement is not None
+        assert reply.placement.predicted_ttft_s is not None and 0 < reply.placement.predicted_ttft_s
+        reply = await submit(bus, "r-strict-2", "strict")
+        assert reply.placement is None and reply.error is not None
+        assert reply.error.status == 429 and reply.error.code == "slo_unattainable"
+        assert reply.error.retry_after_s is not None and reply.error.retry_after_s >= 0.5
+        assert "admission" in reply.error.message
+    finally:
+        task.cancel()

@@ -1,0 +1,56 @@
+"""The anchor policies and SLO-aware admission driven by the simulator: the same place() calls the live
+scheduler makes, over batching cores. Properties of the rules, not figures of one trace."""
+
+from hetmesh.protocol import Role
+from hetmesh.sim import ClosedLoop, Slo, Trace, pool, simulate, synthetic
+
+KW = {"model": "llama-3.1-70b", "devices": 8, "max_batch": 64}
+STATIC = pool("p", 1, "nvidia-h100", Role.PREFILL, **KW) + pool("d", 2, "nvidia-h100", Role.DECODE, **KW)
+BOTH = pool("w", 3, "nvidia-h100", **KW)
+
+
+def trace(n: int = 120, rate: float = 4.0) -> Trace:
+    return synthetic(n, rate, input_mean=3000, output_mean=64, prefix_groups=4, prefix_tokens=2048, seed=3)
+
+
+def test_llmd_threshold_decides_who_prefills() -> None:
+    t = trace()
+    never, _ = simulate(STATIC, "llm_d", t, non_cached_tokens=0)  # 0 disables the P/D decider
+    assert never["modes"] == {"aggregated": len(t)} and never["pools"]["p"]["prefill_tokens"] == 0
+    always, _ = simulate(STATIC, "llm_d", t, non_cached_tokens=1)
+    assert always["modes"] == {"disaggregated": len(t)} and always["pools"]["d"]["prefill_tokens"] == 0
+    some, res = simulate(STATIC, "llm_d", t, non_cached_tokens=2048)
+    assert 0 < some["modes"].get("aggregated", 0) < len(t)
+    # a prompt under the threshold can never be split, whatever the caches hold
+    assert all(r.mode == "aggregated" for r in res.records if r.input_len < 2048)
+
+
+def test_dynamo_isl_bounding_keeps_cached_requests_local() -> None:
+    t = trace()
+    split, _ = simulate(STATIC, "dynamo", t)
+    assert split["modes"] == {"disaggregated": len(t)}
+    cond, _ = simulate(STATIC, "dynamo", t, conditional="isl_bounding")
+    assert 0 < cond["modes"].get("aggregated", 0) < len(t)  # warm prefixes stay on the decode worker
+    agg, _ = simulate(BOTH, "dynamo", t)
+    assert agg["modes"] == {"aggregated": len(t)} and agg["prefix_hit_rate"] > 0
+
+
+def test_admission_refuses_under_overload_and_keeps_the_served_within_slo() -> None:
+    slo = Slo(ttft_s=2.0, tpot_s=0.1)
+    t = trace(300, rate=40.0)  # far past what three H100 servers prefill
+    off, _ = simulate(BOTH, "cost", t, slo=slo, admission_margin=0.0)
+    on, _ = simulate(BOTH, "cost", t, slo=slo, admission_margin=1.0)
+    assert off["rejected"] == 0 and on["refused"] == on["rejected"] > 0
+    assert on["requests"] + on["rejected"] == len(t)
+    assert on["slo_attainment"] > off["slo_attainment"]
+
+
+def test_a_refused_closed_loop_client_backs_off_instead_of_cascading() -> None:
+    """Without the back-off each refusal would send the client's next request at the same instant, against the
+    same backlog: nearly every request after the first round would be refused at once (3 of 200 served)."""
+    loop = ClosedLoop(concurrency=16, total=200, input_len=3000, output_len=32, seed=1)
+    s, _ = simulate(pool("w", 1, "nvidia-h100", **KW), "cost", loop, slo=Slo(ttft_s=2.0, tpot_s=0.1),
+                    admission_margin=1.0)
+    assert s["refused"] > 0  # 16 clients of 3000-token prompts overload one server
+    assert s["requests"] > 16  # more than the first round: clients came back after backing off
+    assert s["requests"] + s["rejected"] == 200

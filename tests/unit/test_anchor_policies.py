@@ -1,0 +1,176 @@
+"""The anchors' routing rules (llm-d, Dynamo) and SLO-aware admission, pinned against hand-computed cases."""
+
+import math
+
+import pytest
+
+from hetmesh.config import ClusterConfig, ModelConfig, SchedulerConfig
+from hetmesh.placement import REFUSED, RequestInfo, WorkerView, make_policy
+from hetmesh.placement.admission import admit, over_slo, retry_after_s
+from hetmesh.placement.dynamo import Dynamo, argmin, decode_cost, isl_bounding, kv_cost
+from hetmesh.placement.llmd import (
+    LlmD,
+    disaggregate,
+    kv_scores,
+    max_score,
+    prefix_scores,
+    queue_scores,
+    weighted,
+)
+from hetmesh.placement.policies import check_options
+from hetmesh.protocol import Role
+from hetmesh.sim import pool
+from hetmesh.wiring import policy_options
+
+
+def view(wid: str, role: Role = Role.BOTH, queue: int = 0, running: int = 0, used: int = 0, total: int = 100,
+         model: str = "m") -> WorkerView:
+    return WorkerView(worker_id=wid, model=model, accelerator="nvidia-h100", vendor="nvidia", devices=1, role=role,
+                      queue_depth=queue, running=running, max_batch=8, kv_blocks_total=total, kv_blocks_used=used,
+                      block_size=16)
+
+
+def req(prompt: int = 160, cached: dict[str, int] | None = None, out: int = 10, arrival: float = 0.0) -> RequestInfo:
+    return RequestInfo(request_id="r", model="m", prompt_len=prompt, max_tokens=out, cached_blocks=cached or {},
+                       block_size=16, arrival=arrival)
+
+
+# ---- llm-d ----
+def test_llmd_scorers_by_hand() -> None:
+    pool_ = [view("a", queue=2, used=50), view("b", queue=6, used=0), view("c", queue=4, used=100)]
+    assert prefix_scores(req(160, {"a": 5, "c": 10}), pool_) == [0.5, 0.0, 1.0]  # 10 blocks of 16
+    assert queue_scores(pool_) == [1.0, 0.0, 0.5]  # (6 - q) / (6 - 2)
+    assert queue_scores([view("a", queue=3), view("b", queue=3)]) == [1.0, 1.0]  # all equal: 1.0 each
+    assert kv_scores(pool_) == [0.5, 1.0, 0.0]
+    # the example P/D profile: prefix 2, queue 1 -> a: 2*0.5 + 1 = 2.0, b: 0 + 0 = 0.0, c: 2*1 + 0.5 = 2.5
+    scores = weighted([(2.0, [0.5, 0.0, 1.0]), (1.0, [1.0, 0.0, 0.5])], 3)
+    assert scores == [2.0, 0.0, 2.5]
+    assert max_score(pool_, scores).worker_id == "c"
+
+
+def test_llmd_picker_breaks_ties_at_random_but_repeatably() -> None:
+    pool_ = [view("a"), view("b"), view("c")]
+    picks = [LlmD(seed=7).pick(req(), pool_).worker_id for _ in range(2)]
+    assert picks[0] == picks[1]  # same seed, same pick
+    p = LlmD(seed=1)
+    assert {p.pick(req(), pool_).worker_id for _ in range(30)} == {"a", "b", "c"}  # not always the first
+
+
+@pytest.mark.parametrize(("prompt", "cached", "threshold", "split"), [
+    (1000, 0, 0, False),  # 0 disables disaggregation
+    (1000, 0, 1, True),
+    (1000, 200, 800, True),  # non-cached 800 >= 800
+    (1000, 201, 800, False),  # 799 < 800
+    (4096, 4096 - 2047, 2048, False),
+])
+def test_llmd_pd_decider_threshold(prompt: int, cached: int, threshold: int, split: bool) -> None:
+    assert disaggregate(prompt, cached, threshold) is split
+
+
+def test_llmd_decode_first_then_prefill_if_decider_approves() -> None:
+    ws = [view("p0", Role.PREFILL, queue=1), view("p1", Role.PREFILL), view("d0", Role.DECODE),
+          view("d1", Role.DECODE, queue=3)]
+    # d0 holds 4 of the prompt's 10 blocks: non-cached 160 - 64 = 96
+    d = LlmD(non_cached_tokens=96).place(req(160, {"d0": 4}), ws)
+    assert d is not None and d.mode == "disaggregated" and d.decode_worker == "d0" and d.prefill_worker == "p1"
+    d = LlmD(non_cached_tokens=97).place(req(160, {"d0": 4}), ws)
+    assert d is not None and d.mode == "aggregated" and d.decode_worker == "d0" and d.expected_cached_tokens == 64
+    assert LlmD().place(req(), [view("p", Role.PREFILL)]) is None  # no decode endpoint
+
+
+# ---- Dynamo ----
+def test_dynamo_documented_worked_example() -> None:
+    """docs: cost = overlap_score_weight * prefill_blocks + decode_blocks; W1 = 18, W2 = 10 (chosen), W3 = 11."""
+    costs = [kv_cost(8, 0, 10), kv_cost(5, 0, 5), kv_cost(2, 0, 9)]
+    assert costs == [18.0, 10.0, 11.0]
+    assert argmin([view("w1"), view("w2"), view("w3")], costs).worker_id == "w2"
+
+
+def test_dynamo_cost_terms() -> None:
+    # raw prefill 12, credit 1 x 5 cached -> 7, scale 1 -> 7 + decode 9 = 16
+    assert kv_cost(12, 5, 9) == 16.0
+    assert kv_cost(3, 5, 9) == 9.0  # the credit never takes prefill below 0
+    # agentic preset: credit 2, scale 4, request weight 64: 4 * max(12 - 2*5, 0) + 9 + 64 * 3 = 209
+    assert kv_cost(12, 5, 9, 3, prefill_load_scale=4, overlap_score_credit=2, request_weight=64) == 209.0
+    assert decode_cost(9, 4) == 5.0 and decode_cost(3, 4, 2, request_weight=1.5) == 3.0
+
+
+def test_dynamo_isl_bounding_edges() -> None:
+    assert isl_bounding(4000, 3000)  # effective 1000 < 2048, ratio 0.25 < 0.7: local
+    assert not isl_bounding(1000, 0)  # effective 1000 < 2048 but nothing cached (ratio 1.0): split
+    assert not isl_bounding(2000, 600)  # ratio exactly 0.7
+    assert isl_bounding(10000, 7953) and not isl_bounding(10000, 7952)  # eff 2047 vs 2048
+
+
+def test_dynamo_routes_to_cheapest_and_tracks_its_prefills() -> None:
+    # Two idle `both` workers; b holds 6 of the 10 prompt blocks: a = 10 + 11, b = 4 + 11 -> b.
+    ws = [view("a"), view("b")]
+    p = Dynamo()
+    d = p.place(req(160, {"b": 6}), ws)
+    assert d is not None and d.mode == "aggregated" and d.decode_worker == "b"
+    # b now has 4 uncached prompt blocks waiting (queue 1): a = 21, b = 4 + 10 + 11 = 25 -> a.
+    d = p.place(req(160), [view("a"), view("b", queue=1)])
+    assert d is not None and d.decode_worker == "a"
+    # b's request left the queue: its prefill no longer counts, b = 10 + 11 = a -> tie.
+    assert p._active_prefill(view("b", queue=0)) == 0.0
+
+
+def test_dynamo_disaggregates_unless_isl_bounding_keeps_it_local() -> None:
+    ws = [view("p0", Role.PREFILL), view("d0", Role.DECODE), view("d1", Role.DECODE, used=40)]
+    d = Dynamo().place(req(4000 // 16 * 16, {"d0": 190}), ws)
+    assert d is not None and d.mode == "disaggregated" and d.decode_worker == "d0" and d.prefill_worker == "p0"
+    d = Dynamo(conditional="isl_bounding").place(req(4000 // 16 * 16, {"d0": 190}), ws)  # eff 960, ratio 0.24
+    assert d is not None and d.mode == "aggregated" and d.decode_worker == "d0"
+    with pytest.raises(ValueError, match="conditional"):
+        Dynamo(conditional="prefill_load")
+
+
+# ---- admission ----
+def test_admission_rule_by_hand() -> None:
+    assert over_slo(3.0, 0.05, 100, ttft_slo_s=2.0, tpot_slo_s=0.1) == 1.5
+    assert over_slo(1.0, 0.3, 100, 2.0, 0.1) == pytest.approx(3.0)
+    assert over_slo(1.0, 0.3, 1, 2.0, 0.1) == 0.5  # one token: no TPOT
+    assert admit(1.5, 1.5) and not admit(1.51, 1.5) and admit(100.0, 0.0)  # 0: off
+    assert admit(3.0, 1.0, idle_over=3.0) and not admit(3.1, 1.0, idle_over=3.0)  # too long even when idle
+    assert admit(1.0, 1.0, idle_over=0.2) and not admit(1.01, 1.0, idle_over=0.2)
+    assert retry_after_s(7.0, 2.0, 1.5, 1.0) == 4.0  # 7 - 1.5 * 2
+    assert retry_after_s(2.5, 2.0, 1.5, 1.0) == 1.0 and retry_after_s(1e6, 2.0, 1.5, 1.0) == 60.0
+
+
+def test_cost_policy_refuses_past_the_margin_and_commits_nothing() -> None:
+    ws = [WorkerView(worker_id=w.worker_id, model="llama-3.1-70b", accelerator="nvidia-h100", vendor="nvidia",
+                     devices=8, role=Role.BOTH, queue_depth=0, running=0, max_batch=64, kv_blocks_total=0,
+                     kv_blocks_used=0, block_size=16) for w in pool("h", 1, "nvidia-h100")]
+    r = RequestInfo(request_id="r", model="llama-3.1-70b", prompt_len=32_000, max_tokens=1, arrival=0.0)
+    probe = make_policy("cost", ttft_slo_s=10.0).place(r, ws)
+    assert probe is not None and probe.predicted_ttft_s is not None
+    pf = probe.predicted_ttft_s  # the prefill alone, on the idle server
+    # TTFT SLO = the idle prefill: the first request is admitted (a long prompt is never refused for itself),
+    # the second waits behind it: 2 x its SLO, over a margin of 1.5.
+    p = make_policy("cost", ttft_slo_s=pf, admission_margin=1.5)
+    first = p.place(r, ws)
+    assert first is not None and first.mode == "aggregated"
+    second = p.place(r, ws)
+    assert second is not None and second.mode == REFUSED and second.decode_worker == ""
+    assert math.isclose(second.predicted_ttft_s or 0, 2 * pf, rel_tol=1e-6)
+    # The refusal queued nothing: the next one sees the same backlog, and a wider margin admits it.
+    p.admission_margin = 2.1
+    third = p.place(r, ws)
+    assert third is not None and third.mode == "aggregated"
+    assert math.isclose(third.predicted_ttft_s or 0, 2 * pf, rel_tol=1e-6)
+    # per model: off
+    q = make_policy("cost", ttft_slo_s=pf, admission_margin=1.5, admission_margins={"llama-3.1-70b": 0.0})
+    assert [q.place(r, ws).mode for _ in range(3)] == ["aggregated"] * 3  # type: ignore[union-attr]
+
+
+def test_admission_config_per_model_and_options() -> None:
+    cfg = ClusterConfig(scheduler=SchedulerConfig(policy="cost", admission_margin=2.0),
+                        models=[ModelConfig(name="a"), ModelConfig(name="b", admission_margin=0.0)]).validate()
+    assert cfg.admission_margin("a") == 2.0 and cfg.admission_margin("b") == 0.0
+    kw = policy_options(cfg)
+    assert kw["admission_margin"] == 2.0 and kw["admission_margins"] == {"a": 2.0, "b": 0.0}
+    with pytest.raises(ValueError, match="admission_margin"):
+        ClusterConfig(scheduler=SchedulerConfig(admission_margin=-1.0)).validate()
+    check_options("llm_d", {"non_cached_tokens": 2048, "prefix_weight": 3.0})
+    with pytest.raises(ValueError, match="no option 'threshold'"):
+        check_options("dynamo", {"threshold": 1})
