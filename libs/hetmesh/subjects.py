@@ -27,6 +27,7 @@ EVENTS_ALL = f"{PREFIX}.event.>"
 DEMAND = f"{PREFIX}.sched.demand"  # scheduler -> planner: windowed demand per model, every planner.interval_s
 PLAN = f"{PREFIX}.planner.plan"  # the leading planner's proposal (advise and act), every planner.interval_s
 PLANNER_BUCKET = "hetmesh_planner"  # JetStream KV bucket holding the planner leader's lease (key "leader")
+PLAN_BUCKET = "hetmesh_planner_plan"  # JetStream KV bucket: the leader's last PlanProposal (key "latest")
 WORK_ALL = f"{PREFIX}.work.>"  # every work subject: what the work-queue stream stores
 WORK_STREAM = "HETMESH_WORK"  # JetStream stream names may not hold '.'
 
@@ -134,8 +135,9 @@ TABLE: tuple[SubjectRow, ...] = (
     SubjectRow(f"{PREFIX}.kv.recv.<worker_id>", "kv-transfer", "decode worker", "raw KV bytes", "relay only; chunked; headers Kv-Transfer, Kv-Seq"),
     SubjectRow(f"{PREFIX}.kv.landed.<worker_id>", "kv-transfer, prefill worker (on failure)", "decode worker", "KvLanded", "relay: decode may start; either: the transfer failed"),
     SubjectRow(DEMAND, "scheduler", "planner", "DemandReport", "demand per model over the last planner.window_s, every planner.interval_s"),
-    SubjectRow(PLAN, "planner (the leader)", "operators, `hetmesh plan --live`", "PlanProposal",
-               "current vs proposed layout and the moves sent (act) or advised"),
+    SubjectRow(PLAN, "planner (the leader)", "operators (`nats sub hetmesh.planner.plan`), tests", "PlanProposal",
+               "current vs proposed layout and the moves sent (act) or advised; the last one also in KV bucket "
+               f"`{PLAN_BUCKET}` (`hetmesh plan --live`)"),
     SubjectRow(f"{PREFIX}.worker.command.<worker_id>", "planner (the leader, act mode)", "that worker",
                "RoleSwitch", "drain the old role's work, then serve the new role; leader lease: KV bucket "
                f"`{PLANNER_BUCKET}`"),

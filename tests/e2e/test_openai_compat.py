@@ -1,5 +1,5 @@
 """Clients written by others against the sim mesh: the official openai client (sync and async, streamed
-and not) and vLLM's own benchmark client (`vllm bench serve`, backends `openai` and `openai-chat`), with
+and not), LangChain's OpenAI chat model, and vLLM's own benchmark client (`vllm bench serve`, backends `openai` and `openai-chat`), with
 0 failed requests."""
 
 from __future__ import annotations
@@ -35,6 +35,21 @@ async def test_openai_client_sync_async_streamed_or_not(client: openai.OpenAI, a
     assert "".join(parts) == text
     comp = await aclient.completions.create(model=MODEL, prompt="compat", max_tokens=5, seed=1, stream=True)
     assert len("".join([c.choices[0].text async for c in comp])) == 5
+
+
+async def test_langchain_chat_model_invokes_and_streams(mesh: Mesh) -> None:
+    """LangChain's OpenAI chat model (langchain-openai), as an application would use it."""
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=f"{mesh.url}/v1", api_key="unused", model=MODEL, max_tokens=10, seed=3, max_retries=0,
+                     extra_body={"ignore_eos": True}, stream_usage=True)
+    msg = llm.invoke("compat")
+    assert isinstance(msg.content, str) and len(msg.content) == 10
+    assert msg.usage_metadata is not None and msg.usage_metadata["output_tokens"] == 10
+    streamed = "".join(str(c.content) for c in llm.stream("compat"))
+    assert streamed == msg.content
+    batch = await llm.abatch(["compat", "compat"])
+    assert [m.content for m in batch] == [msg.content, msg.content]
 
 
 BENCH = """

@@ -44,7 +44,7 @@ scheduler_wait_s = 30.0
 
 [planner]
 interval_s = 1.0   # the scheduler's demand reports and the test_replanning planners' rounds
-lease_ttl_s = 2.0
+lease_ttl_s = 4.0   # renewed every 1.3 s: a planner starved that long on a busy machine keeps its lease
 window_s = 20.0
 
 [scheduler]

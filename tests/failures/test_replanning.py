@@ -2,7 +2,7 @@
 changed; of two planners started only the lease holder acts, and the other takes over when it dies;
 garbage on the planner's subjects is logged and ignored.
 
-The mesh is conftest.py's (its `[planner]` section: a round a second, a 2 s lease). Each test leaves it
+The mesh is conftest.py's (its `[planner]` section: a round a second, a 4 s lease). Each test leaves it
 whole for the next: every worker back in its cluster file's role.
 """
 
@@ -20,6 +20,7 @@ import pytest
 
 from hetmesh import subjects
 from hetmesh.bus import decode, encode
+from hetmesh.cli.__main__ import main as cli
 from hetmesh.launcher import Mesh
 from hetmesh.protocol import DemandReport, ModelDemandStats, PlanProposal, Role, RoleSwitch, SchedulerStatus
 
@@ -141,6 +142,8 @@ async def test_two_planners_one_acts_and_garbage_does_not_kill_it(mesh: Mesh, bu
 
     await bus.subscribe(subjects.PLAN, cb=on_plan)
     await bus.subscribe(subjects.worker_command("*"), cb=on_command)
+    # no planner has run on this mesh yet: nothing proposed -> a one-line error, exit 2
+    assert await asyncio.to_thread(cli, ["plan", "--live", "--nats", mesh.nats_url]) == 2
     planner(mesh, "planner-a")
     planner(mesh, "planner-b")
     prompts = [f"plan load {i} " + "y" * (100 * i) for i in range(24)]
@@ -183,9 +186,12 @@ async def test_two_planners_one_acts_and_garbage_does_not_kill_it(mesh: Mesh, bu
             del mesh.services[name]
 
 
-async def test_planner_in_act_mode_switches_roles_back_into_service(mesh: Mesh, events: EventLog, bus: Any) -> None:
+async def test_planner_in_act_mode_switches_roles_back_into_service(mesh: Mesh, events: EventLog, bus: Any,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     """Both workers of the aggregated model made prefill-only (so it has no decode): the planner, acting on
-    the demand the scheduler measured before, switches one back, and the model serves again."""
+    the demand the scheduler measured before, switches one back and is killed as the move starts; the
+    worker ends the move in a consistent role, the model serves again, and `hetmesh plan --live` shows
+    the dead planner's last proposal (the mesh keeps its layout)."""
     prompts = [f"demand {i} " + "z" * (50 * i) for i in range(6)]
     for got, p in zip(await asyncio.gather(*(stream(mesh, "agg", p, 8) for p in prompts)), prompts, strict=True):
         check(got, p, 8)
@@ -194,13 +200,26 @@ async def test_planner_in_act_mode_switches_roles_back_into_service(mesh: Mesh, 
     await roles_settle(bus, {"h100-0": Role.PREFILL, "h100-1": Role.PREFILL})
     since = time.time()
     planner(mesh, "planner-c")
+
+    def by_planner(kind: str) -> list[Any]:
+        return [e for e in events.events if e.kind == kind and e.ts > since and e.detail.get("planner") == "planner-c"
+                and str(e.detail.get("worker_id", "")).startswith("h100")]
+
     try:
-        await until(lambda: any(e.kind == "role_switched" and e.ts > since and e.detail.get("planner") == "planner-c"
-                                and str(e.detail.get("worker_id", "")).startswith("h100") for e in events.events), 60)
+        await until(lambda: bool(by_planner("role_switching")), 60)
+        mesh.kill("planner-c")  # SIGKILL as its move starts: the worker finishes the move on its own
+        moved = by_planner("role_switching")[0].detail["worker_id"]
+        await until(lambda: any(e.detail["worker_id"] == moved for e in by_planner("role_switched")), 30)
         st = await roles_settle(bus, {}, 10)
+        assert not any(w.moving_to or w.draining for w in st.details)
         assert {w.role for w in st.details if w.model == "agg"} != {Role.PREFILL}
         got = await stream(mesh, "agg", "served again", 8)
         check(got, "served again", 8)
+        assert await asyncio.to_thread(cli, ["plan", "--live", "--nats", mesh.nats_url]) == 0
+        out = capsys.readouterr().out
+        # the dead planner's last proposal: every worker, its role then and the proposed one, the switch sent
+        assert "planner planner-c · act" in out and all(w in out for w in ("h100-0", "h100-1", "cpx-0", "vr200-1"))
+        assert "agg/prefill" in out and "yes" in out
     finally:
         mesh.kill("planner-c", signal.SIGTERM)
         del mesh.services["planner-c"]

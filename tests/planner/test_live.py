@@ -115,3 +115,50 @@ def test_plan_models_gives_role_moves_of_known_workers(cfg: config.ClusterConfig
     # all-prefill serves nothing (no decode): the plan must move someone, and only by role
     assert moves and all(w in {"h-0", "h-1", "h-2"} and r != Role.PREFILL for w, r, _ in moves)
     assert plan_models(stats, [], cfg, lambda g, d: plan(g, d)) == {}
+
+
+def test_role_moves_only_what_a_live_worker_can_do() -> None:
+    from hetmesh.planner import Assignment, Plan
+
+    a = [Assignment("w1-0", "w1", "nvidia-h100", 1, "m", Role.DECODE, "dp"),  # one device: dp is tp
+         Assignment("w8-0", "w8", "nvidia-h100", 8, "m", Role.DECODE, "dp"),  # eight: a real layout change
+         Assignment("w2-0", "w2", "nvidia-h100", 1, "n", Role.BOTH, "tp"),  # another model: a reload
+         Assignment("w3-0", "w3", "nvidia-h100", 1, "m", Role.PREFILL, "tp")]
+    mv = [Move("w1-0", "reload", "m/prefill/tp", "m/decode/dp", 6.0), Move("w8-0", "reload", "m/prefill/tp",
+          "m/decode/dp", 9.0), Move("w2-0", "reload", "m/both/tp", "n/both/tp", 9.0),
+          Move("w3-0", "role", "m/both/tp", "m/prefill/tp", 2.0)]
+    p = Plan(assignments=a, moves=mv, chosen="x", predicted={}, candidates=[], served={}, headroom=0.0)
+    assert [(w, r, m.change) for w, r, m in role_moves(p)] == [("w1", Role.DECODE, "role"),
+                                                               ("w3", Role.PREFILL, "role")]
+
+
+def test_hetmesh_status_shows_role_and_move() -> None:
+    from rich.console import Console
+
+    from hetmesh.cli.__main__ import table
+    from hetmesh.protocol import SchedulerStatus
+
+    st = SchedulerStatus(instance="s", policy="cost", workers=["a", "b", "c"], details=[
+        worker("a", Role.BOTH, moving_to="prefill", draining=True), worker("b", Role.DECODE, draining=True),
+        worker("c", Role.PREFILL)])
+    con = Console(width=200, record=True)
+    con.print(table(st))
+    lines = {ln.split("│")[1].strip(): ln for ln in con.export_text().splitlines() if ln.count("│") > 3}
+    assert "both -> prefill" in lines["a"] and "decode (draining)" in lines["b"]
+    assert "prefill" in lines["c"] and "->" not in lines["c"] and "draining" not in lines["c"]
+
+
+def test_merge_scheduler_replicas() -> None:
+    from hetmesh.planner.live import merge
+
+    a = [ModelDemandStats(model="m", requests=3, rate=0.3, prompt_mean=100, output_mean=10, max_tokens_mean=20,
+                          prefix_hit=0.5, slo_attainment=1.0)]
+    b = [ModelDemandStats(model="m", requests=1, rate=0.1, prompt_mean=300, output_mean=30, max_tokens_mean=40,
+                          prefix_hit=0.0),
+         ModelDemandStats(model="n", requests=0, rate=0.0, prompt_mean=0, output_mean=5, max_tokens_mean=0,
+                          prefix_hit=0.0)]
+    m, n = merge([a, b])
+    assert (m.requests, round(m.rate, 9), m.prompt_mean, m.output_mean, m.max_tokens_mean) == (4, 0.4, 150, 15, 25)
+    assert m.prefix_hit == 150 / 600 and m.slo_attainment == 1.0
+    assert (n.requests, n.prompt_mean, n.slo_attainment) == (0, 0.0, None)
+    assert merge([a]) == a

@@ -4,14 +4,12 @@ gateway drive it: heartbeats and KV events in, SUBMIT requests in, WorkItems / W
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import msgspec
 import pytest
+from tests.schedproc import scheduler_process
 
 from hetmesh import subjects
 from hetmesh.bus import Bus
@@ -27,7 +25,6 @@ from hetmesh.protocol import (
     WorkerLost,
     WorkItem,
 )
-from hetmesh.servers import env_with
 
 CLUSTER = """
 [mesh]
@@ -48,16 +45,8 @@ count = 2
 
 @pytest.fixture(scope="module")
 def scheduler(nats_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    d = tmp_path_factory.mktemp("sched")
-    (d / "c.toml").write_text(CLUSTER)
-    log = open(d / "scheduler.log", "wb")
-    p = subprocess.Popen([sys.executable, "-m", "hetmesh.scheduler", "--cluster", str(d / "c.toml")],
-                         env=env_with(HETMESH_NATS_URL=nats_url, HETMESH_REDIS_URL=redis_url), stdout=log,
-                         stderr=subprocess.STDOUT)
-    yield
-    p.terminate()
-    p.wait(10)
-    print(Path(d / "scheduler.log").read_text()[-3000:])
+    with scheduler_process(CLUSTER, tmp_path_factory.mktemp("sched"), nats_url, redis_url):
+        yield
 
 
 @pytest.fixture

@@ -5,18 +5,15 @@ placed all the same."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import pytest
+from tests.schedproc import scheduler_process
 
 from hetmesh import subjects
 from hetmesh.bus import Bus
 from hetmesh.protocol import Heartbeat, InferenceRequest, Role, SamplingParams, SubmitReply
-from hetmesh.servers import env_with
 
 # A 32K-token prompt of Llama-3.1-70B takes seconds to prefill on one 8xH100 server, and the TTFT SLO is that
 # long: the first request is within it, the second waits behind the first (2x its SLO). "strict" refuses it at
@@ -54,16 +51,8 @@ devices = 8
 
 @pytest.fixture(scope="module")
 def scheduler(nats_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    d = tmp_path_factory.mktemp("sched-slo")
-    (d / "c.toml").write_text(CLUSTER)
-    log = open(d / "scheduler.log", "wb")
-    p = subprocess.Popen([sys.executable, "-m", "hetmesh.scheduler", "--cluster", str(d / "c.toml")],
-                         env=env_with(HETMESH_NATS_URL=nats_url, HETMESH_REDIS_URL=redis_url), stdout=log,
-                         stderr=subprocess.STDOUT)
-    yield
-    p.terminate()
-    p.wait(10)
-    print(Path(d / "scheduler.log").read_text()[-3000:])
+    with scheduler_process(CLUSTER, tmp_path_factory.mktemp("sched-slo"), nats_url, redis_url):
+        yield
 
 
 @pytest.fixture

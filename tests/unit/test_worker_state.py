@@ -269,3 +269,16 @@ def test_transfer_request_carries_the_first_tokens_to_the_decode_worker() -> Non
     assert (t.src_worker, t.dst_worker, t.num_tokens, t.nbytes, t.chunk_bytes) == ("pre-0", "dec-0", 3, 3000, 1024)
     assert (t.first_token_ids, t.first_text, t.cached_tokens, t.endpoint) == ([42], "x", 16, "10.0.0.2:7000")
     assert t.transfer_id == "r1.ab" and t.request_id == "r1" and t.model == MODEL
+
+
+def test_vllms_handover_travels_with_the_transfer_and_a_bytes_free_one_is_claimable() -> None:
+    # vLLM's kv_transfer_params from the prefill output reach the decode worker's KvLanded unchanged ...
+    handover = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_block_ids": [3, 4]}
+    out = EngineOutput(request_id="r1", index=0, token_ids=[42], text="x", finished=True,
+                       kv_transfer_params=handover)
+    t = transfer_request(item(phase=Phase.PREFILL), out, "pre-0", "r1.ab", 0, 0)
+    got = KvLanded.of(t)
+    assert t.kv_transfer_params == handover and got.kv_transfer_params == handover
+    # ... and with NIXL no bytes come through the mesh: nothing to claim is not "incomplete".
+    claim = KvInbox[Sink](keep_bytes=True).claim(got)
+    assert claim.problem is None and claim.data is None and claim.received == 0

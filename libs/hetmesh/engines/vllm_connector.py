@@ -96,8 +96,11 @@ def scatter_blocks(caches: dict[str, torch.Tensor], block_dim: dict[str, int], s
 
 def _head_dim(cache: torch.Size, shard: torch.Size, block_dim: int, local_heads: int) -> int:
     """The KV-heads dimension: where this rank's cache and a prefill shard differ (other than in blocks)."""
-    dims = [i for i in range(len(cache)) if i != block_dim and cache[i] == local_heads and shard[i] != cache[i]]
-    if len(cache) != len(shard) or len(dims) != 1:
+    same_rank = len(cache) == len(shard)
+    dims = [i for i in range(len(cache)) if same_rank and i != block_dim and cache[i] == local_heads
+            and shard[i] != cache[i]]
+    if len(dims) != 1 or any(
+            cache[i] != shard[i] for i in range(len(cache)) if i not in (block_dim, dims[0])):
         raise RuntimeError(f"hetmesh connector: cannot tell the KV-heads dimension of {tuple(cache)} "
                            f"(prefill shard {tuple(shard)}): the two sides' KV layouts differ")
     return dims[0]

@@ -25,6 +25,7 @@ import logging
 import mmap
 import os
 import shutil
+import socket
 import tempfile
 import uuid
 from collections.abc import AsyncIterator
@@ -232,13 +233,20 @@ class _FileSink:
 
 def frame(shards: list[str]) -> bytes | memoryview:
     """The shard files as one stream. One shard (TP 1) is mapped, its tmpfs pages sent as they are, never
-    copied; several are joined (one copy) so that the transfer stays one stream."""
+    copied; several are read into one buffer (one copy, no join) so that the transfer stays one stream."""
     if len(shards) > 1:
-        parts = []
-        for p in shards:
-            with open(p, "rb") as f:
-                parts.append(f.read())
-        return b"".join(parts)
+        sizes = [os.stat(p).st_size for p in shards]
+        buf = bytearray(sum(sizes))
+        view, at = memoryview(buf), 0
+        for p, n in zip(shards, sizes, strict=True):
+            end = at + n
+            with open(p, "rb", buffering=0) as f:
+                while at < end:
+                    got = f.readinto(view[at:end])
+                    if not got:
+                        raise FileNotFoundError(f"KV shard {p} shrank while read")
+                    at += got
+        return view
     with open(shards[0], "rb") as f:
         size = os.fstat(f.fileno()).st_size
         return (memoryview(mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
@@ -326,6 +334,12 @@ class VllmEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.kv_cache_gib))
         if self.config.kv_connector != "nixl":
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(self.config.cpu_reserved_cores))
+        elif "VLLM_NIXL_SIDE_CHANNEL_PORT" not in os.environ:
+            # NIXL's handshake port (named in the hand-over's remote_port): vLLM's default would collide between
+            # two workers on one host; an operator's setting (and VLLM_NIXL_SIDE_CHANNEL_HOST) wins.
+            with socket.socket() as sock:
+                sock.bind(("", 0))
+                os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(sock.getsockname()[1])
         # Subscribe before the engine binds: zmq connects to an ipc path that does not exist yet.
         self._sub = zmq.Context.instance().socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -429,6 +443,9 @@ class VllmEngine:
         they name), ours pointed at the frame that landed here. None: compute the prompt here."""
         if not handed or not handed.get("do_remote_prefill"):
             return None
+        # vLLM would report the prefill side's prefix hits as this request's cached tokens; the mesh reports
+        # those itself (KvLanded.cached_tokens) and counts here what this engine did not compute.
+        handed = {k: v for k, v in handed.items() if k != "remote_prefill_cached_tokens"}
         h = handed.get("hetmesh")
         if h is None:
             return handed if self.config.kv_connector == "nixl" else None

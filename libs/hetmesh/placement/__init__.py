@@ -6,7 +6,15 @@ The scheduler service and the offline simulator (hetmesh.sim) drive the very sam
 from hetmesh.placement.admission import REFUSED
 from hetmesh.placement.dynamo import Dynamo
 from hetmesh.placement.llmd import LlmD
-from hetmesh.placement.policies import POLICIES, LeastLoaded, Policy, PrefixAware, RoundRobin, make_policy
+from hetmesh.placement.policies import (
+    POLICIES,
+    LeastLoaded,
+    Policy,
+    PrefixAware,
+    RoundRobin,
+    aggregated,
+    make_policy,
+)
 from hetmesh.placement.state import ClusterState, Decision, RequestInfo, WorkerView, pool_full
 
 __all__ = [
@@ -22,6 +30,7 @@ __all__ = [
     "RequestInfo",
     "RoundRobin",
     "WorkerView",
+    "aggregated",
     "make_policy",
     "pool_full",
 ]

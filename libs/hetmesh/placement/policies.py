@@ -27,6 +27,27 @@ def candidates(req: RequestInfo, workers: Sequence[WorkerView], role: Role) -> l
     return [w for w in workers if w.model == req.model and w.serves(role) and w.worker_id not in req.exclude]
 
 
+def aggregated(decision: Decision, req: RequestInfo, workers: Sequence[WorkerView]) -> Decision | None:
+    """`decision` run on one worker: for requests whose engine state cannot cross the P/D hand-over
+    (a structured-output grammar restarts on the decode side). The chosen decode worker, else the
+    prefill one, if it serves both roles; else the least utilised `both` worker of the model; None
+    if the model has none."""
+    if decision.prefill_worker is None:
+        return decision
+    by_id = {w.worker_id: w for w in workers}
+    for wid in (decision.decode_worker, decision.prefill_worker):
+        w = by_id.get(wid)
+        if w is not None and w.role == Role.BOTH:
+            break
+    else:
+        both = [w for w in candidates(req, workers, Role.BOTH) if w.role == Role.BOTH]
+        if not both:
+            return None
+        w = min(both, key=_utilization)
+    return Decision(mode="aggregated", decode_worker=w.worker_id, expected_cached_tokens=req.cached_tokens(w.worker_id),
+                    reason=f"{decision.reason}; kept on one worker")
+
+
 def _utilization(w: WorkerView) -> float:
     # Load per slot of batch, so an 8-GPU server with a big batch counts as less loaded than a
     # single-GPU one with the same number of requests.

@@ -115,12 +115,18 @@ def demand(stats: ModelDemandStats, cfg: ClusterConfig) -> ModelDemand | None:
 
 
 def role_moves(p: Plan) -> list[tuple[str, Role, Move]]:
-    """(worker id, new role, move) for each role switch of the plan; reloads and stops are not made live."""
+    """(worker id, new role, move) for each role switch of the plan. A layout change on one device (tp, ep
+    and dp are the same there) is a role switch too; other reloads and stops are not made live."""
     new = {a.server: a for a in p.assignments}
     out = []
     for mv in p.moves:
-        if mv.change == "role" and mv.server.endswith("-0"):
-            out.append((mv.server[:-2], new[mv.server].role, mv))
+        a = new.get(mv.server)
+        if a is None or not mv.server.endswith("-0"):
+            continue
+        model, role = [*mv.before.split("/"), "", ""][:2]
+        same_layout = mv.change == "role" or (mv.change == "reload" and a.devices == 1)
+        if same_layout and a.model == model and a.role.value != role:
+            out.append((mv.server[:-2], a.role, Move(mv.server, "role", mv.before, mv.after, mv.seconds)))
     return out
 
 
@@ -141,4 +147,30 @@ def plan_models(stats: Sequence[ModelDemandStats], workers: Sequence[WorkerStatu
         groups = fleet(workers, cfg, s.model)
         if d is not None and groups:
             out[s.model] = planner(groups, [d])
+    return out
+
+
+def merge(reports: Iterable[Sequence[ModelDemandStats]]) -> list[ModelDemandStats]:
+    """Several scheduler replicas' windows (each placed its own share of the requests) as one demand:
+    counts and rates add up, means are weighted by the requests behind them."""
+    by: dict[str, list[ModelDemandStats]] = {}
+    for rep in reports:
+        for s in rep:
+            by.setdefault(s.model, []).append(s)
+    out = []
+    for model, ss in sorted(by.items()):
+        n = sum(s.requests for s in ss)
+
+        def mean(f: Callable[[ModelDemandStats], float], ss: list[ModelDemandStats] = ss, n: int = n) -> float:
+            return sum(f(s) * s.requests for s in ss) / n if n else 0.0
+
+        slo = [s for s in ss if s.slo_attainment is not None]
+        out.append(ModelDemandStats(
+            model=model, requests=n, rate=sum(s.rate for s in ss), prompt_mean=mean(lambda s: s.prompt_mean),
+            output_mean=mean(lambda s: s.output_mean), max_tokens_mean=mean(lambda s: s.max_tokens_mean),
+            # prefix share of prompt tokens: weighted by each replica's prompt tokens
+            prefix_hit=(sum(s.prefix_hit * s.prompt_mean * s.requests for s in ss)
+                        / max(sum(s.prompt_mean * s.requests for s in ss), 1e-9)),
+            slo_attainment=(sum(s.slo_attainment * s.requests for s in slo) / max(sum(s.requests for s in slo), 1)
+                            if slo else None)))  # type: ignore[operator]
     return out

@@ -38,12 +38,14 @@ def summarize(res: SimResult, slo: Slo | Mapping[str, Slo] = Slo(),
     tpot = np.array([r.tpot for r in multi])
     slos = slo if isinstance(slo, Mapping) else {}
     one = slo if isinstance(slo, Slo) else Slo()
-
-    def met(r: Any) -> bool:
-        s = slos.get(r.model, one)
-        return r.ttft <= s.ttft_s and (r.output_len <= 1 or r.tpot <= s.tpot_s)
-
-    ok = np.array([met(r) for r in recs], dtype=bool)
+    names = np.array([r.model for r in recs])
+    ttft_slo = np.full(len(recs), one.ttft_s)
+    tpot_slo = np.full(len(recs), one.tpot_s)
+    for m, s in slos.items():
+        sel = names == m
+        ttft_slo[sel], tpot_slo[sel] = s.ttft_s, s.tpot_s
+    tpots = np.array([r.tpot for r in recs])
+    ok = (ttft <= ttft_slo) & ((out <= 1) | (tpots <= tpot_slo)) if recs else np.zeros(0, dtype=bool)
     # steady state: requests finishing between the 10th and 90th percentile of finish times
     # (drops the ramp-up of a closed loop and the drain at the end)
     steady = float("nan")
@@ -73,7 +75,6 @@ def summarize(res: SimResult, slo: Slo | Mapping[str, Slo] = Slo(),
     usd_h = fleet_usd_per_hour(((w.accelerator, w.devices) for w in res.workers), prices)
     goodput = float(out[ok].sum() / dur) if recs else 0.0
     per_model: dict[str, dict[str, float]] = {}
-    names = np.array([r.model for r in recs])
     for m in sorted(set(names.tolist())) if len(set(names.tolist())) > 1 else []:
         sel = names == m
         per_model[m] = {"requests": int(sel.sum()), "output_tok_s": float(out[sel].sum() / dur),

@@ -14,12 +14,13 @@ import sys
 import msgspec
 import nats
 import nats.errors
+import nats.js.errors
 from rich.console import Console
 from rich.table import Table
 
 from hetmesh import config, subjects
 from hetmesh.cli import plan
-from hetmesh.protocol import SchedulerStatus
+from hetmesh.protocol import PlanProposal, SchedulerStatus
 
 DEFAULT_NATS = "nats://127.0.0.1:4222"
 
@@ -69,6 +70,49 @@ def table(status: SchedulerStatus) -> Table:
     return t
 
 
+async def fetch_proposal(url: str, timeout_s: float) -> PlanProposal | None:
+    """The leading planner's last proposal (JetStream KV bucket hetmesh_planner_plan), None if none yet."""
+    async with asyncio.timeout(timeout_s * 2):
+        nc = await nats.connect(url, connect_timeout=timeout_s, allow_reconnect=False, max_reconnect_attempts=0)
+    try:
+        kv = await nc.jetstream(timeout=timeout_s).key_value(subjects.PLAN_BUCKET)
+        entry = await kv.get("latest")
+        return msgspec.json.decode(entry.value or b"", type=PlanProposal)
+    except (nats.js.errors.BucketNotFoundError, nats.js.errors.KeyNotFoundError):
+        return None
+    finally:
+        await nc.close()
+
+
+def proposal_table(p: PlanProposal) -> Table:
+    t = Table(title=f"planner {p.planner} · {p.mode} · chose {p.chosen or '-'} · simulated goodput "
+                    f"{p.current_goodput_tok_s:.1f} -> {p.predicted_goodput_tok_s:.1f} tok/s")
+    for col in ("worker", "current", "proposed", "move", "out of service", "sent"):
+        t.add_column(col)
+    moves = {m.worker_id: m for m in p.moves}
+    for w in sorted(p.current.keys() | p.proposed.keys()):
+        m = moves.get(w)
+        t.add_row(w, p.current.get(w, "-"), p.proposed.get(w, "(not planned)"), m.change if m else "-",
+                  f"{m.seconds:.1f}s" if m else "-", "yes" if w in p.sent else "")
+    return t
+
+
+def live(args: argparse.Namespace) -> int:
+    url = nats_url(args.nats, None)
+    try:
+        p = asyncio.run(fetch_proposal(url, 2.0))
+    except (TimeoutError, OSError, nats.errors.Error) as exc:
+        print(f"hetmesh plan --live: cannot read the planner's proposal at {url}: {exc or type(exc).__name__}",
+              file=sys.stderr)
+        return 2
+    if p is None:
+        print("hetmesh plan --live: no proposal yet (is a planner running with planner.mode advise or act?)",
+              file=sys.stderr)
+        return 2
+    Console(width=160).print(proposal_table(p))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hetmesh", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -95,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         return sim(rest)
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "plan" and args.live:
+        return live(args)
     if args.command == "plan":
         try:
             return plan.run(args)

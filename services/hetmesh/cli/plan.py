@@ -42,6 +42,9 @@ def add_parser(sub: Any) -> None:
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--fleet", metavar="CLUSTER_TOML", help="plan the servers of this cluster file")
     what.add_argument("--catalog", action="store_true", help="capacity planning over the accelerator catalog")
+    what.add_argument("--live", action="store_true", help="the running planner's last proposal: current vs "
+                      "proposed layout (--nats URL, or $HETMESH_NATS_URL)")
+    p.add_argument("--nats", help="--live: NATS URL of the mesh")
     p.add_argument("--trace", help="demand from a trace (Mooncake JSONL or Azure CSV)")
     p.add_argument("--rate", type=float, help="synthetic demand: requests per second")
     p.add_argument("--input", type=float, default=2048, help="synthetic demand: mean prompt tokens")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import sys
 import time
@@ -30,11 +31,12 @@ from nats.js.kv import KeyValue
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from hetmesh import config, metrics, subjects, telemetry
-from hetmesh.bus import Bus, EventBatcher, decode
+from hetmesh.bus import Bus, EventBatcher, decode, encode
 from hetmesh.planner import plan
-from hetmesh.planner.live import plan_models, role_moves, to_send
+from hetmesh.planner.live import merge, plan_models, role_moves, to_send
 from hetmesh.protocol import (
     DemandReport,
+    ModelDemandStats,
     PlanProposal,
     ProposedMove,
     RoleSwitch,
@@ -47,6 +49,7 @@ log = logging.getLogger("hetmesh.planner")
 
 LEASE_KEY = "leader"
 STATUS_TIMEOUT_S = 5.0
+REPORTS_KEPT_INTERVALS = 3  # a scheduler replica's report counts until this many intervals without a newer one
 CHECK_DURATION_S = 120.0  # seconds of synthetic demand each candidate layout is simulated on
 
 
@@ -58,6 +61,7 @@ class Lease:
         self.kv = kv
         self.instance = instance
         self.revision: int | None = None  # set while this planner holds the lease
+        self._lock = asyncio.Lock()  # one compare-and-set at a time: two with the same revision, one would fail
 
     @property
     def held(self) -> bool:
@@ -65,6 +69,10 @@ class Lease:
 
     async def refresh(self) -> bool:
         """Renew the lease if held, else try to take it. True while held."""
+        async with self._lock:
+            return await self._refresh()
+
+    async def _refresh(self) -> bool:
         try:
             if self.revision is not None:
                 self.revision = await self.kv.update(LEASE_KEY, self.instance.encode(), last=self.revision)
@@ -72,6 +80,11 @@ class Lease:
                 self.revision = await self.kv.create(LEASE_KEY, self.instance.encode())
         except nats.js.errors.KeyWrongLastSequenceError:
             self.revision = None  # someone else holds it (or ours aged out and was taken)
+            # ... or it is still ours, and only a renewal's answer was lost: carry on from its revision
+            with contextlib.suppress(Exception):
+                entry = await self.kv.get(LEASE_KEY)
+                if entry.value == self.instance.encode():
+                    self.revision = entry.revision
         except Exception as exc:  # the bus or JetStream away: not knowing is not holding
             log.warning("lease refresh failed: %r", exc)
             self.revision = None
@@ -83,7 +96,7 @@ class PlannerService:
         self.cfg = cfg
         self.instance = instance
         self.mode = mode
-        self.demand: DemandReport | None = None
+        self.demand: dict[str, tuple[float, DemandReport]] = {}  # scheduler instance -> (received, report)
         self.tracer = telemetry.setup("planner", instance)
         self.registry = CollectorRegistry()
         self.m_plans = Counter("hetmesh_planner_plans", "Plans made by the leading planner", ["chosen"],
@@ -109,6 +122,7 @@ class PlannerService:
         except nats.js.errors.BadRequestError:  # there already, made with another TTL: use it as it is
             kv = await js.key_value(subjects.PLANNER_BUCKET)
         self.lease = Lease(kv, self.instance)
+        self.latest = await js.create_key_value(bucket=subjects.PLAN_BUCKET, history=1)  # `hetmesh plan --live`
         await self.bus.subscribe(subjects.DEMAND, DemandReport, self.on_demand)  # garbage: logged, dropped
         self._tasks = [asyncio.create_task(self._lease_loop()), asyncio.create_task(self._plan_loop())]
         self.http = metrics.serve_from_env(self.registry, self._ready)
@@ -135,7 +149,13 @@ class PlannerService:
                                      ts=time.time(), detail=detail))
 
     async def on_demand(self, report: DemandReport, _m: Any) -> None:
-        self.demand = report
+        self.demand[report.instance] = (time.monotonic(), report)
+
+    def current_demand(self) -> list[ModelDemandStats]:
+        """Every scheduler replica's last report (each placed its own share), those gone quiet dropped."""
+        stale = time.monotonic() - REPORTS_KEPT_INTERVALS * self.cfg.planner.interval_s
+        self.demand = {k: v for k, v in self.demand.items() if v[0] >= stale}
+        return merge(r.models for _t, r in self.demand.values())
 
     async def _lease_loop(self) -> None:
         period = self.cfg.planner.lease_ttl_s / 3
@@ -160,21 +180,21 @@ class PlannerService:
                 self._event("plan_failed", error=repr(exc)[:300])
 
     async def plan_once(self) -> PlanProposal | None:
-        demand = self.demand
+        demand = self.current_demand()
         reply = await self.bus.nc.request(subjects.SCHED_STATUS, b"", timeout=STATUS_TIMEOUT_S)
         status = decode(reply.data, SchedulerStatus)
         workers = status.details
         pc = self.cfg.planner
         with self.tracer.start_as_current_span("plan") as span:
             plans = await asyncio.to_thread(
-                plan_models, demand.models if demand else [], workers, self.cfg,
+                plan_models, demand, workers, self.cfg,
                 lambda g, d: plan(g, d, horizon_s=pc.horizon_s, check_duration_s=CHECK_DURATION_S))
             moves = [m for p in plans.values() for m in role_moves(p)]
             sent: list[str] = []
+            if not await self.lease.refresh():  # the lease may have gone while the plan ran: say and do nothing
+                return None
             if self.mode == "act" and moves:
                 moving = sum(bool(w.moving_to) for w in workers)
-                if not await self.lease.refresh():  # the lease may have gone while the plan ran
-                    return None
                 for wid, role, _mv in to_send(moves, len(workers), moving, pc.max_moving_share):
                     await self.bus.publish(subjects.worker_command(wid), RoleSwitch(
                         worker_id=wid, role=role, planner=self.instance, reason="planner"))
@@ -193,6 +213,7 @@ class PlannerService:
             span.set_attribute("hetmesh.moves", len(moves))
             span.set_attribute("hetmesh.sent", len(sent))
         await self.bus.publish(subjects.PLAN, proposal)
+        await self.latest.put("latest", encode(proposal))
         self._event("proposal", mode=self.mode, chosen=proposal.chosen, moves=len(moves), sent=",".join(sent),
                     predicted_goodput_tok_s=round(pred, 3), current_goodput_tok_s=round(cur, 3))
         for p in plans.values():

@@ -31,7 +31,7 @@ from hetmesh import config, metrics, subjects, telemetry, wiring
 from hetmesh.bus import REQUEST_ID, Bus, EventBatcher, encode, headers_for
 from hetmesh.costmodel.economics import device_usd_per_hour
 from hetmesh.kvindex.index import PrefixIndex
-from hetmesh.placement import REFUSED, ClusterState, Decision, RequestInfo, WorkerView, pool_full
+from hetmesh.placement import REFUSED, ClusterState, Decision, RequestInfo, WorkerView, aggregated, pool_full
 from hetmesh.placement.admission import retry_after_s
 from hetmesh.planner.live import DemandWindow
 from hetmesh.protocol import (
@@ -375,6 +375,14 @@ class Scheduler:
             return SubmitReply(request_id=req.request_id, error=ErrorInfo(
                 message=f"no live worker can serve model {req.model!r} right now", type="server_error",
                 code="no_capacity", status=503))
+        if decision.prefill_worker is not None and req.sampling.structured is not None:
+            # A structured-output grammar would restart on the decode side after the first token: one worker.
+            decision = aggregated(decision, info, self.state.views())
+            if decision is None:
+                return SubmitReply(request_id=req.request_id, error=ErrorInfo(
+                    message=f"structured outputs need a worker of model {req.model!r} that serves both roles "
+                            "(prefill and decode)", type="invalid_request_error", code="unsupported_parameter",
+                    param="response_format", status=400))
         kv_endpoint = ""
         if decision.prefill_worker is not None:
             # The decode worker's KV port rides the placement: the prefill worker streams there at once.

@@ -1,0 +1,27 @@
+"""A scheduler process on the test's nats-server and redis-server (tests/services)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from hetmesh.servers import env_with
+
+
+@contextmanager
+def scheduler_process(cluster: str, workdir: Path, nats_url: str, redis_url: str) -> Iterator[None]:
+    """`python -m hetmesh.scheduler` on the cluster file text `cluster`; its log is printed at the end."""
+    (workdir / "c.toml").write_text(cluster)
+    with open(workdir / "scheduler.log", "wb") as log:
+        p = subprocess.Popen([sys.executable, "-m", "hetmesh.scheduler", "--cluster", str(workdir / "c.toml")],
+                             env=env_with(HETMESH_NATS_URL=nats_url, HETMESH_REDIS_URL=redis_url), stdout=log,
+                             stderr=subprocess.STDOUT)
+        try:
+            yield
+        finally:
+            p.terminate()
+            p.wait(10)
+    print((workdir / "scheduler.log").read_text()[-3000:])
