@@ -270,6 +270,12 @@ def plan(groups: Sequence[ServerGroup], demands: Sequence[ModelDemand], *, trace
     layouts: dict[str, list[Assignment]] = {k: _servers(groups, opts, s.counts) for k, s in sols.items()}
     if any(g.model for g in groups):
         layouts["current"] = current_layout(groups)
+    def priced(name: str, lay: list[Assignment], sm: dict[str, Any]) -> CandidateResult:
+        """The simulated score less the goodput the layout's moves take out of service over the horizon."""
+        out_s = sum(m.seconds for m in moves(groups, lay, demands, storage_bytes_per_s))
+        return CandidateResult(name, score(sm, demands) * (1.0 - min(out_s / horizon_s / n_servers, 1.0)),
+                               sm["goodput_tok_s"], sm["slo_attainment"], sm["usd_per_hour"])
+
     results: list[CandidateResult] = []
     summaries: dict[str, dict[str, Any]] = {}
     for name, lay in layouts.items():
@@ -277,17 +283,9 @@ def plan(groups: Sequence[ServerGroup], demands: Sequence[ModelDemand], *, trace
         if sm is None:
             continue
         summaries[name] = sm
-        out_s = sum(m.seconds for m in moves(groups, lay, demands, storage_bytes_per_s))
-        results.append(CandidateResult(name, score(sm, demands) * (1.0 - min(out_s / horizon_s / n_servers, 1.0)),
-                                       sm["goodput_tok_s"], sm["slo_attainment"], sm["usd_per_hour"]))
+        results.append(priced(name, lay, sm))
     if not results:
         raise ValueError("no candidate layout serves any request")
-    n_servers = sum(g.count for g in groups)
-
-    def priced(name: str, lay: list[Assignment], sm: dict[str, Any]) -> CandidateResult:
-        out_s = sum(m.seconds for m in moves(groups, lay, demands, storage_bytes_per_s))
-        return CandidateResult(name, score(sm, demands) * (1.0 - min(out_s / horizon_s / n_servers, 1.0)),
-                               sm["goodput_tok_s"], sm["slo_attainment"], sm["usd_per_hour"])
 
     if refine and len(demands) > 1:
         start = max(results, key=lambda r: r.score)
