@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import platform
 import time
 from pathlib import Path
 from typing import Any
 
+from planner_economics import part_heterogeneity  # sibling scripts (benchmarks/ is on sys.path)
+from planner_timevarying import CASES, part_timevarying
 from rich.console import Console
 from rich.table import Table
 
@@ -29,19 +32,15 @@ from hetmesh.planner import (
     Assignment,
     ModelDemand,
     ServerGroup,
-    demand_from_trace,
     demand_trace,
     evaluate,
     plan,
 )
-from hetmesh.planner.buy import cheapest
-from hetmesh.planner.plan import current_layout, score
+from hetmesh.planner.plan import score
 from hetmesh.protocol import Role
 from hetmesh.sim.report import write_json
-from hetmesh.sim.traces import Trace, TraceRequest, load_azure
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
 KINDS = ["nvidia-h200", "nvidia-b200", "nvidia-rubin-cpx", "nvidia-rubin-vr200", "amd-mi300x", "amd-mi308x"]
 console = Console(width=140)
 
@@ -97,110 +96,6 @@ def part_optimality() -> dict[str, Any]:
             "ratio": planned / best if best else float("nan"), "within_3pct": planned >= 0.97 * best}
 
 
-def _mixed(n: int, scale: float = 1.0) -> tuple[Trace, list[ModelDemand]]:
-    conv = load_azure(DATA / "azure2023_AzureLLMInferenceTrace_conv.csv", limit=n)
-    code = load_azure(DATA / "azure2023_AzureLLMInferenceTrace_code.csv", limit=n)
-    reqs = [TraceRequest(r.arrival, r.input_len, r.output_len, r.hash_ids, "chat") for r in conv.requests]
-    reqs += [TraceRequest(r.arrival, r.input_len, r.output_len, r.hash_ids, "code") for r in code.requests]
-    reqs.sort(key=lambda r: r.arrival)
-    tr = Trace(reqs, conv.block_tokens, "azure-conv+code").scaled(scale)
-    demands = [demand_from_trace(tr, name="chat", spec="llama-3.1-70b", ttft_slo_s=2.0, tpot_slo_s=0.1),
-               demand_from_trace(tr, name="code", spec="qwen3-32b", ttft_slo_s=4.0, tpot_slo_s=0.05)]
-    return tr, demands
-
-
-def part_heterogeneity(n: int, scale: float) -> dict[str, Any]:
-    tr, demands = _mixed(n, scale)
-    kinds = [ServerGroup(name=k, accelerator=k, count=48, max_batch=128) for k in KINDS]
-    mixed = cheapest(kinds, demands, trace=tr)
-    singles: dict[str, Any] = {}
-    for k in kinds:
-        q = cheapest([k], demands, trace=tr)
-        singles[k.name] = None if q is None or not q.meets else {"usd_per_hour": q.usd_per_hour,
-                                                                 "servers": q.servers,
-                                                                 "slo_attainment": q.slo_attainment}
-    met = {k: v for k, v in singles.items() if v}
-    single_best = min(met.items(), key=lambda kv: kv[1]["usd_per_hour"]) if met else None
-    saving = 1 - mixed.usd_per_hour / single_best[1]["usd_per_hour"] if mixed and mixed.meets and single_best else None
-    return {"requests": len(tr.requests), "rate_scale": scale, "demands": [(d.name, round(d.rate, 2), round(d.input_mean),
-                                                       round(d.output_mean)) for d in demands],
-            "mixed": None if mixed is None else {"servers": mixed.servers, "usd_per_hour": mixed.usd_per_hour,
-                                                 "slo_attainment": mixed.slo_attainment, "meets": mixed.meets},
-            "singles": singles, "cheapest_single": single_best and single_best[0], "saving": saving,
-            "saves_30pct": bool(saving is not None and saving >= 0.30)}
-
-
-def _shift_case(case: str, windows: int, window_s: float) -> tuple[list[ServerGroup], list[list[ModelDemand]]]:
-    """Per-window demand of a time-varying case, and the fleet it runs on (today's layout: all `both`)."""
-    out = []
-    for i in range(windows):
-        x = i / max(windows - 1, 1)
-        if case == "model-shift":  # demand moves from model A to model B over the hour, the fleet ~busy
-            out.append([ModelDemand(name="A", spec="llama-3.1-70b", rate=max(36.0 * (1 - x), 1.8), input_mean=2048,
-                                    output_mean=256),
-                        ModelDemand(name="B", spec="qwen3-32b", rate=max(80.0 * x, 4.0), input_mean=1024,
-                                    output_mean=256)])
-        else:  # the prefill:decode mix alternates between code-heavy and chat-heavy phases
-            code = i % 2 == 0
-            out.append([ModelDemand(name="A", spec="llama-3.1-70b", rate=6.0 if code else 10.0,
-                                    input_mean=8192 if code else 512, output_mean=64 if code else 512)])
-    if case == "model-shift":
-        groups = [ServerGroup(name="h200", accelerator="nvidia-h200", count=8, model="A", max_batch=128)]
-    else:  # the NVL144 CPX rack's 2:1
-        groups = [ServerGroup(name="cpx", accelerator="nvidia-rubin-cpx", count=6, model="A", max_batch=128),
-                  ServerGroup(name="vr200", accelerator="nvidia-rubin-vr200", count=3, model="A", max_batch=128)]
-    return groups, out
-
-
-def part_timevarying(windows: int = 6, window_s: float = 300.0) -> dict[str, Any]:
-    """Re-plan each window from the last window's demand (what a live planner knows), switch costs
-    counted, against the best single static layout in hindsight and the per-window oracle."""
-    res: dict[str, Any] = {}
-    for case in ("model-shift", "pd-shift"):
-        groups, demand = _shift_case(case, windows, window_s)
-        traces = [demand_trace(d, window_s, seed=i) for i, d in enumerate(demand)]
-        n = sum(g.count for g in groups)
-
-        def good(lay: list[Assignment], i: int, gs: list[ServerGroup] = groups,
-                 demand: list[list[ModelDemand]] = demand, traces: list[Trace] = traces) -> float:
-            sm = evaluate(lay, demand[i], gs, traces[i])
-            return score(sm, demand[i]) if sm else 0.0
-
-        oracle = [plan(groups, demand[i], trace=traces[i], horizon_s=float("inf")) for i in range(windows)]
-        oracle_tok = sum(good(p.assignments, i) for i, p in enumerate(oracle))
-        replanned: dict[str, float] = {}
-        for basis_name, lag in (("forecast", 0), ("last_window", 1)):
-            cur, tok = groups, 0.0
-            for i in range(windows):
-                basis = demand[max(i - lag, 0)]  # a forecast of this window, or what the last one saw
-                p = plan(cur, basis, trace=demand_trace(basis, window_s, seed=100 + i), horizon_s=window_s)
-                out_s = sum(m.seconds for m in p.moves)
-                tok += good(p.assignments, i, cur) * (1 - min(out_s / (window_s * n), 1.0))
-                cur = _regroup(cur, p.assignments)
-            replanned[basis_name] = tok
-        statics = [p.assignments for p in oracle] + [current_layout(groups)]  # each held all hour
-        static_tok = max(sum(good(lay, i) for i in range(windows)) for lay in statics)
-        res[case] = {"windows": windows, "window_s": window_s, "static_best_tok": static_tok, "oracle_tok": oracle_tok,
-                     **{f"replanned_{k}_tok": v for k, v in replanned.items()},
-                     **{f"gain_vs_static_{k}": v / static_tok for k, v in replanned.items()},
-                     **{f"vs_oracle_{k}": v / oracle_tok for k, v in replanned.items()}}
-    return res
-
-
-def _regroup(groups: list[ServerGroup], lay: list[Assignment]) -> list[ServerGroup]:
-    """The fleet as the plan left it: one group per server (its current model, role and layout),
-    named so that a server keeps its name from one window to the next."""
-    base = {g.name: g for g in groups}
-
-    def name(a: Assignment) -> str:
-        stem = a.server.removesuffix("-0")
-        return stem if stem == a.group else a.server
-
-    return [ServerGroup(name=name(a), accelerator=a.accelerator, devices=a.devices, count=1, model=a.model,
-                        role=a.role, parallel=a.parallel, max_batch=base[a.group].max_batch,
-                        step_tokens=base[a.group].step_tokens) for a in lay]
-
-
 def part_afd() -> dict[str, Any]:
     """Attention on a bandwidth-rich server, FFN / experts on a compute-rich one, 1:1, against either alone."""
     from hetmesh.costmodel.afd import what_if
@@ -218,18 +113,28 @@ def part_afd() -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="time,optimality,heterogeneity,timevarying,afd")
+    ap.add_argument("--parts", "--part", default="time,optimality,heterogeneity,timevarying,afd",
+                    help="comma-separated parts to run (results of the others are kept from --out if it exists)")
     ap.add_argument("--requests", type=int, default=2000, help="heterogeneity: requests taken from each trace")
     ap.add_argument("--scale", type=float, default=8.0,
                     help="heterogeneity: the traces' arrivals this many times faster (a data-centre's load)")
+    ap.add_argument("--long-requests", type=int, default=1000,
+                    help="heterogeneity: conversation requests in the long-context mix (Mooncake over their span)")
+    ap.add_argument("--cases", default=",".join(CASES), help="timevarying: which cases")
+    ap.add_argument("--sub-s", type=float, default=60.0, help="timevarying: re-plan interval of last_subwindow, s")
     ap.add_argument("--out", default=str(ROOT / "results" / "planner.json"))
     a = ap.parse_args()
-    out: dict[str, Any] = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "python": platform.python_version()}
-    for part in a.parts.split(","):
+    parts = {"time": part_time, "optimality": part_optimality,
+             "heterogeneity": lambda: part_heterogeneity(a.requests, a.scale, a.long_requests),
+             "timevarying": lambda: part_timevarying(sub_s=a.sub_s, cases=a.cases.split(",")), "afd": part_afd}
+    chosen = a.parts.split(",")
+    if unknown := [p for p in chosen if p not in parts]:
+        ap.error(f"unknown part(s) {', '.join(unknown)}: choose from {', '.join(parts)}")
+    out: dict[str, Any] = json.loads(Path(a.out).read_text()) if Path(a.out).exists() else {}
+    out.update({"machine": f"{platform.machine()}, {os.cpu_count()} cores", "python": platform.python_version()})
+    for part in chosen:
         t0 = time.perf_counter()
-        out[part] = {"time": part_time, "optimality": part_optimality,
-                     "heterogeneity": lambda: part_heterogeneity(a.requests, a.scale),
-                     "timevarying": part_timevarying, "afd": part_afd}[part]()
+        out[part] = parts[part]()
         out[part]["wall_s"] = time.perf_counter() - t0
         t = Table(title=f"planner: {part}")
         t.add_column("key")

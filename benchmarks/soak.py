@@ -11,7 +11,9 @@ Every completed text is checked against the text the sim engine's definition giv
 requests, outcomes (ok, wrong_text, cancelled, error, hung), errors by code, p50/p99 latency, the
 migrations the gateway made and the pause each one cost its stream (p50/p99 of the gap between the
 last token before and the first token after, from the gateway's `migration_resumed` events), the
-workers' exit codes, and per process the RSS and NATS subscriptions at the start and the end, plus the
+restarts before any token by reason, the items that reached a worker already draining (handed over at
+once, worker event `handed_over` with `queued`) and any left undelivered on a worker that let go
+(`work_left`), the workers' exit codes, and per process the RSS and NATS subscriptions at the start and the end, plus the
 gateway's in-flight gauge once the load has stopped (a leaked request, subscription or memory growth).
 
     .venv/bin/python benchmarks/soak.py --duration 300 --clients 8 --chaos kill --every 30
@@ -209,7 +211,7 @@ async def take_away(mesh: Mesh, name: str, sig: int, stats: dict[str, Any], t_st
 async def run(mesh: Mesh, duration_s: float, clients: int, seed: int, chaos: str,
               every_s: float) -> dict[str, Any]:
     stats: dict[str, Any] = {"outcomes": Counter(), "errors": Counter(), "latency_s": [], "chaos": [], "wrong": [],
-                             "migrations": [], "migration_gaps_ms": []}
+                             "migrations": [], "migration_gaps_ms": [], "retries": [], "late_items": 0, "work_left": 0}
     t_start = time.monotonic()
     stop = t_start + duration_s
     rng = random.Random(seed)
@@ -220,6 +222,12 @@ async def run(mesh: Mesh, duration_s: float, clients: int, seed: int, chaos: str
         for e in decode_events(m.data):
             if e.kind == "migrated":
                 stats["migrations"].append(e.detail.get("reason"))
+            elif e.kind == "retried":  # re-placed before any token
+                stats["retries"].append(e.detail.get("reason"))
+            elif e.kind == "handed_over" and e.detail.get("queued"):  # reached a draining worker, handed on at once
+                stats["late_items"] += 1
+            elif e.kind == "work_left":  # left undelivered on a worker that let go (must not happen)
+                stats["work_left"] += int(str(e.detail.get("items", 0)))
             elif e.kind == "migration_resumed":
                 stats["migration_gaps_ms"].append(float(str(e.detail["gap_ms"])))
 
@@ -312,6 +320,8 @@ def main() -> None:
         "latency_p50_s": pct(lat, 0.5), "latency_p99_s": pct(lat, 0.99),
         "migrations": len(stats["migrations"]), "migrations_by_reason": dict(Counter(stats["migrations"])),
         "migration_gap_p50_ms": pct(gaps, 0.5), "migration_gap_p99_ms": pct(gaps, 0.99),
+        "retries_by_reason": dict(Counter(stats["retries"])), "late_items_handed_over": stats["late_items"],
+        "work_left": stats["work_left"],
         "workers_taken_away": stats["chaos"], "wrong_texts": stats["wrong"][:5],
         "gateway_in_flight_after": left,
         "processes": {name: {"start": start.get(name), "end": end.get(name)} for name in sorted(set(start) | set(end))},
@@ -326,7 +336,9 @@ def main() -> None:
               f"p50 {res['latency_p50_s']} s, p99 {res['latency_p99_s']} s; errors {dict(stats['errors'])}; "
               f"{len(stats['chaos'])} workers taken away (exit codes {dict(exits)}); {res['migrations']} migrations "
               f"{res['migrations_by_reason']}, pause p50 {res['migration_gap_p50_ms']} ms p99 "
-              f"{res['migration_gap_p99_ms']} ms; gateway in flight afterwards: {left:g}")
+              f"{res['migration_gap_p99_ms']} ms; restarts before a token {res['retries_by_reason']}; items that "
+              f"reached a draining worker, handed over at once: {stats['late_items']}; left undelivered: "
+              f"{stats['work_left']}; gateway in flight afterwards: {left:g}")
     t = Table("process", "RSS start MB", "RSS end MB", "NATS subs start", "NATS subs end")
     for name, v in res["processes"].items():  # type: ignore[union-attr]
         s, e = v["start"] or {}, v["end"] or {}

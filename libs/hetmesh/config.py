@@ -71,6 +71,9 @@ class WorkerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     # The container platforms' grace periods (compose stop_grace_period, k8s terminationGracePeriodSeconds)
     # are set above it.
     drain_timeout_s: float = 10.0
+    # How fast a worker loads a model's weights (its NVMe or network store), bytes/s: a ModelSwitch's reload takes
+    # weights / this (the sim engine waits that long; the planner prices a model move with it).
+    storage_bytes_per_s: float = 5e9
 
     @property
     def grace_period_s(self) -> int:
@@ -92,6 +95,9 @@ class PlannerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     horizon_s: float = 3600.0  # a move must pay for its switch cost within this long (the planner's hysteresis)
     max_moving_share: float = 0.25  # at most this share of the fleet switching at once (at least one worker)
     lease_ttl_s: float = 10.0  # the leader's NATS KV lease: another planner takes over this long after it dies
+    # model: each model's own workers are planned apart (roles move, models stay); fleet: one plan over every
+    # model with traffic and their workers, so a worker may also change model (a ModelSwitch: drain, reload).
+    scope: str = "model"
 
 
 class ApiKey(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -289,6 +295,8 @@ class ClusterConfig(Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError("scheduler.admission_margin must be >= 0 (0: off)")
         if self.mesh.migration_limit < 0 or self.worker.drain_timeout_s < 0:
             raise ValueError("mesh.migration_limit and worker.drain_timeout_s must be >= 0")
+        if self.worker.storage_bytes_per_s <= 0:
+            raise ValueError("worker.storage_bytes_per_s must be > 0")
         if self.kv_transfer.data_plane not in ("direct", "nats"):
             raise ValueError(f"kv_transfer.data_plane must be direct or nats, not {self.kv_transfer.data_plane!r}")
         pl = self.planner
@@ -296,6 +304,8 @@ class ClusterConfig(Struct, kw_only=True, forbid_unknown_fields=True):
                 or not 0 < pl.max_moving_share <= 1:
             raise ValueError(f"planner: mode is one of {PLANNER_MODES}, interval_s, window_s, horizon_s, lease_ttl_s > 0, "
                              "0 < max_moving_share <= 1")
+        if pl.scope not in ("model", "fleet"):
+            raise ValueError(f"planner.scope must be model or fleet, not {pl.scope!r}")
         wq = self.work_queue
         if wq.storage not in ("file", "memory"):
             raise ValueError(f"work_queue.storage must be file or memory, not {wq.storage!r}")

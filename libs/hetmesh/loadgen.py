@@ -32,6 +32,7 @@ class Result:
     ok: bool
     completion_tokens: int = 0
     second_s: float = 0.0  # to the second token (SSEClient.second_token): in P/D, the decode worker's first
+    body: bytes = b""  # the whole HTTP response (SSEClient.keep_body)
 
 
 _EVENT = re.compile(rb"data: (\{.*?\})\n\n")
@@ -46,6 +47,7 @@ class SSEClient:
     # Also stamp the second token: parses every event (the gateway may merge tokens that reach it together,
     # so it counts text characters, one per token with a byte tokenizer), which costs client CPU.
     second_token: bool = False
+    keep_body: bool = False  # return the whole response in Result.body (to check the streamed text)
 
     async def stream(self, path: str, body: bytes) -> Result:
         """POST one streaming request and read it to the end."""
@@ -82,7 +84,7 @@ class SSEClient:
             self.failures.append(buf[-300:].decode(errors="replace"))
             w.close()
         m = _USAGE.search(buf, max(len(buf) - 600, 0))
-        return Result(ttft, total, ok, int(m.group(1)) if m else 0, second)
+        return Result(ttft, total, ok, int(m.group(1)) if m else 0, second, buf if self.keep_body else b"")
 
     async def wait_ready(self, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -111,7 +111,8 @@ class WorkerStatus(Struct, kw_only=True):
     tokens_generated: int = 0
     kv_endpoint: str = ""  # its KV port (direct data plane); empty: it takes no direct KV
     draining: bool = False
-    moving_to: str = ""  # the role it is switching to (the planner's RoleSwitch); empty: not moving
+    moving_to: str = ""  # the role it is switching to (the planner's RoleSwitch or ModelSwitch); empty: not moving
+    moving_model: str = ""  # the model it is switching to (ModelSwitch: drain, reload); empty: it keeps its model
 
 
 class SchedulerStatus(Struct, kw_only=True):
@@ -235,6 +236,9 @@ class Heartbeat(Struct, kw_only=True):
     step_tokens: int = 8192  # the engine's per-step token budget (prefill chunk size)
     draining: bool = False  # shutting down: finishing what it holds, taking no new work (not lost)
     moving_to: str = ""  # switching to this role (with draining: no work of the old role is placed here)
+    # ... and to this model (a ModelSwitch: engine released and reloaded). `model` stays the old one until the
+    # move is over; the first heartbeat after it says the new model, and neither moving field.
+    moving_model: str = ""
 
 
 class KvEvent(Struct, kw_only=True):
@@ -356,13 +360,28 @@ class DemandReport(Struct, frozen=True, kw_only=True):
     models: list[ModelDemandStats] = field(default_factory=list)
 
 
-class RoleSwitch(Struct, frozen=True, kw_only=True):
+class RoleSwitch(Struct, frozen=True, kw_only=True, tag="role_switch"):
     """Planner -> one worker on `hetmesh.worker.command.<worker_id>`: serve `role` from now on (no reload)."""
 
     worker_id: str
     role: Role
     planner: str  # the instance that holds the lease
     reason: str = ""
+
+
+class ModelSwitch(Struct, frozen=True, kw_only=True, tag="model_switch"):
+    """Planner -> one worker on `hetmesh.worker.command.<worker_id>`: serve `model` in `role` from now on. The
+    worker drains (finishes or hands over what it holds), releases its engine, loads the model's, rejoins."""
+
+    worker_id: str
+    model: str
+    role: Role
+    planner: str  # the instance that holds the lease
+    reason: str = ""
+    seconds: float = 0.0  # the planner's estimate of the move (drain + weights / storage bandwidth)
+
+
+WorkerCommand = RoleSwitch | ModelSwitch  # the body of every `hetmesh.worker.command.<worker_id>` message
 
 
 class ProposedMove(Struct, frozen=True, kw_only=True):
@@ -383,6 +402,6 @@ class PlanProposal(Struct, frozen=True, kw_only=True):
     current: dict[str, str] = field(default_factory=dict)  # worker -> model/role
     proposed: dict[str, str] = field(default_factory=dict)
     moves: list[ProposedMove] = field(default_factory=list)
-    sent: list[str] = field(default_factory=list)  # workers a RoleSwitch went to (act mode, within the cap)
+    sent: list[str] = field(default_factory=list)  # workers a command went to (act mode, within the cap)
     predicted_goodput_tok_s: float = 0.0
     current_goodput_tok_s: float = 0.0

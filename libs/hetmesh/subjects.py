@@ -139,7 +139,8 @@ TABLE: tuple[SubjectRow, ...] = (
                "current vs proposed layout and the moves sent (act) or advised; the last one also in KV bucket "
                f"`{PLAN_BUCKET}` (`hetmesh plan --live`)"),
     SubjectRow(f"{PREFIX}.worker.command.<worker_id>", "planner (the leader, act mode)", "that worker",
-               "RoleSwitch", "drain the old role's work, then serve the new role; leader lease: KV bucket "
+               "WorkerCommand (RoleSwitch or ModelSwitch)", "drain; RoleSwitch: serve the new role (no reload); "
+               "ModelSwitch: release the engine, load the model's, rejoin; leader lease: KV bucket "
                f"`{PLANNER_BUCKET}`"),
     SubjectRow(f"{PREFIX}.event.<service>", "every service", "operators, tests", "EventBatch (JSON array of ServiceEvent)", "the services' own records, batched"),
 )

@@ -9,7 +9,9 @@ token about 0.2 s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -38,6 +40,7 @@ migration_limit = 3
 
 [worker]
 drain_timeout_s = {DRAIN_TIMEOUT_S}
+storage_bytes_per_s = 3.2e11   # a model switch loads llama-3.1-8b's 16 GB in 0.05 engine s: 1 s of wall time
 
 [gateway]
 scheduler_wait_s = 30.0
@@ -126,8 +129,19 @@ async def first_placed(events: EventLog, since: float) -> ServiceEvent:
 
 
 def respawn(mesh: Mesh, name: str) -> None:
+    """Start `name` again and wait until it serves: the gateway's count of live workers may still hold the
+    old process (its heartbeats have not timed out yet), so its own /ready is asked too."""
     mesh.spawn(name)
     mesh.wait_ready(90)
+    url = mesh.metrics_urls()[name].removesuffix("/metrics") + "/ready"
+    deadline = time.monotonic() + 90
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} not ready at {url}")
+        time.sleep(0.1)
 
 
 class Sse:

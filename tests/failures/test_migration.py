@@ -18,12 +18,13 @@ import nats
 import pytest
 
 from hetmesh import subjects
-from hetmesh.bus import decode
+from hetmesh.bus import decode, encode
 from hetmesh.launcher import Mesh
-from hetmesh.protocol import SchedulerStatus
+from hetmesh.protocol import Heartbeat, InferenceRequest, Phase, Placement, SchedulerStatus, WorkItem
+from hetmesh.workqueue import MSG_ID
 
 from ..e2e.conftest import EventLog, scrape
-from .conftest import DRAIN_TIMEOUT_S, Sse, complete, expected_text, first_placed, respawn, stream
+from .conftest import DRAIN_TIMEOUT_S, TOK, Sse, complete, expected_text, first_placed, respawn, stream
 
 # ~0.2 s a decode token at the mesh's time scale: a kill after 3 chunks lands mid-decode
 N = 24
@@ -123,6 +124,80 @@ async def test_sigterm_drain_lets_a_short_request_finish_where_it_is(mesh: Mesh,
     assert not [e for e in events.for_request(placed.request_id) if e.kind == "migrated"]
     drained = await worker_event(events, "drained", victim, since)
     assert drained.detail["handed_over"] == 0
+    respawn(mesh, f"worker:{victim}")
+
+
+async def test_an_item_reaching_a_draining_worker_is_handed_over_at_once(mesh: Mesh, events: EventLog,
+                                                                         aclient: Any) -> None:
+    """A placement made just before the scheduler heard of a drain reaches the worker while it drains: the
+    worker hands it over at once (retryable `worker_draining`), not leaving it in its consumer for its next
+    incarnation or a redelivery; the gateway places it again and it completes on the other worker, and the
+    drained worker's consumer is empty when it is gone. The scheduler hears of a drain within milliseconds,
+    so the test makes that late placement itself: a copy of a real request's WorkItem, published on the
+    draining worker's direct subject (the one its heartbeats name)."""
+    prompt, n = "placed on a worker that is draining ", 12
+    nc = await nats.connect(mesh.nats_url)
+    submitted: asyncio.Future[InferenceRequest] = asyncio.get_running_loop().create_future()
+    beats: dict[str, Heartbeat] = {}
+
+    async def on_submit(m: Any) -> None:
+        r = decode(m.data, InferenceRequest)
+        if r.attempt == 0 and r.prompt_tokens == TOK.encode(prompt) and not submitted.done():
+            submitted.set_result(r)
+
+    async def on_beat(m: Any) -> None:
+        hb = decode(m.data, Heartbeat)
+        beats[hb.worker_id] = hb
+
+    await nc.subscribe(subjects.SUBMIT, cb=on_submit)
+    await nc.subscribe(subjects.HEARTBEAT_ALL, cb=on_beat)
+    victims: list[str] = []
+    drains: list[asyncio.Task[None]] = []
+    sent = asyncio.Event()
+
+    async def drain_at_3(sse: Sse) -> bool:  # a stream longer than the drain keeps the victim draining
+        if len(sse.chunks) == 3:
+            victims.append(await victim_of(events, sse))
+            drains.append(asyncio.create_task(asyncio.to_thread(mesh.kill, f"worker:{victims[0]}", signal.SIGTERM)))
+            sent.set()
+        return True
+
+    since = time.time()
+    first = "keeps its worker draining "
+    long = asyncio.create_task(stream(mesh, "agg", first, N, drain_at_3))
+    try:
+        await asyncio.wait_for(sent.wait(), 30)
+        victim = victims[0]
+        await worker_event(events, "draining", victim, since)
+        direct = beats[victim].work_subject
+        task = complete(aclient, prompt, n, model="agg")
+        req = await asyncio.wait_for(submitted, 10)
+        item = WorkItem(request=req, phase=Phase.FULL, placement=Placement(mode="aggregated", decode_worker=victim))
+        await nc.jetstream().publish(direct, encode(item), headers={MSG_ID: f"late-{req.request_id}"})
+        r = await asyncio.wait_for(task, 30)
+        await drains[0]
+        sse = await long
+    finally:
+        await nc.close()
+    assert r.choices[0].text == expected_text(prompt, n)
+    assert sse.done and sse.text == expected_text(first, N), sse.errors
+    assert mesh.services[f"worker:{victim}"].proc.returncode == 0  # type: ignore[union-attr]
+    rid = req.request_id
+    handed = await events.wait_for(rid, "handed_over", timeout_s=5, worker_id=victim, queued=True)
+    drained = await worker_event(events, "drained", victim, since)
+    assert handed.ts <= drained.ts  # handed over while draining, not left for the next incarnation
+    again = [e for e in events.for_request(rid) if e.kind in ("retried", "migrated")]
+    assert [e.detail["reason"] for e in again] == ["worker_draining"], again
+    done = await events.wait_for(rid, "decode_done", timeout_s=5)
+    assert done.detail["worker_id"] != victim
+    await events.wait_for(rid, "accepted", timeout_s=5, worker_id=done.detail["worker_id"], attempt=1)
+    assert not [e for e in events.events if e.kind == "work_left" and e.ts >= since]
+    js = (nc2 := await nats.connect(mesh.nats_url)).jetstream()
+    try:  # nothing left for the victim's next incarnation
+        info = await js.consumer_info(subjects.WORK_STREAM, subjects.work_consumer(direct))
+        assert (info.num_pending, info.num_ack_pending) == (0, 0)
+    finally:
+        await nc2.close()
     respawn(mesh, f"worker:{victim}")
 
 

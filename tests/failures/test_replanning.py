@@ -1,9 +1,11 @@
-"""Live re-planning with real processes: a worker switches role under load and no request is lost or
-changed; of two planners started only the lease holder acts, and the other takes over when it dies;
-garbage on the planner's subjects is logged and ignored.
+"""Live re-planning with real processes: a worker switches role, or model, under load and no request is
+lost or changed; a request for a model whose last worker is switching away gets 503 + Retry-After; of two
+planners started only the lease holder acts, and the other takes over when it dies; garbage on the
+planner's subjects is logged and ignored.
 
-The mesh is conftest.py's (its `[planner]` section: a round a second, a 4 s lease). Each test leaves it
-whole for the next: every worker back in its cluster file's role.
+The mesh is conftest.py's (its `[planner]` section: a round a second, a 4 s lease; a model switch's load
+takes about a second). Each test leaves it whole for the next: every worker back in its cluster file's
+model and role.
 """
 
 from __future__ import annotations
@@ -15,14 +17,28 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import httpx
 import nats
 import pytest
+from rich.console import Console
 
 from hetmesh import subjects
 from hetmesh.bus import decode, encode
 from hetmesh.cli.__main__ import main as cli
+from hetmesh.cli.__main__ import table
 from hetmesh.launcher import Mesh
-from hetmesh.protocol import DemandReport, ModelDemandStats, PlanProposal, Role, RoleSwitch, SchedulerStatus
+from hetmesh.protocol import (
+    DemandReport,
+    Heartbeat,
+    ModelDemandStats,
+    ModelSwitch,
+    PlanProposal,
+    Role,
+    RoleSwitch,
+    SchedulerStatus,
+    WorkerCommand,
+    WorkerStatus,
+)
 
 from ..e2e.conftest import EventLog
 from .conftest import Sse, expected_text, stream
@@ -37,15 +53,30 @@ async def switch(nc: Any, worker_id: str, role: Role) -> None:
                                                                           planner="test")))
 
 
-async def roles_settle(nc: Any, want: dict[str, Role], timeout_s: float = 30) -> SchedulerStatus:
-    """Wait until every worker in `want` heartbeats that role and none is moving."""
+async def move(nc: Any, worker_id: str, model: str, role: Role) -> None:
+    await nc.publish(subjects.worker_command(worker_id), encode(ModelSwitch(
+        worker_id=worker_id, model=model, role=role, planner="test")))
+
+
+async def settled(nc: Any, ok: Callable[[dict[str, WorkerStatus]], bool], timeout_s: float) -> SchedulerStatus:
     async with asyncio.timeout(timeout_s):
         while True:
             st = await status(nc)
-            got = {w.worker_id: w for w in st.details}
-            if all(w in got and got[w].role == r and not got[w].moving_to for w, r in want.items()):
+            if ok({w.worker_id: w for w in st.details}):
                 return st
             await asyncio.sleep(0.1)
+
+
+async def layout_settles(nc: Any, want: dict[str, tuple[str, Role]], timeout_s: float = 30) -> SchedulerStatus:
+    """Wait until every worker in `want` heartbeats that model and role and none is moving."""
+    return await settled(nc, lambda got: all(w in got and (got[w].model, got[w].role) == mr and not got[w].moving_to
+                                             for w, mr in want.items()), timeout_s)
+
+
+async def roles_settle(nc: Any, want: dict[str, Role], timeout_s: float = 30) -> SchedulerStatus:
+    """Wait until every worker in `want` heartbeats that role and none is moving."""
+    return await settled(nc, lambda got: all(w in got and got[w].role == r and not got[w].moving_to
+                                             for w, r in want.items()), timeout_s)
 
 
 @pytest.fixture
@@ -53,11 +84,12 @@ async def bus(mesh: Mesh) -> AsyncIterator[Any]:
     nc = await nats.connect(mesh.nats_url)
     yield nc
     # back to the cluster file's layout, whatever a test or a planner did
-    want = {wid: g.role for g in mesh.cfg.workers for wid in g.worker_ids()}
-    for w in (await status(nc)).details:
-        if w.role != want[w.worker_id] and not w.moving_to:
-            await switch(nc, w.worker_id, want[w.worker_id])
-    await roles_settle(nc, want, 60)
+    want = {wid: (g.model, g.role) for g in mesh.cfg.workers for wid in g.worker_ids()}
+    st = await settled(nc, lambda got: not any(w.moving_to for w in got.values()), 60)  # moves under way end first
+    for w in st.details:
+        if (w.model, w.role) != want[w.worker_id]:
+            await move(nc, w.worker_id, *want[w.worker_id])
+    await layout_settles(nc, want, 60)
     await nc.close()
 
 
@@ -69,19 +101,19 @@ def check(got: Sse, prompt: str, n: int) -> None:
 
 async def test_role_flip_under_load_loses_no_request(mesh: Mesh, events: EventLog, bus: Any) -> None:
     """h100-0 goes both -> prefill -> both while streams run on the aggregated model: every stream ends
-    with exactly the undisturbed text, the switch drained the old role's work, and the heartbeats (and
-    `hetmesh status`) showed the move."""
+    with exactly the undisturbed text, the switch drained the old role's work, and the heartbeats (what
+    the scheduler's view and `hetmesh status` show) said so."""
     n = 16
     prompts = [f"re-plan {i} " + "x" * (40 * i) for i in range(12)]
     since = time.time()
     seen_moving: list[str] = []
 
-    async def watch() -> None:
-        while True:
-            for w in (await status(bus)).details:
-                if w.moving_to:
-                    seen_moving.append(f"{w.worker_id}:{w.role.value}->{w.moving_to}")
-            await asyncio.sleep(0.05)
+    async def on_heartbeat(m: Any) -> None:  # what the scheduler's view (and `hetmesh status`) is made of
+        hb = decode(m.data, Heartbeat)
+        if hb.moving_to:
+            seen_moving.append(f"{hb.worker_id}:{hb.role.value}->{hb.moving_to}")
+
+    beats = await bus.subscribe(subjects.heartbeat("h100-0"), cb=on_heartbeat)
 
     async def flips() -> None:
         await asyncio.sleep(0.5)  # the first wave is decoding
@@ -95,11 +127,10 @@ async def test_role_flip_under_load_loses_no_request(mesh: Mesh, events: EventLo
         await asyncio.sleep(delay)
         return list(await asyncio.gather(*(stream(mesh, "agg", p, n) for p in ps)))
 
-    watcher = asyncio.create_task(watch())
     try:
         results = await asyncio.gather(wave(prompts[:4], 0), wave(prompts[4:8], 0.6), wave(prompts[8:], 2.0), flips())
     finally:
-        watcher.cancel()
+        await beats.unsubscribe()
     for got, p in zip([s for w in results[:3] for s in w], prompts, strict=True):
         check(got, p, n)
     mine = [e for e in events.events if e.service == "worker" and e.detail.get("worker_id") == "h100-0"
@@ -114,6 +145,73 @@ async def test_role_flip_under_load_loses_no_request(mesh: Mesh, events: EventLo
     accepted = [e for e in mine if e.kind == "accepted"]
     assert not [e for e in accepted if start <= e.ts <= end_first or mid <= e.ts <= switched[1].ts]
     assert all(e.detail["phase"] == "prefill" for e in accepted if end_first < e.ts < mid)
+
+
+async def test_model_switch_under_load(mesh: Mesh, events: EventLog, bus: Any) -> None:
+    """h100-0 moves agg -> pd while streams run on it: each ends with exactly the undisturbed text (finished
+    within the drain, or handed over to h100-1, agg's other worker). Then h100-1, agg's last worker, moves
+    too: a request for agg meanwhile gets an OpenAI-shaped 503 with Retry-After (never a hang), and `hetmesh
+    status` shows the move. Then h100-0 moves back (a reload again) and serves agg, the model it took on."""
+    n = 16
+    since = time.time()
+    prompts = [f"model move {i} " + "m" * (30 * i) for i in range(6)]
+    started: set[int] = set()
+
+    def first_chunk(i: int) -> Callable[[Sse], Any]:
+        async def on(_s: Sse) -> bool:
+            started.add(i)
+            return True
+        return on
+
+    load = asyncio.gather(*(stream(mesh, "agg", p, n, first_chunk(i)) for i, p in enumerate(prompts)))
+    try:
+        await until(lambda: len(started) == len(prompts), 30)  # every stream is placed and decoding
+        await move(bus, "h100-0", "pd", Role.BOTH)
+        results = await load
+    finally:
+        if not load.done():
+            load.cancel()
+    for got, p in zip(results, prompts, strict=True):
+        check(got, p, n)
+    switching = next(e for e in events.events if e.kind == "model_switching" and e.ts >= since)
+    assert any(e.kind == "accepted" and e.detail.get("worker_id") == "h100-0" and since <= e.ts < switching.ts
+               for e in events.events)  # some of the streams ran on the worker that moved
+    await layout_settles(bus, {"h100-0": ("pd", Role.BOTH)})
+
+    await move(bus, "h100-1", "pd", Role.BOTH)  # agg's last worker
+    moving = await settled(bus, lambda got: got["h100-1"].moving_model == "pd", 10)
+    refused = await refused_while(mesh, bus, "agg", lambda w: w["h100-1"].moving_model == "pd")
+    assert refused.status_code == 503 and float(refused.headers["retry-after"]) > 0
+    err = refused.json()["error"]
+    assert err["code"] == "model_moving" and "h100-1 is switching to pd/both" in err["message"], err
+    # `hetmesh status` of the scheduler's view during the move: model and role, and that it is moving
+    out = Console(width=200, record=True)
+    out.print(table(moving))
+    row = next(line for line in out.export_text().splitlines() if "h100-1" in line)
+    assert "agg -> pd" in row and "both -> both" in row, row
+    await layout_settles(bus, {"h100-1": ("pd", Role.BOTH)})
+
+    await move(bus, "h100-0", "agg", Role.BOTH)  # agg has no worker now; h100-0 brings it back
+    await layout_settles(bus, {"h100-0": ("agg", Role.BOTH)})
+    back = [f"served after the move {i}" for i in range(3)]
+    for got, p in zip(await asyncio.gather(*(stream(mesh, "agg", p, 8) for p in back)), back, strict=True):
+        check(got, p, 8)
+    mine = [e for e in events.events if e.service == "worker" and e.ts >= since and e.kind == "model_switched"]
+    assert [(e.detail["worker_id"], e.detail["from_model"], e.detail["to_model"]) for e in mine] == [
+        ("h100-0", "agg", "pd"), ("h100-1", "agg", "pd"), ("h100-0", "pd", "agg")]
+    assert all(float(e.detail["load_seconds"]) > 0 for e in mine)
+
+
+async def refused_while(mesh: Mesh, nc: Any, model: str, moving: Callable[[dict[str, WorkerStatus]], bool],
+                        timeout_s: float = 20) -> httpx.Response:
+    """Ask for `model` until a request is refused; every answer comes while the move is on."""
+    body = {"model": model, "prompt": "while it moves", "max_tokens": 2, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=mesh.url, timeout=30) as http, asyncio.timeout(timeout_s):
+        while True:
+            r = await http.post("/v1/completions", json=body)
+            if r.status_code != 200:
+                return r
+            assert moving({w.worker_id: w for w in (await status(nc)).details}), "the move ended, nothing refused"
 
 
 async def until(pred: Callable[[], bool], timeout_s: float) -> None:
@@ -132,13 +230,13 @@ def planner(mesh: Mesh, name: str) -> None:
 
 async def test_two_planners_one_acts_and_garbage_does_not_kill_it(mesh: Mesh, bus: Any) -> None:
     proposals: list[PlanProposal] = []
-    commands: list[RoleSwitch] = []
+    commands: list[WorkerCommand] = []
 
     async def on_plan(m: Any) -> None:
         proposals.append(decode(m.data, PlanProposal))
 
     async def on_command(m: Any) -> None:
-        commands.append(decode(m.data, RoleSwitch))
+        commands.append(decode(m.data, WorkerCommand))  # type: ignore[arg-type]
 
     await bus.subscribe(subjects.PLAN, cb=on_plan)
     await bus.subscribe(subjects.worker_command("*"), cb=on_command)

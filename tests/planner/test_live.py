@@ -43,18 +43,41 @@ def worker(wid: str, role: Role = Role.BOTH, model: str = "m", **kw: object) -> 
 
 
 def test_window_rates_means_and_prefix_share() -> None:
-    w = DemandWindow(10.0)
+    w = DemandWindow(10.0, {"m": (1.0, 0.1)})
     for i in range(5):
         w.submitted(f"a{i}", "m", 100.0 + i, prompt_tokens=100, max_tokens=50, cached_tokens=40)
     w.submitted("b0", "n", 101.0, prompt_tokens=30, max_tokens=8)
-    w.finished("a0", 103.0, completion_tokens=20, within_slo=True)
-    w.finished("a1", 104.0, completion_tokens=40, within_slo=False)
+    w.finished("a0", 102.5, completion_tokens=20)  # 2.5 s <= 1 + 19 x 0.1: within
+    w.finished("a1", 106.0, completion_tokens=20)  # 5 s: late
     w.finished("zzz", 104.0, completion_tokens=99)  # never submitted here: ignored
-    (m, n) = w.report(105.0)
+    (m, n) = w.report(106.5)
     assert (m.model, m.requests, m.rate) == ("m", 5, 0.5)
-    assert (m.prompt_mean, m.output_mean, m.max_tokens_mean, m.prefix_hit) == (100.0, 30.0, 50.0, 0.4)
+    assert (m.prompt_mean, m.output_mean, m.max_tokens_mean, m.prefix_hit) == (100.0, 20.0, 50.0, 0.4)
     assert m.slo_attainment == 0.5
-    assert (n.requests, n.output_mean, n.slo_attainment, n.prefix_hit) == (1, 0.0, None, 0.0)
+    assert (n.requests, n.output_mean, n.slo_attainment, n.prefix_hit) == (1, 0.0, None, 0.0)  # no SLO known
+
+
+def test_window_slo_attainment_from_first_token_and_time_scale() -> None:
+    """A P/D request's first token (its prefill's Finished) is judged against the TTFT SLO and the rest
+    against the TPOT SLO; latencies are wall seconds x time_scale; aborts and errors are not judged
+    (the request may go on elsewhere) and keep it open."""
+    w = DemandWindow(100.0, {"m": (1.0, 0.1)}, time_scale=2.0)
+    for rid in ("late-first", "ok", "slow-decode", "moved"):
+        w.submitted(rid, "m", 0.0, prompt_tokens=10, max_tokens=11)
+    w.first_token("late-first", 0.6)  # 1.2 s engine time > 1 s: a miss though the end is early
+    w.finished("late-first", 0.7, 11)
+    w.first_token("ok", 0.4)
+    w.first_token("ok", 0.45)  # only the first one counts
+    w.finished("ok", 0.9, 11)  # TTFT 0.8 s, TPOT (1.8 - 0.8) / 10 = 0.1 s
+    w.first_token("slow-decode", 0.1)
+    w.finished("slow-decode", 0.7, 11)  # e2e 1.4 s is within 1 + 10 x 0.1, but TPOT 0.12 s is not
+    w.finished("moved", 0.3, 4, "abort")  # handed over: not judged, still open
+    (m,) = w.report(1.0)
+    assert m.slo_attainment == 1 / 3 and m.output_mean == 11.0
+    w.finished("moved", 0.8, 11)  # the continuation ended: 1.6 s <= 2 s
+    assert w.report(1.0)[0].slo_attainment == 0.5
+    with pytest.raises(ValueError):
+        DemandWindow(1.0, time_scale=0)
 
 
 def test_window_forgets_what_fell_out() -> None:
@@ -86,6 +109,8 @@ def test_demand_from_stats(cfg: config.ClusterConfig) -> None:
     assert d is not None and (d.rate, d.input_mean, d.output_mean, d.ttft_slo_s, d.tpot_slo_s) == (2.0, 500, 64, 2, .1)
     assert demand(msg_replace(s, model="nope"), cfg) is None  # unknown model: garbage in, nothing planned
     assert demand(msg_replace(s, requests=0), cfg) is None
+    cfg.mesh.time_scale = 4.0  # a sim mesh 4x faster than wall time: 2 arrivals per wall s are 0.5 per engine s
+    assert getattr(demand(s, cfg), "rate", None) == 0.5
 
 
 def msg_replace(s: ModelDemandStats, **kw: object) -> ModelDemandStats:

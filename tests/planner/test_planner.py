@@ -10,7 +10,7 @@ import pytest
 from hetmesh.costmodel import accelerator, server_model
 from hetmesh.costmodel.economics import device_usd_per_hour, fleet_usd_per_hour, usd_per_mtok
 from hetmesh.planner import Assignment, ModelDemand, ServerGroup, demand_from_trace, demand_trace, moves, plan
-from hetmesh.planner.buy import cheapest
+from hetmesh.planner.buy import cheapest, reprice, restrict
 from hetmesh.planner.capacity import capacity, mdl_utilization
 from hetmesh.planner.solve import Option, solve
 from hetmesh.protocol import Role
@@ -146,3 +146,14 @@ def test_cheapest_purchase_meets_the_slos() -> None:
     best = cheapest(kinds, [_demand(1.0)], check_duration_s=60)
     assert best is not None and best.meets and best.slo_attainment >= 0.9
     assert best.usd_per_hour == pytest.approx(sum(best.servers.values()) * 8 * device_usd_per_hour("nvidia-h200"))
+
+
+def test_a_smaller_catalog_and_other_prices_reuse_the_options() -> None:
+    kinds = [ServerGroup(name="a", accelerator="nvidia-h200"), ServerGroup(name="b", accelerator="amd-mi300x")]
+    opts = [Option(0, "m", Role.BOTH, "tp", 1.0, 38.0), Option(1, "m", Role.BOTH, "tp", 2.0, 24.0),
+            Option(1, "m", Role.DECODE, "tp", 3.0, 24.0)]
+    ks, os_ = restrict(kinds, opts, ["b"])
+    assert [k.name for k in ks] == ["b"] and [(o.group, o.role) for o in os_] == [(0, Role.BOTH), (0, Role.DECODE)]
+    priced = reprice(kinds, opts, {"amd-mi300x": 5.0})
+    assert [o.usd_per_hour for o in priced] == [8 * device_usd_per_hour("nvidia-h200"), 40.0, 40.0]
+    assert [o.capacity for o in priced] == [1.0, 2.0, 3.0]

@@ -2,10 +2,11 @@
 
 import math
 
+import msgspec
 import pytest
 
 from hetmesh.config import ClusterConfig, ModelConfig, SchedulerConfig
-from hetmesh.placement import REFUSED, RequestInfo, WorkerView, make_policy
+from hetmesh.placement import REFUSED, Decision, RequestInfo, WorkerView, make_policy
 from hetmesh.placement.admission import admit, over_slo, retry_after_s
 from hetmesh.placement.dynamo import Dynamo, argmin, decode_cost, isl_bounding, kv_cost
 from hetmesh.placement.llmd import (
@@ -174,3 +175,41 @@ def test_admission_config_per_model_and_options() -> None:
     check_options("llm_d", {"non_cached_tokens": 2048, "prefix_weight": 3.0})
     with pytest.raises(ValueError, match="no option 'threshold'"):
         check_options("dynamo", {"threshold": 1})
+
+
+def test_an_anchor_behind_the_admission_gate_is_judged_on_its_own_choice() -> None:
+    # Dynamo over two idle H100 servers; the cost model predicts what Dynamo picks. TTFT SLO = the idle
+    # prefill: the first request is admitted and booked; the second, on the same worker (Dynamo's tie goes
+    # by id), waits behind it: 2x its SLO, over the margin of 1.5, refused, and withdrawn from Dynamo's own
+    # count of active prefill blocks, so Dynamo's next choice is as if it never came.
+    from hetmesh.placement.gate import Gated
+
+    ws = [WorkerView(worker_id=f"h-{i}", model="llama-3.1-70b", accelerator="nvidia-h100", vendor="nvidia",
+                     devices=8, role=Role.BOTH, queue_depth=0, running=0, max_batch=64, kv_blocks_total=0,
+                     kv_blocks_used=0, block_size=16) for i in range(2)]
+    r = RequestInfo(request_id="r", model="llama-3.1-70b", prompt_len=32_000, max_tokens=1, arrival=0.0)
+    pf = make_policy("cost", ttft_slo_s=10.0).place(r, ws).predicted_ttft_s  # type: ignore[union-attr]
+    assert pf is not None
+
+    class Pinned:  # always h-0: the gate judges the choice, not the best placement
+        name = "pinned"
+
+        def place(self, req: RequestInfo, workers: list[WorkerView]) -> Decision:
+            return Decision(mode="aggregated", decode_worker="h-0")
+
+    g = Gated(Pinned(), make_policy("cost", ttft_slo_s=pf, admission_margin=1.5))  # type: ignore[arg-type]
+    assert g.name == "pinned+admission"
+    first = g.place(r, ws)
+    assert first is not None and first.decode_worker == "h-0" and first.predicted_ttft_s == pytest.approx(pf)
+    second = g.place(r, ws)  # h-1 is idle, but the choice is h-0 behind one prefill: 2 x the SLO
+    assert second is not None and second.mode == REFUSED and second.predicted_ttft_s == pytest.approx(2 * pf)
+    assert g.place(r, ws).mode == REFUSED  # type: ignore[union-attr]  # nothing booked by a refusal
+    assert Gated(Pinned(), make_policy("cost", ttft_slo_s=pf), margin=2.1).place(r, ws).mode == "aggregated"  # type: ignore[arg-type,union-attr]
+
+    dyn = Dynamo()
+    gd = Gated(dyn, make_policy("cost", ttft_slo_s=pf, admission_margin=1.5))
+    views = [msgspec.structs.replace(w, queue_depth=5) for w in ws]  # queued: Dynamo keeps counting its blocks
+    # Dynamo spreads the two (its second choice counts the first's blocks); both admitted
+    assert {gd.place(r, views).decode_worker for _ in range(2)} == {"h-0", "h-1"}  # type: ignore[union-attr]
+    assert gd.place(r, views).mode == REFUSED  # type: ignore[union-attr]  # both busy: 2x the SLO either way
+    assert [len(q) for q in dyn._prefills.values()] == [1, 1]  # the refused one was withdrawn

@@ -30,6 +30,7 @@ import os
 from collections import deque
 from collections.abc import Mapping, Sequence
 
+import msgspec
 import numpy as np
 
 from hetmesh.costmodel import (
@@ -40,11 +41,33 @@ from hetmesh.costmodel import (
     server_model,
 )
 from hetmesh.costmodel.model import COEFFICIENTS, step_seconds_many, transfer_time
-from hetmesh.placement.admission import admit, refusal
+from hetmesh.placement.admission import admit, over_slo, refusal
 from hetmesh.placement.fleet import Fleet
+from hetmesh.placement.slack import SlackLedger
 from hetmesh.placement.state import Decision, RequestInfo, WorkerView
 
 MAX_CANDIDATES = 16  # options a Decision lists (best first) for the placement span
+
+
+class _Priced(msgspec.Struct, frozen=True, kw_only=True):
+    """One request priced on every worker (arrays indexed like the fleet's workers)."""
+
+    now: float
+    pre: np.ndarray  # workers that can prefill it
+    dec: np.ndarray  # workers that can decode it
+    agg: np.ndarray  # the `both` ones among pre
+    cached: np.ndarray  # prompt tokens each worker holds
+    ctx: int  # the context a decode step is priced at
+    pf: np.ndarray  # prefill seconds on each worker (its steps, the decodes riding along included)
+    stolen: np.ndarray  # of which the decodes there would not have spent anyway
+    ttft: np.ndarray  # backlog + prefill on each worker as P
+    tpot: np.ndarray  # decode step on each worker as D, slowed by its prefill share
+    step: np.ndarray  # a decode step on each worker at the batch it would join (no prefill)
+    slow: np.ndarray  # 1 - each worker's prefill share
+    backlog: np.ndarray  # seconds of prefill this policy queued on each worker, not yet run
+    ext_p: np.ndarray  # seconds a prefill there holds up the sequences running or queued there
+    ext_d: np.ndarray  # seconds this decode there adds to the others' steps
+    fits: np.ndarray  # its KV fits on each worker as D
 
 
 class CostPolicy:
@@ -97,6 +120,10 @@ class CostPolicy:
         self._starts: list[deque[float]] = []
         self._fleet = Fleet(self._cm_row, self._slot, lambda: self._coef)
         self._work = np.zeros((4, 0))  # step_seconds_many's prefill arguments, 3 steps per worker
+        self.queued_prefill_in_tpot = True
+        self.harm_mode = "off"
+        self.share_of_stolen = True
+        self._ledger = SlackLedger()
 
     # ---- helpers ----
     def _cm_row(self, w: WorkerView) -> int:
@@ -136,7 +163,8 @@ class CostPolicy:
         return bw
 
     # ---- the decision ----
-    def place(self, req: RequestInfo, workers: Sequence[WorkerView]) -> Decision | None:
+    def _price(self, req: RequestInfo, workers: Sequence[WorkerView]) -> _Priced | None:
+        """Every worker priced for `req`: TTFT on it as P, TPOT on it as D, and the delay each puts on others."""
         f = self._fleet
         f.sync(workers)
         pre, dec, agg_i = f.pools(req.model, req.exclude)
@@ -145,7 +173,6 @@ class CostPolicy:
         now = req.arrival
         if self._t0 < 0:
             self._t0 = now
-        n_out = max(req.max_tokens, 1)
         prompt = req.prompt_len
         c, slots, sl, nw = f.coef, f.slots, f.slot_index, len(f.ids)  # sl: slots as a view when it can be
         running, queue, max_batch, step_tokens, kv_total, kv_used, block_size = f.num.T
@@ -159,22 +186,24 @@ class CostPolicy:
 
         # Priced in one call, per worker: the prefill's first chunk (the chunks the batching core would run,
         # its decode batch riding along), and a decode step at its batch (running + queued + this one) and at
-        # one fewer (the marginal cost of this sequence). Prompts longer than a chunk price the rest after.
+        # one fewer (the marginal cost of this sequence), and the running batch's decode step alone (what the
+        # prefill's steps would have cost anyway). Prompts longer than a chunk price the rest after.
         chunk = np.maximum(step_tokens - running, 1.0)
         left = np.maximum(prompt - cached, 1.0)
+        n_steps = np.ceil(left / chunk)
         n = np.minimum(left, chunk)
         b = running + queue + 1
         bb = np.minimum(b, max_batch)
         work = self._work
-        if work.shape[1] != 3 * nw:
-            work = self._work = np.zeros((4, 3 * nw))  # the decode steps' prefill columns stay 0
+        if work.shape[1] != 4 * nw:
+            work = self._work = np.zeros((4, 4 * nw))  # the decode steps' prefill columns stay 0
         work[0, :nw] = n
         work[1, :nw] = (n > 0) * 1.0
         work[2, :nw] = n * cached + n * (n + 1) // 2
         work[3, :nw] = cached
-        batch = np.concatenate([running, bb, bb - 1])
-        priced = step_seconds_many(f.tiled(3), work[0], work[1], work[2], work[3], batch, batch * ctx)
-        pf, step, fewer = priced[:nw], priced[nw : 2 * nw], priced[2 * nw :]
+        batch = np.concatenate([running, bb, bb - 1, running])
+        priced = step_seconds_many(f.tiled(4), work[0], work[1], work[2], work[3], batch, batch * ctx)
+        pf, step, fewer, alone = priced[:nw], priced[nw : 2 * nw], priced[2 * nw : 3 * nw], priced[3 * nw :]
         done = cached + n
         left = left - n
         while np.count_nonzero(left):
@@ -183,7 +212,11 @@ class CostPolicy:
                                     running * ctx)
             done += n
             left -= n
-        ttft = np.maximum(self._busy_until[sl] - now, 0.0) + pf
+        backlog = np.maximum(self._busy_until[sl] - now, 0.0)
+        ttft = backlog + pf
+        # What the prefill takes from the decodes beside it (the prefill share's unit): its steps less the
+        # plain decode steps they replace.
+        stolen = np.maximum(pf - n_steps * alone, 0.0)
 
         # Decode, slowed by the worker's prefill share.
         waits = b > max_batch
@@ -206,16 +239,45 @@ class CostPolicy:
             self._first_start[s] = starts[0] if starts else math.inf
             self._queued[s] = len(starts)
         stalled = running + np.maximum(queue - self._queued[sl], 0.0)
-        ext_p = pf * stalled
         need = np.ceil((prompt + req.max_tokens) / np.maximum(block_size, 1))
         fits = (kv_total <= 0) | (need <= kv_total - kv_used) | (running == 0)
+        return _Priced(now=now, pre=pre, dec=dec, agg=agg_i, cached=cached, ctx=ctx, pf=pf, stolen=stolen, ttft=ttft, tpot=tpot,
+                       step=step, slow=slow, backlog=backlog,
+                       ext_p=pf * stalled, ext_d=ext_d, fits=fits)
 
+    def _tpot(self, pr: _Priced, p: np.ndarray, d: np.ndarray, lead: np.ndarray, n_out: int) -> np.ndarray:
+        """TPOT of placements (P, D), `lead` seconds from now to the first token on D (its prefill and the KV's
+        trip). The prefills queued on D that are still there when the decode starts run in the steps it rides
+        (every step carries a chunk while any is left): with its own n - 1 steps and the prefill share of what
+        arrives meanwhile, the decode takes T = ((n - 1) step + B) / (1 - share) in all. Aggregated (P = D): its
+        own prefill waited for D's queue, so B = 0."""
+        if n_out <= 1 or not self.queued_prefill_in_tpot:
+            return pr.tpot[d]
+        left = np.where(p == d, 0.0, np.maximum(pr.backlog[d] - lead, 0.0))
+        return pr.tpot[d] + left / ((n_out - 1) * pr.slow[d])
+
+    def _idle(self, pr: _Priced, prefill: np.ndarray, n_out: int, ttft_slo: float, tpot_slo: float) -> float:
+        """admission's idle reference: the best prefill alone, and a decode step alone in its batch, over SLO."""
+        idle = float(pr.pf[prefill].min()) / ttft_slo
+        if n_out > 1:
+            c = self._fleet.coef[:, pr.dec]
+            one, z = np.ones(len(pr.dec)), np.zeros(len(pr.dec))
+            idle = max(idle, float(step_seconds_many(c, z, z, z, z, one, one * pr.ctx).min()) / tpot_slo)
+        return idle
+
+    def place(self, req: RequestInfo, workers: Sequence[WorkerView]) -> Decision | None:
+        pr = self._price(req, workers)
+        if pr is None:
+            return None
+        f = self._fleet
+        n_out = max(req.max_tokens, 1)
+        pre, dec, agg_i, ttft, tpot = pr.pre, pr.dec, pr.agg, pr.ttft, pr.tpot
         # Options: every `both` worker alone, then the top_k prefill x top_k decode pairs.
         ip = id_ = agg_i
         xfer = np.zeros(len(agg_i))
         if n_out > 1 or not len(agg_i):
             rows = f.row_list
-            kv_bytes = prompt * self._cm_list[rows[pre[0]]].kv_bytes_per_token()
+            kv_bytes = req.prompt_len * self._cm_list[rows[pre[0]]].kv_bytes_per_token()
             best_p = pre[ttft[pre].argsort(kind="stable")[: self.top_k]].tolist()
             best_d = dec[tpot[dec].argsort(kind="stable")[: self.top_k]].tolist()
             pairs = [(p, d) for p in best_p for d in best_d if p != d]
@@ -226,28 +288,35 @@ class CostPolicy:
                 xfer = np.concatenate([xfer, [transfer_time(kv_bytes, link(rows[p], rows[d])) for p, d in pairs]])
         if not len(ip):
             return None
-        o_ttft, o_tpot = ttft[ip], tpot[id_]
+        o_ttft = ttft[ip]
+        o_tpot = self._tpot(pr, ip, id_, o_ttft + xfer, n_out)
         o_e2e = o_ttft + xfer + (n_out - 1) * o_tpot
-        miss = ~fits[id_]
+        miss = ~pr.fits[id_]
         ttft_slo, tpot_slo = self.slos.get(req.model, (self.ttft_slo, self.tpot_slo))
         over = np.maximum(o_ttft / ttft_slo, o_tpot / tpot_slo if n_out > 1 else 0.0)
         margin = self.admission_margins.get(req.model, self.admission_margin)
         if margin > 0:  # before anything is committed: a refused request leaves no bookkeeping behind
             j = int(np.argmin(np.where(miss, np.inf, over))) if not miss.all() else int(np.argmin(over))
-            if over[j] > margin:  # the idle reference only when it could refuse: what no wait would give
-                idle = float(pf[ip].min()) / ttft_slo  # the prefill alone
-                if n_out > 1:  # a decode step alone in its batch
-                    one, z = np.ones(len(dec)), np.zeros(len(dec))
-                    idle = max(idle, float(step_seconds_many(c[:, dec], z, z, z, z, one, one * ctx).min()) / tpot_slo)
-                if not admit(float(over[j]), margin, idle):
-                    return refusal(float(o_ttft[j]), float(o_tpot[j]) if n_out > 1 else 0.0, float(over[j]), margin)
+            # the idle reference only when it could refuse: what no wait would give
+            if over[j] > margin and not admit(float(over[j]), margin, self._idle(pr, ip, n_out, ttft_slo, tpot_slo)):
+                return refusal(float(o_ttft[j]), float(o_tpot[j]) if n_out > 1 else 0.0, float(over[j]), margin)
         if self.objective == "latency":
             order = np.lexsort((o_e2e, o_ttft, np.maximum(over, 1.0), miss))
         else:  # the cluster-seconds this request costs: its own time plus the delay it puts on others
-            order = np.lexsort((o_e2e + ext_p[ip] + ext_d[id_], over > 1.0, miss))
+            order = np.lexsort((o_e2e + pr.ext_p[ip] + pr.ext_d[id_], over > 1.0, miss))
+            if self.harm_mode != "off":
+                order = self._spare(order[:MAX_CANDIDATES], pr, ip, over, miss, n_out)
         k = int(order[0])
         p, d = int(ip[k]), int(id_[k])
-        self._commit(int(slots[p]), float(pf[p]), now)
+        slot_p = int(f.slots[p])
+        start = pr.now + float(pr.backlog[p])
+        self._commit(slot_p, float(pr.pf[p]), float(pr.stolen[p]), pr.now)
+        self._ledger.stall(slot_p, start, float(pr.pf[p]), float(pr.stolen[p]), pr.now)
+        if n_out > 1:  # its own decode joins the ledger: its window and its slack beside what is queued on D
+            first = pr.now + float(o_ttft[k] + xfer[k])
+            left = 0.0 if p == d else max(float(pr.backlog[d]) - (first - pr.now), 0.0)
+            self._ledger.add(int(f.slots[d]), first, first + (n_out - 1) * float(o_tpot[k]),
+                             (n_out - 1) * (tpot_slo - float(pr.step[d])) - left, n_out)
         agg = p == d
         ids = f.ids
         shown = order[:MAX_CANDIDATES]  # the best options, for the placement span
@@ -255,7 +324,7 @@ class CostPolicy:
             mode="aggregated" if agg else "disaggregated",
             decode_worker=ids[d],
             prefill_worker=None if agg else ids[p],
-            expected_cached_tokens=int(cached[p]),
+            expected_cached_tokens=int(pr.cached[p]),
             reason=f"cost/{self.objective}: e2e {o_e2e[k]:.3f}s",
             predicted_ttft_s=float(o_ttft[k]),
             predicted_tpot_s=float(o_tpot[k]) if n_out > 1 else 0.0,
@@ -263,12 +332,51 @@ class CostPolicy:
                                  o_ttft[shown].tolist(), o_tpot[shown].tolist(), o_e2e[shown].tolist(), strict=True)),
         )
 
-    def _commit(self, slot: int, pf: float, now: float) -> None:
+    def _spare(self, top: np.ndarray, pr: _Priced, ip: np.ndarray, over: np.ndarray, miss: np.ndarray,
+               n_out: int) -> np.ndarray:
+        """The best options (in cluster-seconds order) re-ranked by the SLO goodput they are predicted to
+        yield: this request's output tokens if it meets its SLOs, less those of the decodes its prefill would
+        push past theirs where it runs (the slack ledger)."""
+        f, now = self._fleet, pr.now
+        harm = np.array([self._ledger.harm(int(f.slots[p]), now + float(pr.backlog[p]), float(pr.pf[p]),
+                                           float(pr.stolen[p]), now)
+                         for p in ip[top].tolist()])
+        if not harm.any():
+            return top
+        if self.harm_mode == "late":
+            late = (over[top] > 1.0) | (harm > 0)
+            return top[np.lexsort((np.arange(len(top)), late, miss[top]))]
+        net = n_out * (over[top] <= 1.0) - harm
+        return top[np.lexsort((np.arange(len(top)), -net, miss[top]))]
+
+    def assess(self, req: RequestInfo, workers: Sequence[WorkerView], decision: Decision,
+               margin: float | None = None) -> Decision:
+        """SLO-aware admission for another policy's choice (hetmesh.placement.gate): `decision` with this
+        policy's predictions, or a refusal when admission's rule refuses that very placement. An admitted
+        placement is booked like one of ours (its prefill backlog), so the next predictions see it."""
+        pr = self._price(req, workers)
+        idx = self._fleet.index
+        p, d = idx.get(decision.prefill_worker or decision.decode_worker), idx.get(decision.decode_worker)
+        if pr is None or p is None or d is None:
+            return decision  # nothing to judge it by
+        n_out = max(req.max_tokens, 1)
+        ttft = float(pr.ttft[p])
+        tpot = float(self._tpot(pr, np.array([p]), np.array([d]), np.array([ttft]), n_out)[0]) if n_out > 1 else 0.0
+        ttft_slo, tpot_slo = self.slos.get(req.model, (self.ttft_slo, self.tpot_slo))
+        over = over_slo(ttft, tpot, n_out, ttft_slo, tpot_slo)
+        if margin is None:
+            margin = self.admission_margins.get(req.model, self.admission_margin)
+        if margin > 0 and over > margin and not admit(over, margin, self._idle(pr, pr.pre, n_out, ttft_slo, tpot_slo)):
+            return refusal(ttft, tpot, over, margin)
+        self._commit(int(self._fleet.slots[p]), float(pr.pf[p]), float(pr.stolen[p]), pr.now)
+        return msgspec.structs.replace(decision, predicted_ttft_s=ttft, predicted_tpot_s=tpot)
+
+    def _commit(self, slot: int, pf: float, stolen: float, now: float) -> None:
         start = max(float(self._busy_until[slot]), now)
         if not self._starts[slot]:
             self._first_start[slot] = start
         self._starts[slot].append(start)
         self._queued[slot] += 1
         self._busy_until[slot] = start + pf
-        self._acc[slot] = self._acc[slot] * math.exp(-max(now - float(self._last[slot]), 0.0) / self.window) + pf
+        self._acc[slot] = self._acc[slot] * math.exp(-max(now - float(self._last[slot]), 0.0) / self.window) + (stolen if self.share_of_stolen else pf)
         self._last[slot] = now

@@ -136,6 +136,12 @@ class Dynamo:
         # Active prefill is what the worker must compute: the blocks it does not hold.
         self._prefills.setdefault(w.worker_id, deque()).append(float(max(blocks - req.cached_blocks.get(w.worker_id, 0), 0)))
 
+    def withdraw(self, decision: Decision) -> None:
+        """Forget the prefill `decision` routed (refused after the choice, by an admission gate)."""
+        q = self._prefills.get(decision.prefill_worker or decision.decode_worker)
+        if q:
+            q.pop()  # place() appended it last
+
     def _aggregated(self, req: RequestInfo, w: WorkerView, blocks: int, note: str = "kv router") -> Decision:
         self._routed(req, w, blocks)
         return Decision(mode="aggregated", decode_worker=w.worker_id,

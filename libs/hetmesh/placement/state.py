@@ -138,6 +138,9 @@ class ClusterState:
         e = self._workers.get(worker_id)
         return None if e is None else e.hb
 
+    def heartbeats(self) -> list[Heartbeat]:
+        return [e.hb for e in self._workers.values()]
+
     def views(self) -> list[WorkerView]:
         if self._views is None:
             self._views = [self._view(e) for e in self._workers.values()]
@@ -166,6 +169,12 @@ class ClusterState:
             parallel=e.hb.parallel,
             step_tokens=e.hb.step_tokens,
         )
+
+
+def moving(model: str, heartbeats: Iterable[Heartbeat]) -> list[Heartbeat]:
+    """The workers of `model`, or on their way to it, that are switching role or model (the planner's
+    RoleSwitch / ModelSwitch): while no other worker can take a request of `model`, it is asked to retry."""
+    return [hb for hb in heartbeats if hb.moving_to and model in (hb.model, hb.moving_model)]
 
 
 def pool_full(model: str, workers: Iterable[WorkerView], queue_factor: float) -> bool:

@@ -114,21 +114,40 @@ def trim(p: Purchase, kinds: Sequence[ServerGroup], demands: Sequence[ModelDeman
     return best
 
 
+def restrict(kinds: Sequence[ServerGroup], opts: Sequence[Option],
+             names: Sequence[str]) -> tuple[list[ServerGroup], list[Option]]:
+    """The kinds named and their options, renumbered: a smaller catalog without measuring again
+    (a calibrated option is measured on its own kind's pool, whatever else the catalog holds)."""
+    keep = [i for i, k in enumerate(kinds) if k.name in names]
+    index = {old: new for new, old in enumerate(keep)}
+    return ([kinds[i] for i in keep],
+            [msgspec.structs.replace(o, group=index[o.group]) for o in opts if o.group in index])
+
+
+def reprice(kinds: Sequence[ServerGroup], opts: Sequence[Option], prices: Mapping[str, float] | None) -> list[Option]:
+    """The options at other prices (capacities do not depend on them)."""
+    return [msgspec.structs.replace(o, usd_per_hour=device_usd_per_hour(kinds[o.group].accelerator, prices)
+                                    * kinds[o.group].devices) for o in opts]
+
+
 def cheapest(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], *, trace: Trace | None = None,
              attainment: float = 0.9, prices: Mapping[str, float] | None = None,
              efficiencies: Mapping[str, Efficiency] | None = None, check_duration_s: float = 300.0,
-             tries: int = 8, measure: bool = True, seed: int = 0) -> Purchase | None:
+             tries: int = 8, measure: bool = True, seed: int = 0,
+             opts: Sequence[Option] | None = None) -> Purchase | None:
     """The lowest-$/hour servers (at most `count` of each kind) whose simulated SLO attainment on the
     demand is >= `attainment`; None when even the most the solver may buy does not meet it.
 
     The solver sizes for a share of the mean demand; the simulation says whether that meets the
-    SLOs. With `measure`, the capacities are first measured by simulation (`calibrate`). The
+    SLOs. With `measure`, the capacities are first measured by simulation (`calibrate`); `opts`
+    passes options already built (and measured) for these kinds, prices and trace instead. The
     share is searched between 1 (the mean) and the bursts' peak (ModelDemand.peak_rate),
     doubling past it while it fails, in at most `tries` simulations."""
-    opts = options(kinds, demands, prices, efficiencies)
     tr = trace or demand_trace(demands, check_duration_s, seed)
-    if measure:
-        opts = calibrate(kinds, demands, opts, tr, attainment, prices, efficiencies)
+    if opts is None:
+        opts = options(kinds, demands, prices, efficiencies)
+        if measure:
+            opts = calibrate(kinds, demands, opts, tr, attainment, prices, efficiencies)
     if not opts:
         return None
     tried: dict[float, Purchase | None] = {}
@@ -184,4 +203,4 @@ def pareto(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], budgets
     return out
 
 
-__all__ = ["Purchase", "cheapest", "pareto", "score"]
+__all__ = ["Purchase", "cheapest", "pareto", "reprice", "restrict", "score"]

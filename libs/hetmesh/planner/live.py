@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from hetmesh.config import ClusterConfig
 from hetmesh.planner.inputs import ModelDemand, ServerGroup
@@ -30,27 +30,60 @@ class _Arrival:
 
 class DemandWindow:
     """Per-model demand over the last `window_s` seconds. Fed events with their time; `report(now)`
-    summarises the window (and forgets what fell out of it)."""
+    summarises the window (and forgets what fell out of it).
 
-    def __init__(self, window_s: float) -> None:
-        if window_s <= 0:
-            raise ValueError("window_s must be > 0")
+    SLO attainment is judged from what the scheduler sees: its own submit and the request's last
+    Finished record. TTFT is known only where a prefill worker's `prefill_done` came first (P/D; it
+    is sent once the KV is shipped, so this TTFT is a transfer late: a lower bound of attainment);
+    otherwise a request counts as within its SLOs when it ended within TTFT SLO + (tokens - 1) x TPOT
+    SLO, a bound that a fast decode can meet after a late first token (an upper bound of attainment).
+    `slos`: (TTFT, TPOT) seconds per model (engine time); `time_scale`: engine seconds per wall second
+    (a sim mesh's `mesh.time_scale`), so that wall-clock latencies compare with the SLOs."""
+
+    def __init__(self, window_s: float, slos: Mapping[str, tuple[float, float]] | None = None,
+                 time_scale: float = 1.0) -> None:
+        if window_s <= 0 or time_scale <= 0:
+            raise ValueError("window_s and time_scale must be > 0")
         self.window_s = window_s
+        self.slos = dict(slos or {})
+        self.time_scale = time_scale
         self._arrivals: deque[_Arrival] = deque()
         self._finishes: deque[tuple[float, str, int, bool | None]] = deque()  # ts, model, tokens, within SLO
-        self._open: dict[str, tuple[str, float]] = {}  # request id -> (model, submitted at)
+        self._open: dict[str, tuple[str, float, float | None]] = {}  # request id -> (model, submitted, first token)
 
     def submitted(self, request_id: str, model: str, now: float, prompt_tokens: int, max_tokens: int,
                   cached_tokens: int = 0) -> None:
         self._arrivals.append(_Arrival(now, model, prompt_tokens, max_tokens, min(cached_tokens, prompt_tokens)))
-        self._open[request_id] = (model, now)
+        self._open[request_id] = (model, now, None)
 
-    def finished(self, request_id: str, now: float, completion_tokens: int, within_slo: bool | None = None) -> None:
+    def first_token(self, request_id: str, now: float) -> None:
+        """The request's first token is out (a P/D prefill finished): its TTFT is known."""
+        got = self._open.get(request_id)
+        if got is not None and got[2] is None:
+            self._open[request_id] = (got[0], got[1], now)
+
+    def finished(self, request_id: str, now: float, completion_tokens: int, reason: str = "stop") -> None:
         """A request ended (its last worker let go of it); unknown ids (placed before this window began
-        or by another scheduler instance) are ignored."""
+        or by another scheduler instance) are ignored. An `abort` or `error` may go on elsewhere (a
+        migration, a retry under the same id): the request stays open, and a client's cancel is
+        forgotten with the stale ones."""
+        if reason in ("abort", "error"):
+            return
         got = self._open.pop(request_id, None)
         if got is not None:
-            self._finishes.append((now, got[0], completion_tokens, within_slo))
+            self._finishes.append((now, got[0], completion_tokens, self._within_slo(got, now, completion_tokens)))
+
+    def _within_slo(self, req: tuple[str, float, float | None], now: float, tokens: int) -> bool | None:
+        slo = self.slos.get(req[0])
+        if slo is None:
+            return None
+        ttft_slo, tpot_slo = slo
+        k = self.time_scale
+        e2e = (now - req[1]) * k
+        if req[2] is None:
+            return e2e <= ttft_slo + max(tokens - 1, 0) * tpot_slo
+        ttft = (req[2] - req[1]) * k
+        return ttft <= ttft_slo and (tokens <= 1 or (e2e - ttft) / (tokens - 1) <= tpot_slo)
 
     def _forget(self, now: float) -> None:
         start = now - self.window_s
@@ -109,7 +142,9 @@ def demand(stats: ModelDemandStats, cfg: ClusterConfig) -> ModelDemand | None:
     except KeyError:  # a model this cluster file does not know: nothing to plan with
         return None
     ttft, tpot = cfg.slo(stats.model)
-    return ModelDemand(name=m.name, spec=m.spec, rate=stats.rate, input_mean=max(stats.prompt_mean, 1.0),
+    # the window counts arrivals per wall second; the planner prices engine seconds (a sim mesh at
+    # time_scale k runs k engine seconds per wall second)
+    return ModelDemand(name=m.name, spec=m.spec, rate=stats.rate / cfg.mesh.time_scale, input_mean=max(stats.prompt_mean, 1.0),
                        output_mean=max(stats.output_mean or stats.max_tokens_mean, 1.0), prefix_hit=stats.prefix_hit,
                        ttft_slo_s=ttft, tpot_slo_s=tpot, priority=m.priority)
 

@@ -12,16 +12,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hetmesh.placement import Policy, make_policy
-from hetmesh.sim.cluster import (
-    RequestRecord,
-    SimConfig,
-    SimResult,
-    Simulator,
-    WorkerSpec,
-    pool,
-    workers_from_config,
-)
+from hetmesh.sim.cluster import Simulator
 from hetmesh.sim.metrics import Slo, summarize
+from hetmesh.sim.results import RequestRecord, SimResult
+from hetmesh.sim.spec import SimConfig, WorkerSpec, pool, workers_from_config
 from hetmesh.sim.traces import ClosedLoop, Trace, TraceRequest, load, load_azure, load_mooncake, synthetic
 
 

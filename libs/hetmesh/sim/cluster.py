@@ -15,75 +15,22 @@ from __future__ import annotations
 import gc
 import heapq
 from bisect import bisect_left
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 
 from msgspec.structs import replace
 
 from hetmesh.batching import Core, Kind, Seq, Settings, Step, following
-from hetmesh.config import ClusterConfig
-from hetmesh.costmodel import CostModel, Efficiency, link_bandwidth, server_model
-from hetmesh.costmodel.model import DEFAULT_LINK_LATENCY_S
+from hetmesh.costmodel import CostModel, link_bandwidth, server_model
 from hetmesh.kvindex.blocks import leading_blocks
 from hetmesh.placement import REFUSED, Policy, RequestInfo, WorkerView
-from hetmesh.protocol import Role
+from hetmesh.sim.results import RequestRecord, SimResult, WorkerStats
+from hetmesh.sim.spec import SimConfig, WorkerSpec
 from hetmesh.sim.traces import ClosedLoop, Trace, TraceRequest
 from hetmesh.wiring import kv_blocks_for
 
 _ARRIVAL, _KICK, _STEP_END, _KV_LANDED = 0, 1, 2, 3
 _FULL, _PREFILL, _DECODE = Kind  # module names: cheaper than member lookups
 MAX_SPAN = 256  # plain decode steps one event may stand for
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """One simulated worker: what a cluster file's worker group says about it."""
-
-    worker_id: str
-    pool: str  # the worker group (all workers of a group are one pool)
-    model: str  # served model name
-    spec: str  # cost-model spec id / config path
-    accelerator: str
-    devices: int = 8
-    role: Role = Role.BOTH
-    max_batch: int = 64
-    parallel: str = "tp"
-    dtype: str | None = None
-    kv_tokens: int = 0  # 0: what fits after weights
-    block_size: int = 16
-    step_tokens: int = 8192
-    prefill_order: str = "fcfs"
-
-
-def workers_from_config(cfg: ClusterConfig) -> list[WorkerSpec]:
-    out: list[WorkerSpec] = []
-    for g in cfg.workers:
-        m = cfg.model(g.model)
-        for wid in g.worker_ids():
-            out.append(WorkerSpec(worker_id=wid, pool=g.name, model=m.name, spec=m.spec, accelerator=g.accelerator,
-                                  devices=g.devices, role=g.role, max_batch=g.max_batch, parallel=g.parallel,
-                                  dtype=m.dtype, kv_tokens=g.kv_blocks * m.block_size, block_size=m.block_size,
-                                  step_tokens=g.step_tokens, prefill_order=g.prefill_order))
-    return out
-
-
-def pool(name: str, n: int, accelerator: str, role: Role | str = Role.BOTH, *, model: str = "deepseek-r1",
-         spec: str | None = None, devices: int = 8, max_batch: int = 64, **kw: object) -> list[WorkerSpec]:
-    """`n` identical workers named <name>-<i>."""
-    return [WorkerSpec(worker_id=f"{name}-{i}", pool=name, model=model, spec=spec or model, accelerator=accelerator,
-                       devices=devices, role=Role(role), max_batch=max_batch, **kw)  # type: ignore[arg-type]
-            for i in range(n)]
-
-
-@dataclass
-class SimConfig:
-    """The simulator's own settings (each worker's batching is its WorkerSpec's, as in the cluster file)."""
-
-    link_latency_s: float = DEFAULT_LINK_LATENCY_S
-    efficiencies: Mapping[str, Efficiency] = field(default_factory=dict)  # accelerator id -> factors
-    prefix_caching: bool = True
-    max_time_s: float = float("inf")  # stop the run at this virtual time
-    record_steps: bool = False  # keep every worker's Step.signature() (fidelity tests)
 
 
 class _Req:
@@ -127,56 +74,6 @@ class _Worker:
         self.span: list[float] | None = None  # a run of plain decode steps: each one's end time
         self.ver = 0  # of the pending STEP_END event
         self.steps: list[tuple[object, ...]] | None = None
-
-
-@dataclass
-class RequestRecord:
-    arrival: float
-    first_token: float
-    finish: float
-    input_len: int
-    output_len: int
-    cached_tokens: int
-    mode: str
-    prefill_worker: str
-    decode_worker: str
-    predicted_ttft_s: float | None = None
-    predicted_tpot_s: float | None = None
-    model: str = ""
-
-    @property
-    def ttft(self) -> float:
-        return self.first_token - self.arrival
-
-    @property
-    def tpot(self) -> float:
-        return (self.finish - self.first_token) / (self.output_len - 1) if self.output_len > 1 else 0.0
-
-
-@dataclass
-class WorkerStats:
-    worker_id: str
-    pool: str
-    accelerator: str
-    role: str
-    busy_s: float
-    prefill_tokens: int
-    decode_tokens: int
-    preempted: int = 0
-    devices: int = 1
-
-
-@dataclass
-class SimResult:
-    records: list[RequestRecord]
-    workers: list[WorkerStats]
-    start: float
-    end: float
-    kv_transfer_bytes: int
-    rejected: int
-    policy: str
-    steps: dict[str, list[tuple[object, ...]]] = field(default_factory=dict)  # with SimConfig.record_steps
-    refused: int = 0  # of `rejected`: refused by admission
 
 
 class Simulator:

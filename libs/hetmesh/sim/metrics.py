@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from hetmesh.costmodel.economics import fleet_usd_per_hour, usd_per_mtok
-from hetmesh.sim.cluster import SimResult
+from hetmesh.sim.results import SimResult
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from hetmesh.sim.cluster import SimResult
+from hetmesh.sim.results import SimResult
 
 
 def table(summaries: Sequence[Mapping[str, Any]], title: str = "simulation") -> Table:

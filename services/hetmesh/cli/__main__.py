@@ -63,8 +63,10 @@ def table(status: SchedulerStatus) -> Table:
         kv = f"{w.kv_blocks_used}/{w.kv_blocks_total}" if w.kv_blocks_total else "-"
         use = f"{100 * w.kv_blocks_used / w.kv_blocks_total:.1f}%" if w.kv_blocks_total else "-"
         accel = w.accelerator if w.devices == 1 else f"{w.devices}x {w.accelerator}"
+        # moving: `both -> prefill` (a RoleSwitch), and `agg -> pd` in the model column too (a ModelSwitch)
         role = f"{w.role.value} -> {w.moving_to}" if w.moving_to else w.role.value + (" (draining)" if w.draining else "")
-        t.add_row(w.worker_id, w.model, accel, role, w.engine, str(w.queue_depth),
+        model = f"{w.model} -> {w.moving_model}" if w.moving_model else w.model
+        t.add_row(w.worker_id, model, accel, role, w.engine, str(w.queue_depth),
                   f"{w.running}/{w.max_batch}", kv, use, w.kv_endpoint or "-", str(w.tokens_generated),
                   f"{w.heartbeat_age_s:.1f}s ago")
     return t

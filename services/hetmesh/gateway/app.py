@@ -65,18 +65,29 @@ class ClientGone(Exception):
     """The client disconnected while its request waited on the mesh."""
 
 
-class SseResponse(Response):
-    """The streaming body. Its own ASGI loop (not StreamingResponse) so that a disconnect is a
-    message in the inbox, not a cancellation: the Cancel publish then runs in a live task."""
+class SseBody(Response):
+    """A streamed (SSE) body with its own ASGI loop (not StreamingResponse) so that a disconnect is a
+    message in the inbox, not a cancellation: the Cancel publish then runs in a live task. Subclasses
+    write the loop (`__call__`), opening it with `start`."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, call: Call, fmt: Formatter, first: list[TokenChunk]) -> None:
+    def __init__(self) -> None:
         # No content-length: uvicorn sends the body chunked as it comes.
         self.status_code = 200
         self.background = None
         self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                             (b"x-accel-buffering", b"no")]
+
+    async def start(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+
+
+class SseResponse(SseBody):
+    """One request's stream."""
+
+    def __init__(self, call: Call, fmt: Formatter, first: list[TokenChunk]) -> None:
+        super().__init__()
         self.call = call
         self.fmt = fmt
         self.first = first
@@ -86,7 +97,7 @@ class SseResponse(Response):
         finished = False
         call.start_stream_span()
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            await self.start(send)
             body = fmt.sse_chunks(self.first, first=True)
             call.stream.sent()
             call._first_token()
@@ -117,12 +128,8 @@ class SseResponse(Response):
             call.close()
 
     def _tail(self) -> bytes:
-        call = self.call
-        call._finished()
-        tail = core.DONE
-        if self.fmt.include_usage:
-            tail = self.fmt.sse_usage(call.usage()) + tail
-        return tail
+        self.call._finished()
+        return self.fmt.sse_end(self.call.usage)
 
 
 def create_app(gw: Gateway) -> FastAPI:

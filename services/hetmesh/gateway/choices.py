@@ -18,7 +18,7 @@ from starlette.types import Receive, Scope, Send
 from hetmesh.protocol import ErrorInfo, TokenChunk, Usage
 
 from . import core
-from .app import JSON, ClientGone, error_response
+from .app import JSON, ClientGone, SseBody, error_response
 from .core import Formatter
 
 if TYPE_CHECKING:
@@ -104,16 +104,11 @@ class FanOut:
                 self.close()
 
 
-class FanOutSse(Response):
+class FanOutSse(SseBody):
     """The merged SSE body: each choice's chunks as they come, tagged with its index."""
 
-    media_type = "text/event-stream"
-
     def __init__(self, fan: FanOut, first: list[list[TokenChunk]]) -> None:
-        self.status_code = 200
-        self.background = None
-        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                            (b"x-accel-buffering", b"no")]
+        super().__init__()
         self.fan = fan
         self.first = first
 
@@ -123,7 +118,7 @@ class FanOutSse(Response):
         finished = False
         tasks: dict[asyncio.Task[list[TokenChunk] | ErrorInfo], int] = {}
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            await self.start(send)
             body = b""
             for i, (c, f, chunks) in enumerate(zip(calls, fmts, self.first, strict=True)):
                 c.start_stream_span()
@@ -170,5 +165,4 @@ class FanOutSse(Response):
             fan.close()
 
     def _tail(self) -> bytes:
-        fmt = self.fan.fmts[0]
-        return (fmt.sse_usage(self.fan.usage()) if fmt.include_usage else b"") + core.DONE
+        return self.fan.fmts[0].sse_end(self.fan.usage)

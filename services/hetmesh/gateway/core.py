@@ -267,6 +267,10 @@ class Formatter:
         return b"data: " + _enc.encode({"id": self.id, "object": obj, "created": self.created, "model": self.model,
                                         "system_fingerprint": None, "choices": [], "usage": usage_json(u)}) + b"\n\n"
 
+    def sse_end(self, usage: Callable[[], Usage]) -> bytes:
+        """The stream's last events: the usage chunk if the client asked for it (include_usage), then [DONE]."""
+        return (self.sse_usage(usage()) + DONE) if self.include_usage else DONE
+
     def choice(self, chunks: list[TokenChunk], finish_reason: str | None) -> dict[str, Any]:
         """This choice of a full (non-streamed) response."""
         text = "".join(c.text for c in chunks)

@@ -4,9 +4,11 @@ Every `planner.interval_s` the leading planner takes the scheduler's last demand
 (`hetmesh.sched.demand`) and its view of the workers (`hetmesh.sched.status`), plans each model's
 own workers with `hetmesh.planner.plan` (its `horizon_s` is the hysteresis: a move must pay for its
 switch cost within it), and publishes the proposal on `hetmesh.planner.plan` plus a `proposal`
-event. In `act` mode it also sends `RoleSwitch` commands, at most `max_moving_share` of the fleet
-moving at once; the workers drain and switch on their own (hetmesh.worker). Only role switches are
-carried out; a model or layout change is reported, not made.
+event. With `planner.scope = "fleet"` it makes one plan over every model with traffic instead, so that
+workers may move between models (hetmesh.planner.commands). In `act` mode it also sends the commands
+(`RoleSwitch`, `ModelSwitch`), at most `max_moving_share` of the fleet moving at once; the workers drain,
+switch and reload on their own (hetmesh.worker.switch). A change of a multi-device worker's parallel
+layout, or a stop, is reported, not made.
 
 One planner acts at a time: the leader holds a lease, the key "leader" of the JetStream KV bucket
 `hetmesh_planner`, whose TTL is `planner.lease_ttl_s`. It creates the key (only if absent) and renews
@@ -33,10 +35,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from hetmesh import config, metrics, subjects, telemetry
 from hetmesh.bus import Bus, EventBatcher, decode, encode
 from hetmesh.planner import plan
-from hetmesh.planner.live import merge, plan_models, role_moves, to_send
+from hetmesh.planner.commands import commands, plan_fleet
+from hetmesh.planner.live import merge, plan_models, to_send
 from hetmesh.protocol import (
     DemandReport,
     ModelDemandStats,
+    ModelSwitch,
     PlanProposal,
     ProposedMove,
     RoleSwitch,
@@ -101,7 +105,7 @@ class PlannerService:
         self.registry = CollectorRegistry()
         self.m_plans = Counter("hetmesh_planner_plans", "Plans made by the leading planner", ["chosen"],
                                registry=self.registry)
-        self.m_moves = Counter("hetmesh_planner_moves", "Role switches proposed and sent", ["state"],
+        self.m_moves = Counter("hetmesh_planner_moves", "Role and model switches proposed and sent", ["state"],
                                registry=self.registry)
         self.m_gain = Gauge("hetmesh_planner_predicted_gain", "Proposed over current simulated goodput",
                             registry=self.registry)
@@ -185,18 +189,24 @@ class PlannerService:
         status = decode(reply.data, SchedulerStatus)
         workers = status.details
         pc = self.cfg.planner
+        storage = self.cfg.worker.storage_bytes_per_s  # a model move's reload: weights / this (as the workers')
         with self.tracer.start_as_current_span("plan") as span:
             plans = await asyncio.to_thread(
-                plan_models, demand, workers, self.cfg,
-                lambda g, d: plan(g, d, horizon_s=pc.horizon_s, check_duration_s=CHECK_DURATION_S))
-            moves = [m for p in plans.values() for m in role_moves(p)]
+                plan_fleet if pc.scope == "fleet" else plan_models, demand, workers, self.cfg,
+                lambda g, d: plan(g, d, horizon_s=pc.horizon_s, check_duration_s=CHECK_DURATION_S,
+                                  storage_bytes_per_s=storage))
+            moves = [m for p in plans.values() for m in commands(p)]
             sent: list[str] = []
             if not await self.lease.refresh():  # the lease may have gone while the plan ran: say and do nothing
                 return None
             if self.mode == "act" and moves:
                 moving = sum(bool(w.moving_to) for w in workers)
-                for wid, role, _mv in to_send(moves, len(workers), moving, pc.max_moving_share):
-                    await self.bus.publish(subjects.worker_command(wid), RoleSwitch(
+                to_model = {wid: model for wid, _r, model, _mv in moves}
+                for wid, role, mv in to_send([(w, r, mv) for w, r, _m, mv in moves], len(workers), moving,
+                                             pc.max_moving_share):
+                    await self.bus.publish(subjects.worker_command(wid), ModelSwitch(
+                        worker_id=wid, model=to_model[wid], role=role, planner=self.instance, reason="planner",
+                        seconds=mv.seconds) if to_model[wid] else RoleSwitch(
                         worker_id=wid, role=role, planner=self.instance, reason="planner"))
                     sent.append(wid)
             pred = sum(p.predicted.get("goodput_tok_s", 0.0) for p in plans.values())
@@ -208,7 +218,7 @@ class PlannerService:
                 current={w.worker_id: f"{w.model}/{w.role.value}" for w in workers},
                 proposed={a.server[:-2]: f"{a.model}/{a.role.value}" for p in plans.values() for a in p.assignments},
                 moves=[ProposedMove(worker_id=wid, change=mv.change, before=mv.before, after=mv.after,
-                                    seconds=mv.seconds) for wid, _r, mv in moves],
+                                    seconds=mv.seconds) for wid, _r, _m, mv in moves],
                 sent=sent, predicted_goodput_tok_s=pred, current_goodput_tok_s=cur)
             span.set_attribute("hetmesh.moves", len(moves))
             span.set_attribute("hetmesh.sent", len(sent))

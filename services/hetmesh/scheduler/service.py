@@ -33,6 +33,7 @@ from hetmesh.costmodel.economics import device_usd_per_hour
 from hetmesh.kvindex.index import PrefixIndex
 from hetmesh.placement import REFUSED, ClusterState, Decision, RequestInfo, WorkerView, aggregated, pool_full
 from hetmesh.placement.admission import retry_after_s
+from hetmesh.placement.state import moving
 from hetmesh.planner.live import DemandWindow
 from hetmesh.protocol import (
     Cancel,
@@ -100,7 +101,9 @@ class Scheduler:
         self.refused = 0
         self.redis_ok = False
         self.redis_run_id = ""  # a different one means Redis restarted (empty: no persistence)
-        self.demand = DemandWindow(cfg.planner.window_s)  # what the planner plans from (hetmesh.sched.demand)
+        # what the planner plans from (hetmesh.sched.demand), SLOs judged in engine time
+        self.demand = DemandWindow(cfg.planner.window_s, {m.name: cfg.slo(m.name) for m in cfg.models},
+                                   cfg.mesh.time_scale)
 
     async def start(self) -> None:
         self.bus = await Bus.for_mesh(self.cfg.mesh, f"scheduler-{self.instance}")
@@ -179,7 +182,8 @@ class Scheduler:
                 devices=v.devices, queue_depth=v.queue_depth, running=v.running, max_batch=v.max_batch,
                 kv_blocks_used=v.kv_blocks_used, kv_blocks_total=v.kv_blocks_total,
                 heartbeat_age_s=max(now - hb.ts, 0.0), tokens_generated=hb.tokens_generated,
-                kv_endpoint=hb.kv_endpoint, draining=hb.draining, moving_to=hb.moving_to))
+                kv_endpoint=hb.kv_endpoint, draining=hb.draining, moving_to=hb.moving_to,
+                moving_model=hb.moving_model))
         await self.bus.respond(m, SchedulerStatus(instance=self.instance, policy=self.policy.name,
                                                   workers=[d.worker_id for d in details], details=details,
                                                   in_flight=len(self.inflight)))
@@ -363,6 +367,14 @@ class Scheduler:
                 message=f"The workers of model {req.model!r} cannot serve this request within its latency SLO "
                         f"now ({decision.reason}); please retry.", type="server_error", code="slo_unattainable",
                 status=429, retry_after_s=wait))
+        if decision is None and (busy := moving(req.model, self.state.heartbeats())):
+            # The model's workers are switching role or model (the planner): no use waiting a heartbeat.
+            self.metrics.rejected.labels("moving").inc()
+            return SubmitReply(request_id=req.request_id, error=ErrorInfo(
+                message=f"no worker can take a request of model {req.model!r} right now: " + ", ".join(
+                    f"{hb.worker_id} is switching to {hb.moving_model or hb.model}/{hb.moving_to}" for hb in busy)
+                + "; please retry.", type="server_error", code="model_moving", status=503,
+                retry_after_s=sc.retry_after_s))
         if decision is None:
             # Nobody fit in the view (workers restarting, the bus just came back, the one left excluded):
             # wait one heartbeat timeout for heartbeats rather than refuse at once.
@@ -463,7 +475,9 @@ class Scheduler:
             self.by_worker.get(f.worker_id, set()).discard(f.request_id)
             if not fl.workers:
                 del self.inflight[f.request_id]
-                self.demand.finished(f.request_id, time.monotonic(), f.completion_tokens)
+                self.demand.finished(f.request_id, time.monotonic(), f.completion_tokens, f.finish_reason)
+            elif f.finish_reason == "prefill_done":  # P/D: the decode side streams on from the first token
+                self.demand.first_token(f.request_id, time.monotonic())
 
     async def _demand_loop(self) -> None:
         while True:

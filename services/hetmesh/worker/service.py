@@ -10,8 +10,8 @@ kv-transfer); a DECODE item waits until its KV has landed, then continues the sa
 
 This module is the wiring: subscriptions, tasks, timers. The rules live in pure state
 (`requests.RequestBook`: intake, cancel, supersede, the KV wait; `kv`: landed KV, the prefix-cache
-mirror, transfer planning); serving an item is `phases`, shipping KV `transfer`, and what goes out
-`outbox`.
+mirror, transfer planning); serving an item is `phases`, shipping KV `transfer`, what goes out
+`outbox`, and the planner's role and model switches `switch`.
 """
 
 from __future__ import annotations
@@ -43,17 +43,19 @@ from hetmesh.protocol import (
     Phase,
     Resume,
     Role,
-    RoleSwitch,
+    WorkerCommand,
     WorkItem,
 )
 from hetmesh.runtime import run_service
 from hetmesh.workqueue import RecentIds, WorkQueue, msg_id
 
+from . import intake
 from .kv import CacheMirror, KvInbox
 from .outbox import Outbox
 from .phases import Phases, Run
 from .replay import ReplayLog
 from .requests import Request, RequestBook, Stop, Verdict
+from .switch import Switch
 from .transfer import KvShipper
 
 log = logging.getLogger("hetmesh.worker")
@@ -99,17 +101,13 @@ class Worker:
         self._subs: list[Any] = []
         self._work_subs: list[Any] = []
         self._loops: list[asyncio.Task[None]] = []
-        self.moving_to: Role | None = None  # a role switch under way (the planner's RoleSwitch)
-        self._switch: asyncio.Task[None] | None = None
+        self.switch = Switch(self)  # the planner's role and model switches (switch.py)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         self.bus = await Bus.for_mesh(self.cfg.mesh, f"worker-{self.worker_id}")
         self.out = Outbox(self.bus, self.worker_id, self.replay)
-        self.shipper = KvShipper(self.cfg.kv_transfer, self.bus, self.worker_id, self.engine,
-                                 self.cost.kv_bytes_per_token(), self.out, self.metrics, self.tracer, self.tracing)
-        self.phases = Phases(self.worker_id, self.engine, self.book, self.inbox, self.out, self.shipper, self.metrics,
-                             self.tracer, self.tracing, self.cfg.mesh.time_scale, self.kv_landed_timeout_s)
+        self._wire_engine()
         await self.engine.start()
         nc = self.bus.nc
         self._subs += [
@@ -117,7 +115,7 @@ class Worker:
             await self.bus.subscribe(subjects.RESUME, Resume, self.on_resume),
             await self.bus.subscribe(subjects.kv_landed(self.worker_id), KvLanded, self.on_kv_landed),
             await self.bus.subscribe(subjects.KV_RESYNC, KvResync, self.on_kv_resync),
-            await self.bus.subscribe(subjects.worker_command(self.worker_id), RoleSwitch, self.on_role_switch),
+            await self.bus.subscribe(subjects.worker_command(self.worker_id), WorkerCommand, self.switch.on_command),
             await nc.subscribe(subjects.kv_recv(self.worker_id), cb=self.on_kv_recv,
                                pending_msgs_limit=1_000_000, pending_bytes_limit=1 << 30),
         ]
@@ -142,12 +140,9 @@ class Worker:
         another worker after its last token), then leave. The planner's role and model switches drain the
         same way."""
         t0 = time.monotonic()
-        if self._switch is not None and not self._switch.done():  # a role switch's drain gives way to this one
-            self._switch.cancel()
-            with contextlib.suppress(BaseException):
-                await self._switch
+        await self.switch.cancel()  # a role or model switch's drain gives way to this one
         self.out.event("", "draining", running=len(self._pending_tasks()), drain_timeout_s=self.drain_timeout_s)
-        handed = await self._drain_work(0.0)
+        handed = await self._drain_work()
         self.out.event("", "drained", handed_over=handed, seconds=round(time.monotonic() - t0, 3))
         if self.http is not None:
             self.http.close()
@@ -163,20 +158,20 @@ class Worker:
         await self.out.close()
         await self.bus.close()
 
-    async def _drain_work(self, settle_s: float) -> int:
-        """Take no new work and say so at once in a heartbeat (the scheduler places nothing more here), wait
-        `settle_s` (placements made before the scheduler heard it still arrive, and get a retryable 503), drop
-        the work subscriptions, let running requests finish within worker.drain_timeout_s and hand the rest
-        over. Returns how many were handed over."""
+    async def _drain_work(self, settle_s: float | None = None) -> int:
+        """Take no new work and say so at once in a heartbeat (the scheduler places nothing more here), leave
+        the pool, let running requests finish within worker.drain_timeout_s and hand the rest over, then let
+        go of the direct subscription once its consumer is empty, and not before `settle_s` (default: one
+        heartbeat interval) after that heartbeat. Meanwhile an item still arriving (placed before the
+        scheduler heard of the drain) is handed over at once (on_work); intake.py says why it is done this
+        way. Returns how many running requests were handed over."""
         self.book.draining = True
+        t0 = time.monotonic()
         with contextlib.suppress(Exception):
             await self._heartbeat()
-        if settle_s > 0:
-            await asyncio.sleep(settle_s)
-        for s in self._work_subs:
-            with contextlib.suppress(Exception):
-                await s.unsubscribe()
+        direct, pool = self._work_subs or [None, None]
         self._work_subs = []
+        await intake.leave(self.queue, pool, self.pool_subject)
         pending = self._pending_tasks()
         if pending:
             log.info("draining %d in-flight requests", len(pending))
@@ -192,6 +187,12 @@ class Worker:
         rest = self._pending_tasks()
         if rest:
             await asyncio.wait(rest, timeout=5.0)
+        settle = self.cfg.mesh.heartbeat_interval_s if settle_s is None else settle_s
+        stranded = await intake.leave_when_empty(self.queue, direct, self.work_subject, t0 + settle,
+                                                 self.cfg.mesh.heartbeat_timeout_s)
+        if stranded:  # still placed here after a heartbeat timeout: a scheduler that missed every heartbeat
+            log.warning("left %d work items undelivered on %s", stranded, self.work_subject)
+            self.out.event("", "work_left", items=stranded, subject=self.work_subject)
         return len(left)
 
     async def _open_kv_port(self) -> None:
@@ -210,45 +211,12 @@ class Worker:
         self._work_subs = [await self.queue.consume(self.work_subject, False, self.on_work_msg),
                            await self.queue.consume(self.pool_subject, True, self.on_work_msg)]
 
-    # ------------------------------------------------------------------ role switch (the planner)
-    async def on_role_switch(self, cmd: RoleSwitch, _m: Msg) -> None:
-        """Switch in a task: the drain takes a while, and the command subscription must stay responsive."""
-        if cmd.worker_id != self.worker_id:
-            log.warning("ignoring a role switch for %s sent to %s", cmd.worker_id, self.worker_id)
-        elif self._switch is not None and not self._switch.done():
-            self.out.event("", "role_switch_refused", to_role=cmd.role.value, planner=cmd.planner,
-                           reason=f"already moving to {self.moving_to}")
-        elif cmd.role != self.role and not self.book.draining:
-            self._switch = asyncio.create_task(self.switch_role(cmd.role, cmd.planner, cmd.reason))
-
-    async def switch_role(self, role: Role, planner: str = "", reason: str = "") -> None:
-        """Serve `role` from now on, without reloading the engine: drain the old role's work (as SIGTERM's
-        drain does: finish within worker.drain_timeout_s, hand the rest over), then read the new role's
-        work subjects. The heartbeats say `draining` and `moving_to` meanwhile, so the scheduler places no
-        work of the old role here; the first heartbeat after says the new role."""
-        old, t0 = self.role, time.monotonic()
-        self.moving_to = role
-        self.out.event("", "role_switching", from_role=old.value, to_role=role.value, planner=planner, reason=reason)
-        try:
-            handed = await self._drain_work(self.cfg.mesh.heartbeat_interval_s)
-            gone = {self.work_subject, self.pool_subject}
-            self.queue.consumers = [c for c in self.queue.consumers if c[0] not in gone]
-            self.role = role
-            await self._open_kv_port()
-            await self._take_work()
-        except Exception:
-            log.exception("role switch to %s failed; serving %s again", role, self.role)
-            handed = -1
-            if not self._work_subs:
-                await self._take_work()
-        finally:
-            self.book.draining = False
-            self.moving_to = None
-        with contextlib.suppress(Exception):
-            await self._heartbeat()
-        self.out.event("", "role_switched", from_role=old.value, to_role=self.role.value, handed_over=handed,
-                       seconds=round(time.monotonic() - t0, 3), planner=planner)
-        log.info("worker %s: role %s -> %s in %.2fs", self.worker_id, old, self.role, time.monotonic() - t0)
+    def _wire_engine(self) -> None:
+        """The parts that call the engine; made again when a ModelSwitch replaced it (switch.py)."""
+        self.shipper = KvShipper(self.cfg.kv_transfer, self.bus, self.worker_id, self.engine,
+                                 self.cost.kv_bytes_per_token(), self.out, self.metrics, self.tracer, self.tracing)
+        self.phases = Phases(self.worker_id, self.engine, self.book, self.inbox, self.out, self.shipper, self.metrics,
+                             self.tracer, self.tracing, self.cfg.mesh.time_scale, self.kv_landed_timeout_s)
 
     def _pending_tasks(self) -> list[asyncio.Task[None]]:
         return [r.handle.task for r in self.book.live() if r.handle.task is not None and not r.handle.task.done()]
@@ -317,8 +285,11 @@ class Worker:
             verdict = self.book.verdict(item)
             if verdict == Verdict.SUPERSEDE:  # the old attempt did not let go in time
                 verdict = Verdict.DUPLICATE
-        if verdict == Verdict.DRAINING:
-            await self.out.error(item, f"worker {self.worker_id} is shutting down", retryable=True, status=503)
+        if verdict == Verdict.DRAINING:  # placed before the scheduler heard of the drain: hand it over at once
+            await self.out.error(item, f"worker {self.worker_id} is draining", retryable=True, status=503,
+                                 code="worker_draining")
+            self.out.event(rid, "handed_over", phase=item.phase.value, completion_tokens=0, streamed=0, queued=True)
+            self.out.finished(rid, "abort", 0)  # the scheduler's record of it here ends
             return
         if verdict == Verdict.DUPLICATE:
             log.warning("duplicate work item for %s ignored", rid)
@@ -451,7 +422,8 @@ class Worker:
             prompt_tokens_cached=s.prompt_tokens_cached, aborted=s.aborted,
             kv_endpoint=self.kv_port.endpoint if self.kv_port is not None else "", parallel=g.parallel,
             step_tokens=g.step_tokens, draining=self.book.draining,
-            moving_to=self.moving_to.value if self.moving_to is not None else ""))
+            moving_to=self.switch.moving_to.value if self.switch.moving_to is not None else "",
+            moving_model=self.switch.moving_model))
 
     async def _heartbeat_loop(self) -> None:
         while True:

@@ -1,0 +1,161 @@
+"""The planner benchmark's heterogeneity part (run through benchmarks/planner.py --parts heterogeneity).
+
+Does a mix of chip kinds meet the SLOs for less than the cheapest single kind? First, why or why
+not, from the cost model alone: each kind's $ per million prompt tokens prefilled and per million
+output tokens decoded within the SLOs (steady state, the best layout per kind), and the saving that
+specialising each role on its cheapest kind could reach at most. Then the capacity plans, simulated:
+the catalog as priced, the one assumed price swept, an NVIDIA-only catalog, and a long-context mix.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hetmesh.costmodel import accelerators
+from hetmesh.costmodel.economics import device_usd_per_hour
+from hetmesh.planner import ModelDemand, ServerGroup, demand_from_trace
+from hetmesh.planner.buy import calibrate, cheapest, reprice, restrict
+from hetmesh.planner.plan import options
+from hetmesh.protocol import Role
+from hetmesh.sim.traces import Trace, TraceRequest, load_azure, load_mooncake
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+PURCHASE = ["nvidia-a100-80g", "nvidia-h100", "nvidia-h200", "nvidia-b200", "nvidia-rubin-cpx", "nvidia-rubin-vr200",
+            "amd-mi300x", "amd-mi308x"]
+NVIDIA = [k for k in PURCHASE if k.startswith("nvidia-")]
+SWEPT = "amd-mi300x"  # the kind that is the best value at its assumed price
+SWEEP_USD = (3.0, 4.0, 5.0, 6.0)  # $/device-h: the assumption, then up to and past the H200's list midpoint
+ATTAINMENT = 0.9
+
+
+def _merge(parts: Sequence[tuple[Trace, str]], scale: float, name: str) -> Trace:
+    reqs = [TraceRequest(r.arrival, r.input_len, r.output_len, r.hash_ids, model) for t, model in parts
+            for r in t.requests]
+    reqs.sort(key=lambda r: r.arrival)
+    return Trace(reqs, parts[0][0].block_tokens, name).scaled(scale)
+
+
+def mixed(n: int, scale: float) -> tuple[Trace, list[ModelDemand]]:
+    """Azure conversation (Llama-3.1-70B) + Azure code (Qwen3-32B), `n` requests each, `scale`x faster."""
+    conv = load_azure(DATA / "azure2023_AzureLLMInferenceTrace_conv.csv", limit=n)
+    code = load_azure(DATA / "azure2023_AzureLLMInferenceTrace_code.csv", limit=n)
+    tr = _merge([(conv, "chat"), (code, "code")], scale, "azure-conv+code")
+    return tr, [demand_from_trace(tr, name="chat", spec="llama-3.1-70b", ttft_slo_s=2.0, tpot_slo_s=0.1),
+                demand_from_trace(tr, name="code", spec="qwen3-32b", ttft_slo_s=4.0, tpot_slo_s=0.05)]
+
+
+def long_mixed(n: int, scale: float) -> tuple[Trace, list[ModelDemand]]:
+    """Azure conversation (Llama-3.1-70B, `n` requests) + the Mooncake trace's long prompts over the
+    same span (Qwen3-32B with the code model's SLOs), `scale`x faster. The Azure code trace is not
+    long-context (mean prompt 2k tokens, max 7.4k); Mooncake's are (mean ~12k, prefix reuse)."""
+    conv = load_azure(DATA / "azure2023_AzureLLMInferenceTrace_conv.csv", limit=n)
+    span = conv.requests[-1].arrival
+    moon = load_mooncake(DATA / "mooncake_synthetic_trace.jsonl")
+    moon = Trace([r for r in moon.requests if r.arrival <= span], moon.block_tokens, moon.name)
+    tr = _merge([(conv, "chat"), (moon, "long")], scale, "azure-conv+mooncake")
+    return tr, [demand_from_trace(tr, name="chat", spec="llama-3.1-70b", ttft_slo_s=2.0, tpot_slo_s=0.1),
+                demand_from_trace(tr, name="long", spec="qwen3-32b", ttft_slo_s=4.0, tpot_slo_s=0.05)]
+
+
+def _per_mtok(usd_per_request: float, tokens: float) -> float | None:
+    return round(usd_per_request / tokens * 1e6, 3) if math.isfinite(usd_per_request) else None
+
+
+def value(kinds: Sequence[str], demands: Sequence[ModelDemand], purchase: Sequence[str],
+          prices: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """Per kind and model, from the steady-state capacities (capacity.py, best layout per role):
+    $ per million prompt tokens prefilled, per million output tokens decoded, and per million output
+    tokens served aggregated (prompt included). Then the $ per second the demand costs on the best
+    single kind of `purchase` (each model aggregated or P/D on that kind, whichever is cheaper) and
+    with every role on its cheapest kind: the most a mix could save, before whole servers and bursts."""
+    groups = [ServerGroup(name=k, accelerator=k, max_batch=128) for k in kinds]
+    opts = options(groups, demands, prices)
+    per_req: dict[str, dict[str, dict[str, float]]] = {}  # kind -> model -> role -> $ per request
+    table: list[dict[str, Any]] = []
+    for gi, k in enumerate(kinds):
+        per_req[k] = {}
+        for d in demands:
+            best = {r: max((o.capacity for o in opts if o.group == gi and o.model == d.name and o.role == r),
+                           default=0.0) for r in (Role.PREFILL, Role.DECODE, Role.BOTH)}
+            usd_s = device_usd_per_hour(k, prices) * groups[gi].devices / 3600
+            cost = {str(r): usd_s / c if c > 0 else float("inf") for r, c in best.items()}
+            per_req[k][d.name] = cost
+            table.append({"kind": k, "model": d.name, "usd_per_gpu_h": device_usd_per_hour(k, prices),
+                          "prefill_usd_per_mtok_in": _per_mtok(cost["prefill"], d.input_mean),
+                          "decode_usd_per_mtok_out": _per_mtok(cost["decode"], d.output_mean),
+                          "both_usd_per_mtok_out": _per_mtok(cost["both"], d.output_mean)})
+
+    def single(k: str, d: ModelDemand) -> float:
+        c = per_req[k][d.name]
+        return min(c["both"], c["prefill"] + c["decode"])
+
+    singles = {k: sum(d.rate * single(k, d) for d in demands) for k in purchase}
+    best_single = min(singles, key=lambda k: singles[k])
+    cheapest_role = {d.name: {r: min(purchase, key=lambda k, r=r, d=d: per_req[k][d.name][r])
+                              for r in ("prefill", "decode", "both")} for d in demands}
+    mix = 0.0
+    for d in demands:
+        c = cheapest_role[d.name]
+        mix += d.rate * min(per_req[c["both"]][d.name]["both"],
+                            per_req[c["prefill"]][d.name]["prefill"] + per_req[c["decode"]][d.name]["decode"])
+    one_kind_both_roles = {m: c["prefill"] == c["decode"] for m, c in cheapest_role.items()}
+    return {"table": table, "cheapest_per_role": cheapest_role, "one_kind_cheapest_for_both_roles": one_kind_both_roles,
+            "best_single_kind": best_single, "best_single_usd_h": singles[best_single] * 3600,
+            "specialised_usd_h": mix * 3600, "saving_bound": 1 - mix / singles[best_single]}
+
+
+def _compare(kinds: list[ServerGroup], opts: list, demands: Sequence[ModelDemand], tr: Trace, names: Sequence[str],
+             singles: dict[str, Any] | None = None, prices: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """The cheapest purchase over the kinds `names` against the cheapest single kind of them."""
+    ks, os_ = restrict(kinds, reprice(kinds, opts, prices), names)
+    m = cheapest(ks, demands, trace=tr, attainment=ATTAINMENT, prices=prices, opts=os_)
+    if singles is None:
+        singles = {}
+        for k in names:
+            k1, o1 = restrict(kinds, opts, [k])
+            q = cheapest(k1, demands, trace=tr, attainment=ATTAINMENT, opts=o1) if o1 else None
+            singles[k] = None if q is None or not q.meets else {"servers": q.servers, "slo_attainment": q.slo_attainment}
+    priced = {k: sum(n * device_usd_per_hour(k, prices) * 8 for n in v["servers"].values())
+              for k, v in singles.items() if v and k in names}
+    best = min(priced, key=lambda k: priced[k]) if priced else None
+    saving = 1 - m.usd_per_hour / priced[best] if m is not None and m.meets and best else None
+    return {"mixed": None if m is None else {"servers": m.servers, "usd_per_hour": m.usd_per_hour,
+                                             "slo_attainment": m.slo_attainment, "meets": m.meets},
+            "singles": singles, "singles_usd_per_hour": priced, "cheapest_single": best, "saving": saving,
+            "saves_30pct": bool(saving is not None and saving >= 0.30)}
+
+
+def part_heterogeneity(n: int, scale: float, long_n: int) -> dict[str, Any]:
+    tr, demands = mixed(n, scale)
+    kinds = [ServerGroup(name=k, accelerator=k, count=48, max_batch=128) for k in PURCHASE]
+    opts = calibrate(kinds, demands, options(kinds, demands), tr, ATTAINMENT)  # measured once, for every catalog
+    base = _compare(kinds, opts, demands, tr, PURCHASE)
+    sweep = []
+    for usd in SWEEP_USD:
+        got = base if usd == device_usd_per_hour(SWEPT) else _compare(kinds, opts, demands, tr, PURCHASE,
+                                                                       base["singles"], {SWEPT: usd})
+        sweep.append({"usd_per_gpu_h": usd, "mixed_usd_h": got["mixed"] and got["mixed"]["usd_per_hour"],
+                      "mixed_servers": got["mixed"] and got["mixed"]["servers"],
+                      "cheapest_single": got["cheapest_single"],
+                      "single_usd_h": got["cheapest_single"] and got["singles_usd_per_hour"][got["cheapest_single"]],
+                      "saving": got["saving"]})
+    nvidia = _compare(kinds, opts, demands, tr, NVIDIA, base["singles"])
+    ltr, ldem = long_mixed(long_n, scale)
+    lopts = calibrate(kinds, ldem, options(kinds, ldem), ltr, ATTAINMENT)
+    longc = _compare(kinds, lopts, ldem, ltr, PURCHASE)
+    longc_nv = _compare(kinds, lopts, ldem, ltr, NVIDIA, longc["singles"])
+    catalog = [k for k in accelerators() if not k.startswith("tenstorrent")]  # 24-32 GB cards hold neither model
+    return {"requests": len(tr.requests), "rate_scale": scale, "attainment_target": ATTAINMENT,
+            "demands": [(d.name, round(d.rate, 2), round(d.input_mean), round(d.output_mean)) for d in demands],
+            "value": value(catalog, demands, PURCHASE), **base,
+            "swept_kind": SWEPT, "price_sweep": sweep,
+            "saves_30pct_at_usd": next((s["usd_per_gpu_h"] for s in sweep if (s["saving"] or 0) >= 0.30), None),
+            "nvidia_only": nvidia,
+            "long_context": {"requests": len(ltr.requests),
+                             "demands": [(d.name, round(d.rate, 2), round(d.input_mean), round(d.output_mean),
+                                          round(d.prefix_hit, 2)) for d in ldem],
+                             "value": value(catalog, ldem, PURCHASE), **longc, "nvidia_only": longc_nv},
+            "saves_30pct": bool(base["saves_30pct"])}

@@ -1,0 +1,63 @@
+"""What a simulation runs on: its workers (`WorkerSpec`, from a cluster file or `pool`) and the
+simulator's own settings (`SimConfig`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from hetmesh.config import ClusterConfig
+from hetmesh.costmodel import Efficiency
+from hetmesh.costmodel.model import DEFAULT_LINK_LATENCY_S
+from hetmesh.protocol import Role
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One simulated worker: what a cluster file's worker group says about it."""
+
+    worker_id: str
+    pool: str  # the worker group (all workers of a group are one pool)
+    model: str  # served model name
+    spec: str  # cost-model spec id / config path
+    accelerator: str
+    devices: int = 8
+    role: Role = Role.BOTH
+    max_batch: int = 64
+    parallel: str = "tp"
+    dtype: str | None = None
+    kv_tokens: int = 0  # 0: what fits after weights
+    block_size: int = 16
+    step_tokens: int = 8192
+    prefill_order: str = "fcfs"
+
+
+def workers_from_config(cfg: ClusterConfig) -> list[WorkerSpec]:
+    out: list[WorkerSpec] = []
+    for g in cfg.workers:
+        m = cfg.model(g.model)
+        for wid in g.worker_ids():
+            out.append(WorkerSpec(worker_id=wid, pool=g.name, model=m.name, spec=m.spec, accelerator=g.accelerator,
+                                  devices=g.devices, role=g.role, max_batch=g.max_batch, parallel=g.parallel,
+                                  dtype=m.dtype, kv_tokens=g.kv_blocks * m.block_size, block_size=m.block_size,
+                                  step_tokens=g.step_tokens, prefill_order=g.prefill_order))
+    return out
+
+
+def pool(name: str, n: int, accelerator: str, role: Role | str = Role.BOTH, *, model: str = "deepseek-r1",
+         spec: str | None = None, devices: int = 8, max_batch: int = 64, **kw: object) -> list[WorkerSpec]:
+    """`n` identical workers named <name>-<i>."""
+    return [WorkerSpec(worker_id=f"{name}-{i}", pool=name, model=model, spec=spec or model, accelerator=accelerator,
+                       devices=devices, role=Role(role), max_batch=max_batch, **kw)  # type: ignore[arg-type]
+            for i in range(n)]
+
+
+@dataclass
+class SimConfig:
+    """The simulator's own settings (each worker's batching is its WorkerSpec's, as in the cluster file)."""
+
+    link_latency_s: float = DEFAULT_LINK_LATENCY_S
+    efficiencies: Mapping[str, Efficiency] = field(default_factory=dict)  # accelerator id -> factors
+    prefix_caching: bool = True
+    max_time_s: float = float("inf")  # stop the run at this virtual time
+    record_steps: bool = False  # keep every worker's Step.signature() (fidelity tests)

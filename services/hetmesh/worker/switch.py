@@ -1,0 +1,180 @@
+"""A worker's part in live re-planning: the planner's commands on `hetmesh.worker.command.<worker_id>`.
+
+- `RoleSwitch` (prefill <-> decode <-> both) keeps the engine: drain the old role's work, read the new
+  role's work subjects.
+- `ModelSwitch` reloads: drain (finish within worker.drain_timeout_s, hand the rest over: the gateway
+  migrates those streams to another worker of the model), release the engine, build and start the new
+  model's engine, rejoin in the new role. The sim engine loads nothing; it waits as long as the
+  weights would take to load (weights bytes / worker.storage_bytes_per_s, the same figure the planner
+  prices the move with), so a move costs the live mesh what the planner counted.
+
+Meanwhile the heartbeats say `draining`, `moving_to` (the new role) and `moving_model` (the new model;
+`model` stays the old one until the move is over), so the scheduler places nothing here, and a request
+for a model whose last worker is moving gets 503 + Retry-After. A move runs in a task of its own: the
+command subscription stays responsive (a second command while moving is refused with an event), and
+SIGTERM's drain cancels it. If the new model's engine cannot be built, the worker loads its old model
+again and says so (`model_switch_failed`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+from nats.aio.msg import Msg
+
+from hetmesh import engines, wiring
+from hetmesh.config import WorkerGroup
+from hetmesh.protocol import ModelSwitch, Role, WorkerCommand
+
+from .kv import CacheMirror
+
+if TYPE_CHECKING:
+    from .service import Worker
+
+log = logging.getLogger("hetmesh.worker")
+
+
+def load_seconds(weights_bytes: float, storage_bytes_per_s: float) -> float:
+    """How long loading a model's weights takes (engine seconds): the planner's reload figure."""
+    return weights_bytes / storage_bytes_per_s
+
+
+class Switch:
+    """The move under way on one worker, if any, and how to make one."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.w = worker
+        self.moving_to: Role | None = None  # the role being switched to
+        self.moving_model = ""  # the model being switched to ("": the same model)
+        self.task: asyncio.Task[None] | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    async def on_command(self, cmd: WorkerCommand, _m: Msg) -> None:
+        w = self.w
+        model = cmd.model if isinstance(cmd, ModelSwitch) else w.group.model
+        if cmd.worker_id != w.worker_id:
+            log.warning("ignoring a command for %s sent to %s", cmd.worker_id, w.worker_id)
+            return
+        kind = "model_switch" if model != w.group.model else "role_switch"
+        if self.busy:
+            w.out.event("", f"{kind}_refused", to_role=cmd.role.value, to_model=model, planner=cmd.planner,
+                        reason=f"already moving to {self.moving_model or w.group.model}/{self.moving_to}")
+            return
+        if w.book.draining:  # shutting down
+            return
+        if model != w.group.model:
+            try:
+                w.cfg.model(model)
+            except KeyError:
+                w.out.event("", "model_switch_refused", to_role=cmd.role.value, to_model=model, planner=cmd.planner,
+                            reason="the cluster file has no such model")
+                return
+            self.task = asyncio.create_task(self.switch_model(model, cmd.role, cmd.planner, cmd.reason))
+        elif cmd.role != w.role:
+            self.task = asyncio.create_task(self.switch_role(cmd.role, cmd.planner, cmd.reason))
+
+    async def cancel(self) -> None:
+        """SIGTERM's drain takes over from a move's."""
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+            with contextlib.suppress(BaseException):
+                await self.task
+
+    async def _leave_old_role(self) -> int:
+        """Drain as SIGTERM does (the scheduler hears it first: placements made before that still arrive
+        during one heartbeat interval and get a retryable 503), and forget the old work subjects."""
+        w = self.w
+        handed = await w._drain_work(w.cfg.mesh.heartbeat_interval_s)
+        gone = {w.work_subject, w.pool_subject}
+        w.queue.consumers = [c for c in w.queue.consumers if c[0] not in gone]
+        return handed
+
+    async def _rejoin(self) -> None:
+        """Take work again (whatever role and model the move ended in) and say so in a heartbeat at once."""
+        w = self.w
+        if not w._work_subs:
+            await w._take_work()
+        w.book.draining = False
+        self.moving_to, self.moving_model = None, ""
+        with contextlib.suppress(Exception):
+            await w._heartbeat()
+
+    async def switch_role(self, role: Role, planner: str = "", reason: str = "") -> None:
+        """Serve `role` from now on, without reloading the engine: drain the old role's work, then read
+        the new role's work subjects. The first heartbeat after says the new role."""
+        w = self.w
+        old, t0 = w.role, time.monotonic()
+        self.moving_to = role
+        w.out.event("", "role_switching", from_role=old.value, to_role=role.value, planner=planner, reason=reason)
+        handed = -1
+        try:
+            handed = await self._leave_old_role()
+            w.role = role
+            await w._open_kv_port()
+            await w._take_work()
+        except Exception:
+            log.exception("role switch to %s failed; serving %s", role, w.role)
+        await self._rejoin()
+        w.out.event("", "role_switched", from_role=old.value, to_role=w.role.value, handed_over=handed,
+                    seconds=round(time.monotonic() - t0, 3), planner=planner)
+        log.info("worker %s: role %s -> %s in %.2fs", w.worker_id, old, w.role, time.monotonic() - t0)
+
+    async def switch_model(self, model: str, role: Role, planner: str = "", reason: str = "") -> None:
+        """Serve `model` in `role` from now on: drain, release the engine, load the model's, rejoin."""
+        w = self.w
+        old_group, old_role, t0 = w.group, w.role, time.monotonic()
+        self.moving_to, self.moving_model = role, model
+        w.out.event("", "model_switching", from_model=old_group.model, to_model=model, from_role=old_role.value,
+                    to_role=role.value, planner=planner, reason=reason)
+        handed, load_s, error = -1, 0.0, ""
+        try:
+            handed = await self._leave_old_role()
+            t_load = time.monotonic()
+            try:
+                await self._reload(msgspec.structs.replace(old_group, model=model))
+                w.role = role
+            except Exception as exc:  # the new model's engine cannot be built: serve the old one again
+                log.exception("loading model %s failed; loading %s again", model, old_group.model)
+                error = repr(exc)[:300]
+                await self._reload(old_group)
+            load_s = time.monotonic() - t_load
+            await w._open_kv_port()
+            await w._take_work()
+        except Exception as exc:
+            log.exception("model switch to %s failed", model)
+            error = error or repr(exc)[:300]
+        await self._rejoin()
+        w.out.event("", "model_switch_failed" if error else "model_switched", from_model=old_group.model,
+                    to_model=w.group.model, from_role=old_role.value, to_role=w.role.value, handed_over=handed,
+                    load_seconds=round(load_s, 3), seconds=round(time.monotonic() - t0, 3), planner=planner,
+                    error=error or None)
+        log.info("worker %s: %s/%s -> %s/%s in %.2fs (load %.2fs)", w.worker_id, old_group.model, old_role,
+                 w.group.model, w.role, time.monotonic() - t0, load_s)
+
+    async def _reload(self, group: WorkerGroup) -> None:
+        """Release the engine (and the KV it held), build and start `group`'s, rewire the worker to it."""
+        w = self.w
+        for sink in w.inbox.drain():  # KV landed for decodes that will not come here now
+            sink.discard()
+        await w.engine.close()
+        cost = wiring.cost_model(w.cfg, group)
+        engine = engines.create(w.cfg, group, cost)
+        if engine.name == "sim":  # loads nothing: spend the time the weights would take (engine seconds)
+            await asyncio.sleep(load_seconds(cost.weights_bytes(), w.cfg.worker.storage_bytes_per_s)
+                                / w.cfg.mesh.time_scale)
+        await engine.start()
+        w.group, w.model, w.cost, w.engine = group, w.cfg.model(group.model), cost, engine
+        w.book.model = group.model
+        w.cache = CacheMirror()  # the new engine's cache starts empty ...
+        sent = w.shipper.bytes_sent
+        w._wire_engine()
+        w.shipper.bytes_sent = sent  # a counter: it goes on across engines
+        await w._publish_kv_events(force_cleared=True)  # ... and the index forgets what the old one held
