@@ -15,13 +15,21 @@ the trace's first capacity x --span requests (300 to --max-requests) with arriva
 The anchors run at their best: per point, the best SLO goodput over llm-d (two scorer profiles x P/D
 threshold 0, 1, 2K, 8K, 16K x static roles or every worker `both`) and over Dynamo (default and agentic
 weights x aggregated over `both` workers, static roles always split, static roles with isl_bounding).
-`cost` runs with its config defaults (objective, admission margin); `cost, admission off` beside it.
+`cost` runs with its config defaults (objective, admission margin); `cost, admission off` beside it. The
+anchors behind the same SLO-aware admission as cost (hetmesh.placement.gate: cost's rule applied to the anchor's
+own choice, for llm-d's flow control and Dynamo's busy thresholds): each anchor's --gated-top best
+configurations at the point, rerun gated, the best kept ("llm_d, admission", "dynamo, admission").
+
+The ceiling: the offered output tokens/s (every SLO met) over the best anchor's goodput. A miss of the goodput
+target where the ceiling itself is below it ("ceiling") is physics: the anchor already serves (nearly) all
+the offered work within its SLOs; a miss below the ceiling is a real loss ("loss").
 
 Goodput: output tokens of the requests that met both SLOs, per second of the offered trace (first to last
 arrival), so an underloaded point scores every policy that meets the SLOs alike. Throughput: all output
 tokens per second of the run (to the last finish). Prints the tables; writes results/anchors.json and
 results/anchors.png.
     nice .venv/bin/python benchmarks/anchors.py [--span 60] [--max-requests 3000] [--only rubin]
+        [--traces azure-code] [--out /tmp/anchors.json]   (a subset: write it elsewhere)
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -48,7 +49,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hetmesh import config, protocol, subjects
-from hetmesh.bus import decode_events
+from hetmesh.bus import decode, decode_events
 from hetmesh.costmodel import server_model
 from hetmesh.engines.sampling import expected_completion
 from hetmesh.launcher import Mesh
@@ -56,7 +57,7 @@ from hetmesh.loadgen import SSEClient, cpu_seconds
 from hetmesh.planner import Assignment, ModelDemand, ServerGroup, demand_trace, evaluate, plan
 from hetmesh.planner.capacity import capacity
 from hetmesh.planner.plan import current_layout, moves, score
-from hetmesh.protocol import Role, SamplingParams
+from hetmesh.protocol import PlanProposal, Role, SamplingParams
 from hetmesh.sim.report import write_json
 from hetmesh.sim.traces import Trace, TraceRequest
 from hetmesh.tokenizer import ByteTokenizer
@@ -86,7 +87,7 @@ class Case:
     demand: list[list[ModelDemand]]  # per window
     window_s: float
     trace: list[TraceRequest]  # every window's requests, arrivals in engine seconds from the start
-    rate_scale: dict[str, float] = field(default_factory=dict)
+    rate_scale: list[dict[str, float]] = field(default_factory=list)  # per window: small fleet's rate / original's
 
     @property
     def models(self) -> list[str]:
@@ -108,15 +109,15 @@ def scaled_case(name: str, windows: int, window_s: float, workers: int) -> Case:
     groups, demand = shift_case(name, windows)
     n = sum(g.count for g in groups)
     small = [msgspec.structs.replace(g, devices=1, count=max(1, round(g.count * workers / n))) for g in groups]
-    out, scale = [], {}
+    out, scale = [], []
     for ds in demand:
-        row = []
+        row, ks = [], {}
         for d in ds:
             d1 = msgspec.structs.replace(d, spec=SPEC_ON_ONE_DEVICE.get(d.spec, d.spec))
-            k = fleet_capacity(small, d1) / fleet_capacity(groups, d)
-            scale[d.name] = k
-            row.append(d1.scaled(k))
+            ks[d.name] = fleet_capacity(small, d1) / fleet_capacity(groups, d)
+            row.append(d1.scaled(ks[d.name]))
         out.append(row)
+        scale.append(ks)
     trace: list[TraceRequest] = []
     for i, ds in enumerate(out):
         tr = demand_trace(ds, window_s, seed=i, max_requests=10**6)
@@ -223,7 +224,8 @@ def cluster_toml(c: Case, lay: list[Assignment], a: argparse.Namespace, planner:
     d0 = c.demand[0][0]
     ctx = max(r.input_len + r.output_len for r in c.trace) + 64
     out = ["[mesh]", f"time_scale = {a.time_scale!r}", f"heartbeat_interval_s = {a.heartbeat_s!r}",
-           "stall_timeout_s = 120.0", "", "[scheduler]", 'policy = "cost"',  # the policy the planner simulates
+           "heartbeat_timeout_s = 5.0", "stall_timeout_s = 120.0",  # 2 shared cores: a process may stall a while
+           "", "[scheduler]", 'policy = "cost"',  # the policy the planner simulates
            f"ttft_slo_s = {d0.ttft_slo_s!r}", f"tpot_slo_s = {d0.tpot_slo_s!r}", "", "[kv_transfer]",
            f"max_wire_bytes = {MAX_WIRE_BYTES}", "", "[planner]", f'mode = "{"act" if planner else "off"}"',
            f"interval_s = {a.interval_s!r}", f"window_s = {a.demand_window_s!r}",
@@ -253,9 +255,11 @@ def prompt(i: int, n: int) -> str:
     return (head + _BASE[off:off + n])[:n]
 
 
-def expected(i: int, r: TraceRequest) -> str:
-    p = prompt(i, r.input_len)
-    return expected_completion(TOK, TOK.encode(p), SamplingParams(max_tokens=r.output_len, ignore_eos=True))[1]
+@functools.lru_cache(maxsize=1 << 16)
+def expected(i: int, n_in: int, n_out: int) -> str:
+    """The sim engine's text for request i (its own definition; ignore_eos: exactly n_out tokens)."""
+    p = prompt(i, n_in)
+    return expected_completion(TOK, TOK.encode(p), SamplingParams(max_tokens=n_out, ignore_eos=True))[1]
 
 
 def parse(body: bytes) -> tuple[int, str, bool, str]:
@@ -280,7 +284,8 @@ def parse(body: bytes) -> tuple[int, str, bool, str]:
         elif line.startswith(b"data: "):
             ev = json.loads(line[6:])
             if "error" in ev:
-                err = err or str(ev["error"])[:200]
+                e = ev["error"]
+                err = err or (f"{e.get('code')}: {e.get('message', '')}" if isinstance(e, dict) else str(e))[:200]
             text += [ch.get("text", "") for ch in ev.get("choices", [])]
     return status, "".join(text), done, err
 
@@ -296,62 +301,86 @@ class Done:
     error: str
 
 
-async def replay(mesh: Mesh, c: Case, k: float, events: list[Any]) -> tuple[list[Done], float]:
-    """Every request of the trace at its arrival / k wall seconds; switch events gathered meanwhile."""
+async def replay(mesh: Mesh, c: Case, k: float, start: float, events: list[Any]) -> list[Done]:
+    """Every request of the trace at `start` (perf_counter) + arrival / k; switch events and the planner's
+    proposals gathered meanwhile."""
     nc = await nats.connect(mesh.nats_url)
 
     async def on_event(m: Any) -> None:
         events.extend(e for e in decode_events(m.data) if e.kind in SWITCH_EVENTS)
 
+    async def on_plan(m: Any) -> None:
+        events.append(decode(m.data, PlanProposal))
+
     await nc.subscribe(subjects.EVENTS_ALL, cb=on_event)
+    await nc.subscribe(subjects.PLAN, cb=on_plan)
     client = SSEClient(mesh.cfg.gateway.host, mesh.port, keep_body=True)
-    await client.wait_ready()
-    start, epoch = time.perf_counter() + 1.0, time.time() + 1.0
 
     async def one(i: int, r: TraceRequest) -> Done:
         await asyncio.sleep(max(0.0, start + r.arrival / k - time.perf_counter()))
         body = json.dumps({"model": r.model, "prompt": prompt(i, r.input_len), "max_tokens": r.output_len,
                            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}).encode()
-        res = await client.stream(PATH, body)
+        try:
+            res = await client.stream(PATH, body)
+        except OSError as exc:  # the connection reset or refused: an error the client saw
+            return Done(0, 0.0, 0.0, 0, "", False, f"client {exc!r}"[:200])
         status, text, done, err = parse(res.body)
         return Done(status, res.ttft_s, res.total_s, res.completion_tokens, text, done, err)
 
     out = list(await asyncio.gather(*(one(i, r) for i, r in enumerate(c.trace))))
     await asyncio.sleep(1.0)  # the last switch events
     await nc.close()
-    return out, epoch
+    return out
 
 
-def run_live(c: Case, lay: list[Assignment], a: argparse.Namespace, planner: bool) -> dict[str, Any]:
-    d = Path(tempfile.mkdtemp(prefix=f"hetmesh-live-replan-{c.name}-"))
-    (d / "cluster.toml").write_text(cluster_toml(c, lay, a, planner))
-    mesh = Mesh(d / "cluster.toml", gateway_port=0, log_dir=d / "logs")
-    events: list[Any] = []
-    mesh.start(ready_timeout_s=120)
+def run_arms(c: Case, lay: list[Assignment], a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The static arm (planner off) and the planner arm (act) as two meshes replaying the trace side by side:
+    the load the machine's other work puts on its cores falls on both alike (the gain is their ratio)."""
+    meshes: list[Mesh] = []
+    for planner in (False, True):
+        d = Path(tempfile.mkdtemp(prefix=f"hetmesh-live-replan-{c.name}-"))
+        (d / "cluster.toml").write_text(cluster_toml(c, lay, a, planner))
+        meshes.append(Mesh(d / "cluster.toml", gateway_port=0, log_dir=d / "logs"))
+    events: list[list[Any]] = [[], []]
     try:
-        pids = [s.proc.pid for s in mesh.services.values() if s.proc]
-        c0, w0 = cpu_seconds(pids), time.perf_counter()
-        done, epoch = asyncio.run(replay(mesh, c, a.time_scale, events))
-        cpu, wall = cpu_seconds(pids) - c0, time.perf_counter() - w0
+        for m in meshes:
+            m.start(ready_timeout_s=180)
+        pids = [[s.proc.pid for s in m.services.values() if s.proc] for m in meshes]
+        c0, w0 = [cpu_seconds(p) for p in pids], time.perf_counter()
+
+        async def both() -> tuple[list[list[Done]], float]:
+            for m in meshes:
+                await SSEClient(m.cfg.gateway.host, m.port).wait_ready()
+            start, epoch = time.perf_counter() + 1.0, time.time() + 1.0
+            return list(await asyncio.gather(*(replay(m, c, a.time_scale, start, ev)
+                                                 for m, ev in zip(meshes, events, strict=True)))), epoch
+
+        done, epoch = asyncio.run(both())
+        wall = time.perf_counter() - w0
+        cpu = [cpu_seconds(p) - before for p, before in zip(pids, c0, strict=True)]
     finally:
-        mesh.stop()
-    return summarize_live(c, done, events, epoch, lay, a.time_scale) | {
-        "wall_s": round(wall, 1), "mesh_cpu_cores": round(cpu / wall, 2), "logs": str(d / "logs"),
-        "planner": planner}
+        for m in meshes:
+            m.stop()
+    return tuple(summarize_live(c, dn, ev, epoch, lay, a.time_scale) | {  # type: ignore[return-value]
+        "wall_s": round(wall, 1), "mesh_cpu_cores": round(cp / wall, 2), "logs": str(m.log_dir)}
+        for dn, ev, cp, m in zip(done, events, cpu, meshes, strict=True))
 
 
 def summarize_live(c: Case, done: list[Done], events: list[Any], epoch: float, lay: list[Assignment],
                    k: float) -> dict[str, Any]:
     slo = {d.name: (d.ttft_slo_s, d.tpot_slo_s, d.priority) for d in c.demand[0]}
-    good, wrong, errors, refused, ttfts, tpots = 0.0, 0, [], 0, [], []
+    good, wrong, errors, refused, unserved, ttfts, tpots = 0.0, 0, [], 0, 0, [], []
     for i, (r, x) in enumerate(zip(c.trace, done, strict=True)):
-        if x.status == 429:
-            refused += 1  # SLO admission said no: the simulator's cost policy refuses the same way
+        if x.status == 429 or x.error.startswith("slo_unattainable"):
+            refused += 1  # SLO admission said no (at the start, or to a retry): a refusal, not an error
+            continue
+        if x.status == 503 and '"no_workers"' in x.error:
+            unserved += 1  # no worker serves the model (yet): the clear 503 the issue asks for, no hang
             continue
         if x.status != 200 or not x.done or x.error:
             errors.append(f"{x.status} {x.error}"[:200])
             continue
-        if x.text != expected(i, r) or x.tokens != r.output_len:
+        if x.text != expected(i, r.input_len, r.output_len) or x.tokens != r.output_len:
             wrong += 1  # a token lost, duplicated or changed
             continue
         ttft, tpot = x.ttft_s * k, (x.total_s - x.ttft_s) * k / max(x.tokens - 1, 1)
@@ -361,6 +390,8 @@ def summarize_live(c: Case, done: list[Done], events: list[Any], epoch: float, l
         if ttft <= ttft_slo and (x.tokens <= 1 or tpot <= tpot_slo):
             good += prio * x.tokens
     worker_server = {f"{worker_group(s.server)}-0": s.server for s in lay}
+    proposals = [e for e in events if isinstance(e, PlanProposal)]
+    events = [e for e in events if not isinstance(e, PlanProposal)]
     changes, out_s, starts = [], 0.0, {}
     for e in sorted(events, key=lambda e: e.ts):
         w = str(e.detail.get("worker_id", e.instance))
@@ -374,12 +405,15 @@ def summarize_live(c: Case, done: list[Done], events: list[Any], epoch: float, l
     tpots.sort()
     return {"requests": len(done), "good_tokens": good, "goodput_tok_s": good / (len(c.demand) * c.window_s),
             "errors": len(errors), "error_samples": errors[:5], "wrong_text": wrong, "refused": refused,
+            "unserved": unserved,
             "ttft_p50_s": ttfts[len(ttfts) // 2] if ttfts else None,
             "tpot_p50_s": tpots[len(tpots) // 2] if tpots else None,
             "moves": len(changes), "switch_out_s_measured": round(out_s, 1),
             "changes": [(round(t, 1), s, m, r.value) for t, s, m, r in changes],
             "switch_events": [(round((e.ts - epoch) * k, 1), e.kind, str(e.detail.get("worker_id", "")))
-                              for e in sorted(events, key=lambda e: e.ts)][:60]}
+                              for e in sorted(events, key=lambda e: e.ts)][:60],
+            # engine s, moves proposed, sent: how soon the planner saw the change and what it asked for
+            "proposals": [(round((p.ts - epoch) * k, 1), len(p.moves), ",".join(p.sent)) for p in proposals]}
 
 
 # --- one case, and the table ---------------------------------------------------------------------
@@ -399,10 +433,9 @@ def run_case(name: str, a: argparse.Namespace) -> dict[str, Any]:
              "sim_static_good_tokens": sum(static_per), "sim_static_per_window": static_per}
     console.print(f"{name}: {len(c.trace)} requests over {dur:g} engine s; best static layout {static_name} "
                   f"{info['layout']} (sim {sum(static_per) / dur:.1f} tok/s)")
-    live_static = run_live(c, lay, a, planner=False)
+    live_static, live_plan = run_arms(c, lay, a)
     console.print(f"  live static: {live_static['goodput_tok_s']:.1f} tok/s, {live_static['errors']} errors, "
                   f"{live_static['wrong_text']} wrong texts, {live_static['refused']} refused")
-    live_plan = run_live(c, lay, a, planner=True)
     console.print(f"  live planner: {live_plan['goodput_tok_s']:.1f} tok/s, {live_plan['moves']} moves, "
                   f"{live_plan['errors']} errors, {live_plan['wrong_text']} wrong texts, {live_plan['refused']} refused")
     changes = [(t, s, m, Role(r)) for t, s, m, r in live_plan["changes"]]
@@ -446,19 +479,23 @@ def table(res: dict[str, Any], a: argparse.Namespace) -> Table:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--windows", type=int, default=6)
+    ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--window-s", type=float, default=100.0, help="engine seconds per window of constant demand")
-    ap.add_argument("--workers", type=int, default=6, help="one-device sim workers the fleet is scaled to")
-    ap.add_argument("--time-scale", type=float, default=4.0, help="engine seconds per wall second")
+    ap.add_argument("--workers", type=int, default=3, help="one-device sim workers the fleet is scaled to")
+    ap.add_argument("--time-scale", type=float, default=1.0, help="engine seconds per wall second")
     ap.add_argument("--heartbeat-s", type=float, default=0.1, help="heartbeat interval, wall seconds")
-    ap.add_argument("--interval-s", type=float, default=5.0, help="planner round and demand report, wall seconds")
+    # a plan simulates its candidates (seconds of CPU each round): rounds further apart leave the workers the CPU
+    ap.add_argument("--interval-s", type=float, default=10.0, help="planner round and demand report, wall seconds")
     ap.add_argument("--demand-window-s", type=float, default=0.0,
-                    help="the scheduler's demand window, wall seconds (0: half a case window)")
-    ap.add_argument("--max-moving-share", type=float, default=0.5)
+                    help="the scheduler's demand window, wall seconds (0: two planner rounds)")
+    ap.add_argument("--max-moving-share", type=float, default=0.67)
     ap.add_argument("--out", default=str(ROOT / "results" / "live_replanning.json"))
     a = ap.parse_args()
-    a.demand_window_s = a.demand_window_s or a.window_s / a.time_scale / 2
-    res = {name: run_case(name, a) for name in a.cases.split(",")}
+    a.demand_window_s = a.demand_window_s or 2 * a.interval_s
+    res = {}
+    for name in a.cases.split(","):
+        res[name] = run_case(name, a)
+        expected.cache_clear()
     console.print(table(res, a))
     write_json(a.out, {"cases": res, "config": vars(a), "model_switch_available": model_switch_available(),
                        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from planner_economics import part_heterogeneity  # sibling scripts (benchmarks/ is on sys.path)
+from planner_economics import part_heterogeneity, part_value  # sibling scripts (benchmarks/ is on sys.path)
 from planner_timevarying import CASES, part_timevarying
 from rich.console import Console
 from rich.table import Table
@@ -113,7 +113,7 @@ def part_afd() -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", "--part", default="time,optimality,heterogeneity,timevarying,afd",
+    ap.add_argument("--parts", "--part", default="time,optimality,value,heterogeneity,timevarying,afd",
                     help="comma-separated parts to run (results of the others are kept from --out if it exists)")
     ap.add_argument("--requests", type=int, default=2000, help="heterogeneity: requests taken from each trace")
     ap.add_argument("--scale", type=float, default=8.0,
@@ -125,6 +125,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "results" / "planner.json"))
     a = ap.parse_args()
     parts = {"time": part_time, "optimality": part_optimality,
+             "value": lambda: part_value(a.requests, a.scale, a.long_requests),
              "heterogeneity": lambda: part_heterogeneity(a.requests, a.scale, a.long_requests),
              "timevarying": lambda: part_timevarying(sub_s=a.sub_s, cases=a.cases.split(",")), "afd": part_afd}
     chosen = a.parts.split(",")

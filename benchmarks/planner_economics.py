@@ -10,6 +10,8 @@ the catalog as priced, the one assumed price swept, an NVIDIA-only catalog, and 
 from __future__ import annotations
 
 import math
+import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,8 +29,10 @@ PURCHASE = ["nvidia-a100-80g", "nvidia-h100", "nvidia-h200", "nvidia-b200", "nvi
             "amd-mi300x", "amd-mi308x"]
 NVIDIA = [k for k in PURCHASE if k.startswith("nvidia-")]
 SWEPT = "amd-mi300x"  # the kind that is the best value at its assumed price
-SWEEP_USD = (3.0, 4.0, 5.0, 6.0)  # $/device-h: the assumption, then up to and past the H200's list midpoint
+SWEEP_USD = (4.5,)  # $/device-h simulated besides the assumed price (the steady state sweeps CLOSED_FORM_USD)
+CLOSED_FORM_USD = tuple(x / 2 for x in range(4, 17))  # $2 to $8 per device-hour, steady state only
 ATTAINMENT = 0.9
+PRUNE = 2.0  # a single kind this many times dearer than the best one in the steady state is not simulated
 
 
 def _merge(parts: Sequence[tuple[Trace, str]], scale: float, name: str) -> Trace:
@@ -103,59 +107,102 @@ def value(kinds: Sequence[str], demands: Sequence[ModelDemand], purchase: Sequen
                             per_req[c["prefill"]][d.name]["prefill"] + per_req[c["decode"]][d.name]["decode"])
     one_kind_both_roles = {m: c["prefill"] == c["decode"] for m, c in cheapest_role.items()}
     return {"table": table, "cheapest_per_role": cheapest_role, "one_kind_cheapest_for_both_roles": one_kind_both_roles,
+            "single_usd_h": {k: v * 3600 for k, v in singles.items()},
             "best_single_kind": best_single, "best_single_usd_h": singles[best_single] * 3600,
             "specialised_usd_h": mix * 3600, "saving_bound": 1 - mix / singles[best_single]}
 
 
 def _compare(kinds: list[ServerGroup], opts: list, demands: Sequence[ModelDemand], tr: Trace, names: Sequence[str],
-             singles: dict[str, Any] | None = None, prices: Mapping[str, float] | None = None) -> dict[str, Any]:
-    """The cheapest purchase over the kinds `names` against the cheapest single kind of them."""
+             singles: dict[str, Any], prices: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """The cheapest purchase over the kinds `names` against the cheapest single kind of them. Single
+    kinds are simulated once each (`singles` caches them across calls, at catalog prices; a single
+    kind buys the fewest servers whatever its price), and only where the steady state puts that
+    kind within PRUNE x the steady-state best single of `names`: the others cannot be cheapest."""
     ks, os_ = restrict(kinds, reprice(kinds, opts, prices), names)
     m = cheapest(ks, demands, trace=tr, attainment=ATTAINMENT, prices=prices, opts=os_)
-    if singles is None:
-        singles = {}
-        for k in names:
+    steady = value(names, demands, names, prices)["single_usd_h"]
+    floor = min(steady.values())
+    pruned = {k: round(v / floor, 2) for k, v in steady.items() if v > PRUNE * floor}
+    for k in names:
+        if k not in singles and k not in pruned:
             k1, o1 = restrict(kinds, opts, [k])
             q = cheapest(k1, demands, trace=tr, attainment=ATTAINMENT, opts=o1) if o1 else None
             singles[k] = None if q is None or not q.meets else {"servers": q.servers, "slo_attainment": q.slo_attainment}
-    priced = {k: sum(n * device_usd_per_hour(k, prices) * 8 for n in v["servers"].values())
-              for k, v in singles.items() if v and k in names}
+    priced = {k: sum(n * device_usd_per_hour(k, prices) * kinds[[g.name for g in kinds].index(k)].devices
+                     for n in v["servers"].values())
+              for k, v in singles.items() if v and k in names and k not in pruned}
     best = min(priced, key=lambda k: priced[k]) if priced else None
     saving = 1 - m.usd_per_hour / priced[best] if m is not None and m.meets and best else None
     return {"mixed": None if m is None else {"servers": m.servers, "usd_per_hour": m.usd_per_hour,
                                              "slo_attainment": m.slo_attainment, "meets": m.meets},
-            "singles": singles, "singles_usd_per_hour": priced, "cheapest_single": best, "saving": saving,
+            "singles": {k: singles.get(k) for k in names if k not in pruned}, "singles_usd_per_hour": priced,
+            "singles_pruned_steady_state_x": pruned, "cheapest_single": best, "saving": saving,
             "saves_30pct": bool(saving is not None and saving >= 0.30)}
 
 
+def _bound_sweep(demands: Sequence[ModelDemand]) -> list[dict[str, Any]]:
+    """The steady-state saving bound (`value`) as the swept kind's price moves."""
+    out = []
+    for usd in CLOSED_FORM_USD:
+        v = value(PURCHASE, demands, PURCHASE, {SWEPT: usd})
+        out.append({"usd_per_gpu_h": usd, "best_single_kind": v["best_single_kind"],
+                    "saving_bound": round(v["saving_bound"], 3)})
+    return out
+
+
+def _log(t0: float, what: str) -> None:
+    print(f"  heterogeneity: {what} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+
 def part_heterogeneity(n: int, scale: float, long_n: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
     tr, demands = mixed(n, scale)
     kinds = [ServerGroup(name=k, accelerator=k, count=48, max_batch=128) for k in PURCHASE]
     opts = calibrate(kinds, demands, options(kinds, demands), tr, ATTAINMENT)  # measured once, for every catalog
-    base = _compare(kinds, opts, demands, tr, PURCHASE)
+    _log(t0, "options measured")
+    cache: dict[str, Any] = {}
+    base = _compare(kinds, opts, demands, tr, PURCHASE, cache)
+    _log(t0, "catalog as priced")
     sweep = []
     for usd in SWEEP_USD:
-        got = base if usd == device_usd_per_hour(SWEPT) else _compare(kinds, opts, demands, tr, PURCHASE,
-                                                                       base["singles"], {SWEPT: usd})
+        got = _compare(kinds, opts, demands, tr, PURCHASE, cache, {SWEPT: usd})
         sweep.append({"usd_per_gpu_h": usd, "mixed_usd_h": got["mixed"] and got["mixed"]["usd_per_hour"],
                       "mixed_servers": got["mixed"] and got["mixed"]["servers"],
                       "cheapest_single": got["cheapest_single"],
                       "single_usd_h": got["cheapest_single"] and got["singles_usd_per_hour"][got["cheapest_single"]],
                       "saving": got["saving"]})
-    nvidia = _compare(kinds, opts, demands, tr, NVIDIA, base["singles"])
+    _log(t0, "price sweep")
+    nvidia = _compare(kinds, opts, demands, tr, NVIDIA, cache)
+    _log(t0, "nvidia-only")
     ltr, ldem = long_mixed(long_n, scale)
     lopts = calibrate(kinds, ldem, options(kinds, ldem), ltr, ATTAINMENT)
-    longc = _compare(kinds, lopts, ldem, ltr, PURCHASE)
-    longc_nv = _compare(kinds, lopts, ldem, ltr, NVIDIA, longc["singles"])
-    catalog = [k for k in accelerators() if not k.startswith("tenstorrent")]  # 24-32 GB cards hold neither model
+    _log(t0, "long-context options measured")
+    lcache: dict[str, Any] = {}
+    longc = _compare(kinds, lopts, ldem, ltr, PURCHASE, lcache)
+    _log(t0, "long-context")
+    longc_nv = _compare(kinds, lopts, ldem, ltr, NVIDIA, lcache)
+    _log(t0, "long-context nvidia-only")
     return {"requests": len(tr.requests), "rate_scale": scale, "attainment_target": ATTAINMENT,
             "demands": [(d.name, round(d.rate, 2), round(d.input_mean), round(d.output_mean)) for d in demands],
-            "value": value(catalog, demands, PURCHASE), **base,
-            "swept_kind": SWEPT, "price_sweep": sweep,
+            **base, "swept_kind": SWEPT, "price_sweep": sweep,
             "saves_30pct_at_usd": next((s["usd_per_gpu_h"] for s in sweep if (s["saving"] or 0) >= 0.30), None),
             "nvidia_only": nvidia,
             "long_context": {"requests": len(ltr.requests),
                              "demands": [(d.name, round(d.rate, 2), round(d.input_mean), round(d.output_mean),
                                           round(d.prefix_hit, 2)) for d in ldem],
-                             "value": value(catalog, ldem, PURCHASE), **longc, "nvidia_only": longc_nv},
-            "saves_30pct": bool(base["saves_30pct"])}
+                             **longc, "nvidia_only": longc_nv}}
+
+
+def part_value(n: int, scale: float, long_n: int) -> dict[str, Any]:
+    """The steady-state economics of both mixes (seconds): per-kind $/Mtok per role, the most a mix
+    could save, and how that bound moves with the swept kind's assumed price."""
+    catalog = [k for k in accelerators() if not k.startswith("tenstorrent")]  # 24-32 GB cards hold neither model
+    out: dict[str, Any] = {"swept_kind": SWEPT}
+    for key, (tr, demands) in (("mixed", mixed(n, scale)), ("long_context", long_mixed(long_n, scale))):
+        out[key] = {"trace": tr.name, "requests": len(tr.requests),
+                    "demands": [(d.name, round(d.rate, 2), round(d.input_mean), round(d.output_mean),
+                                 round(d.prefix_hit, 2)) for d in demands],
+                    "catalog": value(catalog, demands, PURCHASE),
+                    "nvidia_only": {k: v for k, v in value(NVIDIA, demands, NVIDIA).items() if k != "table"},
+                    "price_sweep": _bound_sweep(demands)}
+    return out

@@ -8,10 +8,11 @@ and the text goes on differently from there (token for token it is still what vL
 prompt + k tokens: tests/vllm/test_mesh.py checks that through the mesh).
 
 For each dtype, in a process of its own (vLLM's LLM class, the tiny random-weight model of
-hetmesh.engines.vllm_tiny, prefix caching on as in the worker): every prompt's undisturbed greedy
-run (top-2 logprobs at each step), then the continuation from prompt + k tokens for every k. A
+hetmesh.engines.vllm_tiny): every prompt's undisturbed greedy run (top-2 logprobs at each step), then
+the continuation from prompt + k tokens for every k, prefilled whole (`--prefix-caching off`, the
+default: a worker that never saw the stream) or over the blocks the undisturbed run left cached. A
 flip is a continuation that is not the undisturbed tail. Printed and written to
-results/vllm_migration_numerics.json: the flip rate; the rounding gap between the two paths (how far
+results/vllm_migration_numerics[_cached].json: the flip rate; the rounding gap between the two paths (how far
 the continuation's logprob of a token differs from the undisturbed run's, for the same token at the
 same position, over the positions before any flip); the undisturbed run's top-1 minus top-2 logprob
 margin where a flip happened, and its smallest margin anywhere.
@@ -43,13 +44,13 @@ def texts(n: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(40, 160))) for _ in range(n)]
 
 
-def one(model: str, dtype: str, prompts_path: str, tokens: int, ks: list[int]) -> dict[str, Any]:
+def one(model: str, dtype: str, prompts_path: str, tokens: int, ks: list[int], caching: bool) -> dict[str, Any]:
     """In the child process: the undisturbed runs and every continuation, for one dtype."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     llm = LLM(model=model, dtype=dtype, max_model_len=1024, enforce_eager=True, block_size=128,
-              enable_prefix_caching=True, seed=0)
+              enable_prefix_caching=caching, seed=0)
     prompts = json.loads(Path(prompts_path).read_text())
 
     def run(ps: list[list[int]], n: list[int]) -> list[tuple[list[int], list[dict[int, float]]]]:
@@ -98,12 +99,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens per undisturbed run")
     ap.add_argument("--ks", default="1,4,16,32,48", help="migration points: tokens streamed before the move")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--out", default="results/vllm_migration_numerics.json")
+    ap.add_argument("--prefix-caching", choices=["off", "on"], default="off",
+                    help="off: a continuation prefills prompt + k whole, as on a worker that never saw the stream; "
+                         "on: it finds the blocks the undisturbed run filled (prompt and generated tokens) cached")
+    ap.add_argument("--out", default="", help="default results/vllm_migration_numerics[_cached].json")
     ap.add_argument("--one", nargs=3, metavar=("MODEL", "DTYPE", "PROMPTS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
+    caching = args.prefix_caching == "on"
+    out_path = args.out or f"results/vllm_migration_numerics{'_cached' if caching else ''}.json"
     if args.one:
-        res = one(*args.one, args.tokens, ks)
+        res = one(*args.one, args.tokens, ks, caching)
         print("RESULT " + json.dumps(res))
         return
     from hetmesh.engines.vllm_tiny import build
@@ -116,7 +122,8 @@ def main() -> None:
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
     results, t0 = [], time.monotonic()
     for dtype in DTYPES:
-        p = subprocess.run([sys.executable, __file__, "--tokens", str(args.tokens), "--ks", args.ks, "--one",
+        p = subprocess.run([sys.executable, __file__, "--tokens", str(args.tokens), "--ks", args.ks,
+                            "--prefix-caching", args.prefix_caching, "--one",
                             str(model), dtype, str(d / "prompts.json")], env=env, capture_output=True, text=True,
                            timeout=900)
         line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -124,20 +131,21 @@ def main() -> None:
             raise SystemExit(f"{dtype}: exit {p.returncode}\n{p.stderr[-3000:]}")
         results.append(json.loads(line[7:]))
     sums = [summary(r) for r in results]
-    out = {"model": "hetmesh.engines.vllm_tiny (random weights, hidden 256, 2 layers)", "prompts": args.prompts,
+    out = {"prefix_caching": caching,
+           "model": "hetmesh.engines.vllm_tiny (random weights, hidden 256, 2 layers)", "prompts": args.prompts,
            "tokens": args.tokens, "ks": ks, "summary": sums, "cases": {r["dtype"]: r["cases"] for r in results},
            "wall_s": round(time.monotonic() - t0, 1),
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
            "ts": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(out_path).write_text(json.dumps(out, indent=2) + "\n")
     print(f"{'dtype':10} {'flipped':>12} {'rounding gap (max)':>19} {'margin at flips':>30} {'min margin unflipped':>21}")
     for s in sums:
         fl = ", ".join(f"{m:.2g}" for m in s["margins_at_flips"][:4]) or "-"
         mu = s["min_margin_unflipped"]
         print(f"{s['dtype']:10} {s['flipped']:>5}/{s['continuations']:<6} {s['max_rounding_gap']:>19.3g} {fl:>30} "
               f"{'-' if mu is None else f'{mu:.3g}':>21}")
-    print(f"wrote {args.out}")
+    print(f"wrote {out_path}")
 
 
 if __name__ == "__main__":

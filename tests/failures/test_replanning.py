@@ -145,6 +145,14 @@ async def test_role_flip_under_load_loses_no_request(mesh: Mesh, events: EventLo
     accepted = [e for e in mine if e.kind == "accepted"]
     assert not [e for e in accepted if start <= e.ts <= end_first or mid <= e.ts <= switched[1].ts]
     assert all(e.detail["phase"] == "prefill" for e in accepted if end_first < e.ts < mid)
+    # The scheduler's next demand report judged the finished requests against the model's SLOs.
+    sub = await bus.subscribe(subjects.DEMAND)
+    try:
+        report = decode((await sub.next_msg(timeout=10)).data, DemandReport)
+    finally:
+        await sub.unsubscribe()
+    agg = next(m for m in report.models if m.model == "agg")
+    assert agg.slo_attainment is not None and 0.0 <= agg.slo_attainment <= 1.0, agg
 
 
 async def test_model_switch_under_load(mesh: Mesh, events: EventLog, bus: Any) -> None:
@@ -190,6 +198,9 @@ async def test_model_switch_under_load(mesh: Mesh, events: EventLog, bus: Any) -
     row = next(line for line in out.export_text().splitlines() if "h100-1" in line)
     assert "agg -> pd" in row and "both -> both" in row, row
     await layout_settles(bus, {"h100-1": ("pd", Role.BOTH)})
+    async with httpx.AsyncClient(base_url=mesh.url, timeout=30) as http:  # no worker at all: a 503 as before
+        gone = await http.post("/v1/completions", json={"model": "agg", "prompt": "nobody", "max_tokens": 2})
+    assert gone.status_code == 503 and gone.json()["error"]["code"] == "no_workers" and gone.headers["retry-after"]
 
     await move(bus, "h100-0", "agg", Role.BOTH)  # agg has no worker now; h100-0 brings it back
     await layout_settles(bus, {"h100-0": ("agg", Role.BOTH)})
@@ -222,9 +233,9 @@ async def until(pred: Callable[[], bool], timeout_s: float) -> None:
             await asyncio.sleep(0.1)
 
 
-def planner(mesh: Mesh, name: str) -> None:
+def planner(mesh: Mesh, name: str, *extra: str) -> None:
     mesh.add(name, [sys.executable, "-m", "hetmesh.planner", "--cluster", str(mesh.cluster_path), "--instance",
-                    name, "--mode", "act"])
+                    name, "--mode", "act", *extra])
     mesh.spawn(name)
 
 
@@ -321,3 +332,40 @@ async def test_planner_in_act_mode_switches_roles_back_into_service(mesh: Mesh, 
     finally:
         mesh.kill("planner-c", signal.SIGTERM)
         del mesh.services["planner-c"]
+
+
+async def test_planner_moves_a_worker_to_a_model_left_without_one(mesh: Mesh, events: EventLog, bus: Any) -> None:
+    """`planner.scope = "fleet"`: both of agg's workers were moved to pd by hand while the demand still asks
+    for agg (a report on the scheduler's demand subject, beside the scheduler's own): the acting planner
+    sends a ModelSwitch that brings a worker to agg, which then serves it again."""
+    for w in ("h100-0", "h100-1"):
+        await move(bus, w, "pd", Role.BOTH)
+    await layout_settles(bus, {"h100-0": ("pd", Role.BOTH), "h100-1": ("pd", Role.BOTH)})
+    since = time.time()
+    report = DemandReport(instance="test-demand", window_s=20.0, ts=since, models=[
+        ModelDemandStats(model="agg", requests=4, rate=0.2, prompt_mean=200, output_mean=16, max_tokens_mean=16,
+                         prefix_hit=0.0),
+        ModelDemandStats(model="pd", requests=2, rate=0.1, prompt_mean=200, output_mean=16, max_tokens_mean=16,
+                         prefix_hit=0.0)])
+
+    async def feed() -> None:
+        while True:
+            await bus.publish(subjects.DEMAND, encode(report))
+            await asyncio.sleep(0.5)
+
+    def to_agg() -> list[Any]:
+        return [e for e in events.events if e.kind == "model_switched" and e.ts > since
+                and e.detail.get("planner") == "planner-m" and e.detail.get("to_model") == "agg"]
+
+    feeder = asyncio.create_task(feed())
+    planner(mesh, "planner-m", "--scope", "fleet")
+    try:
+        await until(lambda: bool(to_agg()), 120)
+        got = await stream(mesh, "agg", "back on agg", 8)
+        check(got, "back on agg", 8)
+        switched = to_agg()[0]
+        assert switched.detail["from_model"] == "pd" and float(switched.detail["load_seconds"]) > 0
+    finally:
+        feeder.cancel()
+        mesh.kill("planner-m", signal.SIGTERM)
+        del mesh.services["planner-m"]

@@ -187,3 +187,18 @@ def test_merge_scheduler_replicas() -> None:
     assert m.prefix_hit == 150 / 600 and m.slo_attainment == 1.0
     assert (n.requests, n.prompt_mean, n.slo_attainment) == (0, 0.0, None)
     assert merge([a]) == a
+
+
+def test_forecast_last_and_trend() -> None:
+    from hetmesh.planner.live import forecast
+
+    a = [ModelDemandStats(model="m", requests=10, rate=1.0, prompt_mean=100, output_mean=10, max_tokens_mean=10,
+                          prefix_hit=0.2)]
+    b = [msg_replace(a[0], rate=2.0, prefix_hit=0.7), msg_replace(a[0], model="n", rate=3.0)]
+    assert forecast([a, b], "last") == b and forecast([], "trend") == []
+    m, n = forecast([a, b], "trend")
+    assert (m.rate, m.prefix_hit, m.prompt_mean) == (3.0, 1.0, 100.0)  # 0.2 -> 0.7 -> 1.2, a share: 1
+    assert n.rate == 6.0  # no arrivals in the first round, 3/s in the second
+    assert forecast([b, [msg_replace(a[0], rate=0.5)]], "trend")[0].rate == 0.0  # 2 -> 0.5 -> -1: none
+    with pytest.raises(ValueError):
+        forecast([a, b], "crystal-ball")

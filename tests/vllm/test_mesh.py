@@ -19,7 +19,7 @@ from hetmesh import subjects
 from hetmesh.kvindex.blocks import block_hashes
 from hetmesh.kvindex.index import PrefixIndex
 from hetmesh.launcher import Mesh
-from hetmesh.protocol import Heartbeat
+from hetmesh.protocol import Heartbeat, Role, RoleSwitch, SchedulerStatus
 from hetmesh.tokenizer import HFTokenizer
 
 from ..e2e.conftest import EventLog, running_mesh
@@ -266,6 +266,45 @@ async def test_client_disconnect_aborts_vllm_and_frees_its_blocks(mesh: Mesh, ev
             left = spool_files(mesh.services[name].proc.pid, f"{_rid(rid)}.")  # type: ignore[union-attr]
             assert left == [], (name, left)
     finally:
+        await nc.close()
+
+
+async def _roles(nc: nats.NATS, want: dict[str, Role]) -> None:
+    """Send each worker its RoleSwitch and wait until the scheduler's view has them in those roles, settled."""
+    for wid, role in want.items():
+        await nc.publish(subjects.worker_command(wid), msgspec.json.encode(RoleSwitch(worker_id=wid, role=role,
+                                                                                       planner="test")))
+    async with asyncio.timeout(60):
+        while True:
+            st = msgspec.json.decode((await nc.request(subjects.SCHED_STATUS, b"", timeout=5)).data,
+                                     type=SchedulerStatus)
+            got = {w.worker_id: w for w in st.details}
+            if all(w in got and got[w].role == r and not got[w].moving_to for w, r in want.items()):
+                return
+            await asyncio.sleep(0.1)
+
+
+async def test_prefill_and_decode_workers_swap_roles_without_a_restart(mesh: Mesh, events: EventLog,
+                                                                     aclient: openai.AsyncOpenAI) -> None:
+    """A role switch on vLLM (the planner's RoleSwitch): cpu-p-0 and cpu-d-0 swap prefill and decode with
+    their engines running (every engine's KV connector is kv_role "kv_both": tests/vllm/test_role_switch.py).
+    A tiny-pd completion then prefills on cpu-d-0 and decodes on cpu-p-0, in the same processes, with the
+    same greedy text as before the swap; then they swap back."""
+    workers = ("cpu-p-0", "cpu-d-0")
+    pids = {w: mesh.services[f"worker:{w}"].proc.pid for w in workers}  # type: ignore[union-attr]
+    prompt = TEXTS[2]
+    _, before, _, _ = await _complete(aclient, "tiny-pd", prompt)
+    nc = await nats.connect(mesh.nats_url)
+    try:
+        await _roles(nc, {"cpu-p-0": Role.DECODE, "cpu-d-0": Role.PREFILL})
+        rid, after, usage, _ = await _complete(aclient, "tiny-pd", prompt, stream=True)
+        assert after == before and usage is not None and usage.completion_tokens == MAX_TOKENS
+        prefill = await events.wait_for(_rid(rid), "prefill_done", timeout_s=15)
+        decode = await events.wait_for(_rid(rid), "decode_done", timeout_s=15)
+        assert (prefill.detail["worker_id"], decode.detail["worker_id"]) == ("cpu-d-0", "cpu-p-0")
+        assert {w: mesh.services[f"worker:{w}"].proc.pid for w in workers} == pids  # type: ignore[union-attr]
+    finally:
+        await _roles(nc, {"cpu-p-0": Role.PREFILL, "cpu-d-0": Role.DECODE})
         await nc.close()
 
 

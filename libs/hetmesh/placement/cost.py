@@ -5,16 +5,20 @@ and every disaggregated one (prefill on P, KV over the NICs, decode on D; a `bot
 take either phase) with the cost model:
 
     TTFT  = prefill backlog on P + prefill time on P (after P's prefix hit, with P's decode batch riding along)
-    TPOT  = decode step time on D at its batch (running + queued + this one) / (1 - D's prefill share)
+    TPOT  = (decode step time on D at its batch (running + queued + this one)
+             + prefill still queued on D when its decode starts / (output - 1)) / (1 - D's prefill share)
     e2e   = TTFT + KV transfer (disaggregated) + (output - 1) * TPOT
 
 The prefill backlog and each worker's prefill share are the policy's own bookkeeping of what
 it placed (prefill seconds it predicted, drained in real time, read off `RequestInfo.arrival`);
 batch sizes, memory and roles come from the `WorkerView`s. Objectives: "throughput" takes the
-lowest e2e time plus the delay the placement puts on others (the prefill time on P for every
-sequence it holds up there: P's running batch and the decodes queued on it, not the prefills
-this policy queued ahead of it; and D's slower steps), preferring placements inside the SLOs
-(in a closed loop, the highest throughput; the one that frees the cluster soonest otherwise);
+lowest e2e time plus the delay the placement puts on others (what the prefill's steps on P take
+from every sequence it holds up there beyond the decode steps they would have run anyway: P's
+running batch and the decodes queued on it, not the prefills this policy queued ahead of it; and
+D's slower steps), preferring placements inside the SLOs (in a closed loop, the highest throughput;
+the one that frees the cluster soonest otherwise) and, among its best few, counting as late one
+whose prefill would push more output tokens of the decodes it placed on P past their TPOT SLO than
+the request brings (hetmesh.placement.slack: each placed decode's predicted window and slack);
 "latency" takes the lowest TTFT among the placements that meet both SLOs (or the least
 violating one).
 
@@ -65,7 +69,7 @@ class _Priced(msgspec.Struct, frozen=True, kw_only=True):
     step: np.ndarray  # a decode step on each worker at the batch it would join (no prefill)
     slow: np.ndarray  # 1 - each worker's prefill share
     backlog: np.ndarray  # seconds of prefill this policy queued on each worker, not yet run
-    ext_p: np.ndarray  # seconds a prefill there holds up the sequences running or queued there
+    ext_p: np.ndarray  # seconds a prefill there takes from the sequences running or queued there
     ext_d: np.ndarray  # seconds this decode there adds to the others' steps
     fits: np.ndarray  # its KV fits on each worker as D
 
@@ -119,11 +123,8 @@ class CostPolicy:
         self._queued = np.zeros(16)  # len(starts[slot])
         self._starts: list[deque[float]] = []
         self._fleet = Fleet(self._cm_row, self._slot, lambda: self._coef)
-        self._work = np.zeros((4, 0))  # step_seconds_many's prefill arguments, 3 steps per worker
-        self.queued_prefill_in_tpot = True
-        self.harm_mode = "off"
-        self.share_of_stolen = True
-        self._ledger = SlackLedger()
+        self._work = np.zeros((4, 0))  # step_seconds_many's prefill arguments, 4 steps per worker
+        self._ledger = SlackLedger()  # the TPOT slack of the decodes it placed (hetmesh.placement.slack)
 
     # ---- helpers ----
     def _cm_row(self, w: WorkerView) -> int:
@@ -241,9 +242,10 @@ class CostPolicy:
         stalled = running + np.maximum(queue - self._queued[sl], 0.0)
         need = np.ceil((prompt + req.max_tokens) / np.maximum(block_size, 1))
         fits = (kv_total <= 0) | (need <= kv_total - kv_used) | (running == 0)
-        return _Priced(now=now, pre=pre, dec=dec, agg=agg_i, cached=cached, ctx=ctx, pf=pf, stolen=stolen, ttft=ttft, tpot=tpot,
+        return _Priced(now=now, pre=pre, dec=dec, agg=agg_i, cached=cached, ctx=ctx, pf=pf, stolen=stolen, ttft=ttft,
+                       tpot=tpot,
                        step=step, slow=slow, backlog=backlog,
-                       ext_p=pf * stalled, ext_d=ext_d, fits=fits)
+                       ext_p=stolen * stalled, ext_d=ext_d, fits=fits)
 
     def _tpot(self, pr: _Priced, p: np.ndarray, d: np.ndarray, lead: np.ndarray, n_out: int) -> np.ndarray:
         """TPOT of placements (P, D), `lead` seconds from now to the first token on D (its prefill and the KV's
@@ -251,7 +253,7 @@ class CostPolicy:
         (every step carries a chunk while any is left): with its own n - 1 steps and the prefill share of what
         arrives meanwhile, the decode takes T = ((n - 1) step + B) / (1 - share) in all. Aggregated (P = D): its
         own prefill waited for D's queue, so B = 0."""
-        if n_out <= 1 or not self.queued_prefill_in_tpot:
+        if n_out <= 1:
             return pr.tpot[d]
         left = np.where(p == d, 0.0, np.maximum(pr.backlog[d] - lead, 0.0))
         return pr.tpot[d] + left / ((n_out - 1) * pr.slow[d])
@@ -304,13 +306,12 @@ class CostPolicy:
             order = np.lexsort((o_e2e, o_ttft, np.maximum(over, 1.0), miss))
         else:  # the cluster-seconds this request costs: its own time plus the delay it puts on others
             order = np.lexsort((o_e2e + pr.ext_p[ip] + pr.ext_d[id_], over > 1.0, miss))
-            if self.harm_mode != "off":
-                order = self._spare(order[:MAX_CANDIDATES], pr, ip, over, miss, n_out)
+            order = self._spare(order[:MAX_CANDIDATES], pr, ip, over, miss, n_out)
         k = int(order[0])
         p, d = int(ip[k]), int(id_[k])
         slot_p = int(f.slots[p])
         start = pr.now + float(pr.backlog[p])
-        self._commit(slot_p, float(pr.pf[p]), float(pr.stolen[p]), pr.now)
+        self._commit(slot_p, float(pr.pf[p]), pr.now)
         self._ledger.stall(slot_p, start, float(pr.pf[p]), float(pr.stolen[p]), pr.now)
         if n_out > 1:  # its own decode joins the ledger: its window and its slack beside what is queued on D
             first = pr.now + float(o_ttft[k] + xfer[k])
@@ -334,20 +335,17 @@ class CostPolicy:
 
     def _spare(self, top: np.ndarray, pr: _Priced, ip: np.ndarray, over: np.ndarray, miss: np.ndarray,
                n_out: int) -> np.ndarray:
-        """The best options (in cluster-seconds order) re-ranked by the SLO goodput they are predicted to
-        yield: this request's output tokens if it meets its SLOs, less those of the decodes its prefill would
-        push past theirs where it runs (the slack ledger)."""
+        """The best options (in cluster-seconds order), those that lose SLO goodput put after the rest: a
+        placement is late when it misses an SLO itself or its prefill would push at least as many output
+        tokens of the decodes placed on P past their TPOT SLO as the request brings (the slack ledger)."""
         f, now = self._fleet, pr.now
         harm = np.array([self._ledger.harm(int(f.slots[p]), now + float(pr.backlog[p]), float(pr.pf[p]),
                                            float(pr.stolen[p]), now)
                          for p in ip[top].tolist()])
         if not harm.any():
             return top
-        if self.harm_mode == "late":
-            late = (over[top] > 1.0) | (harm > 0)
-            return top[np.lexsort((np.arange(len(top)), late, miss[top]))]
-        net = n_out * (over[top] <= 1.0) - harm
-        return top[np.lexsort((np.arange(len(top)), -net, miss[top]))]
+        late = (over[top] > 1.0) | (harm >= n_out)
+        return top[np.lexsort((np.arange(len(top)), late, miss[top]))]
 
     def assess(self, req: RequestInfo, workers: Sequence[WorkerView], decision: Decision,
                margin: float | None = None) -> Decision:
@@ -368,15 +366,15 @@ class CostPolicy:
             margin = self.admission_margins.get(req.model, self.admission_margin)
         if margin > 0 and over > margin and not admit(over, margin, self._idle(pr, pr.pre, n_out, ttft_slo, tpot_slo)):
             return refusal(ttft, tpot, over, margin)
-        self._commit(int(self._fleet.slots[p]), float(pr.pf[p]), float(pr.stolen[p]), pr.now)
+        self._commit(int(self._fleet.slots[p]), float(pr.pf[p]), pr.now)
         return msgspec.structs.replace(decision, predicted_ttft_s=ttft, predicted_tpot_s=tpot)
 
-    def _commit(self, slot: int, pf: float, stolen: float, now: float) -> None:
+    def _commit(self, slot: int, pf: float, now: float) -> None:
         start = max(float(self._busy_until[slot]), now)
         if not self._starts[slot]:
             self._first_start[slot] = start
         self._starts[slot].append(start)
         self._queued[slot] += 1
         self._busy_until[slot] = start + pf
-        self._acc[slot] = self._acc[slot] * math.exp(-max(now - float(self._last[slot]), 0.0) / self.window) + (stolen if self.share_of_stolen else pf)
+        self._acc[slot] = self._acc[slot] * math.exp(-max(now - float(self._last[slot]), 0.0) / self.window) + pf
         self._last[slot] = now

@@ -13,7 +13,10 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+import msgspec
+
 from hetmesh.config import ClusterConfig
+from hetmesh.planner.forecast import forecast_value
 from hetmesh.planner.inputs import ModelDemand, ServerGroup
 from hetmesh.planner.plan import Move, Plan
 from hetmesh.protocol import ModelDemandStats, Role, WorkerStatus
@@ -208,4 +211,27 @@ def merge(reports: Iterable[Sequence[ModelDemandStats]]) -> list[ModelDemandStat
                         / max(sum(s.prompt_mean * s.requests for s in ss), 1e-9)),
             slo_attainment=(sum(s.slo_attainment * s.requests for s in slo) / max(sum(s.requests for s in slo), 1)
                             if slo else None)))  # type: ignore[operator]
+    return out
+
+
+def forecast(history: Sequence[Sequence[ModelDemandStats]], method: str) -> list[ModelDemandStats]:
+    """Each model's demand one planning round on, from the rounds' merged reports (oldest first), by
+    `hetmesh.planner.forecast`'s `method` (`last`: the latest report as it is; `trend`: the line through
+    the last two rounds). A model missing from a round had no arrivals in it. Rates stay >= 0, lengths
+    >= 1 (output: >= 0, none finished), prefix shares in [0, 1]."""
+    if not history:
+        return []
+    if method == "last":
+        return list(history[-1])
+    out = []
+    for s in history[-1]:
+        seen = [next((x for x in rep if x.model == s.model), None) for rep in history]
+        rows = [x if x is not None else msgspec.structs.replace(s, requests=0, rate=0.0) for x in seen]
+
+        def f(name: str, rows: list[ModelDemandStats] = rows) -> float:
+            return forecast_value([getattr(x, name) for x in rows], method)
+
+        out.append(msgspec.structs.replace(
+            s, rate=max(f("rate"), 0.0), prompt_mean=max(f("prompt_mean"), 1.0), output_mean=max(f("output_mean"), 0.0),
+            max_tokens_mean=max(f("max_tokens_mean"), 1.0), prefix_hit=min(max(f("prefix_hit"), 0.0), 1.0)))
     return out

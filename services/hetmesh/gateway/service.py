@@ -148,9 +148,14 @@ class Gateway:
             box.put(BUS_GAP)
 
     async def _on_heartbeat(self, hb: Heartbeat, _m: Msg) -> None:
-        workers = self.live.get(hb.model)
-        if workers is not None:
-            workers[hb.worker_id] = time.monotonic()
+        now = time.monotonic()
+        # A worker moving to a model counts for it too (its requests reach the scheduler, whose 503 says so);
+        # one that moved away counts for its old model no more.
+        for model, workers in self.live.items():
+            if model == hb.model or model == hb.moving_model:
+                workers[hb.worker_id] = now
+            elif workers:
+                workers.pop(hb.worker_id, None)
 
     async def scheduler_status(self) -> SchedulerStatus | None:
         """The scheduler's own view, or None when no scheduler answers (not subscribed yet, or down)."""

@@ -241,8 +241,12 @@ def main() -> None:
     ap.add_argument("--instance", default=f"planner-{uuid.uuid4().hex[:6]}")
     ap.add_argument("--mode", choices=["advise", "act"], default=None,
                     help="override the cluster file's planner.mode")
+    ap.add_argument("--scope", choices=["model", "fleet"], default=None,
+                    help="override the cluster file's planner.scope (fleet: workers may also change model)")
     args = ap.parse_args()
     cfg = config.load(args.cluster)
+    if args.scope:
+        cfg.planner.scope = args.scope
     mode = args.mode or cfg.planner.mode
     if mode == "off":
         print("python -m hetmesh.planner: planner.mode is off in the cluster file; pass --mode advise|act",

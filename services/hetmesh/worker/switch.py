@@ -77,7 +77,8 @@ class Switch:
                 w.out.event("", "model_switch_refused", to_role=cmd.role.value, to_model=model, planner=cmd.planner,
                             reason="the cluster file has no such model")
                 return
-            self.task = asyncio.create_task(self.switch_model(model, cmd.role, cmd.planner, cmd.reason))
+            self.task = asyncio.create_task(self.switch_model(model, cmd.role, cmd.planner, cmd.reason,
+                                                              cmd.seconds if isinstance(cmd, ModelSwitch) else 0.0))
         elif cmd.role != w.role:
             self.task = asyncio.create_task(self.switch_role(cmd.role, cmd.planner, cmd.reason))
 
@@ -87,15 +88,6 @@ class Switch:
             self.task.cancel()
             with contextlib.suppress(BaseException):
                 await self.task
-
-    async def _leave_old_role(self) -> int:
-        """Drain as SIGTERM does (the scheduler hears it first: placements made before that still arrive
-        during one heartbeat interval and get a retryable 503), and forget the old work subjects."""
-        w = self.w
-        handed = await w._drain_work(w.cfg.mesh.heartbeat_interval_s)
-        gone = {w.work_subject, w.pool_subject}
-        w.queue.consumers = [c for c in w.queue.consumers if c[0] not in gone]
-        return handed
 
     async def _rejoin(self) -> None:
         """Take work again (whatever role and model the move ended in) and say so in a heartbeat at once."""
@@ -116,7 +108,7 @@ class Switch:
         w.out.event("", "role_switching", from_role=old.value, to_role=role.value, planner=planner, reason=reason)
         handed = -1
         try:
-            handed = await self._leave_old_role()
+            handed = await w._drain_work()  # as SIGTERM's; lets go of the old subjects
             w.role = role
             await w._open_kv_port()
             await w._take_work()
@@ -127,16 +119,18 @@ class Switch:
                     seconds=round(time.monotonic() - t0, 3), planner=planner)
         log.info("worker %s: role %s -> %s in %.2fs", w.worker_id, old, w.role, time.monotonic() - t0)
 
-    async def switch_model(self, model: str, role: Role, planner: str = "", reason: str = "") -> None:
-        """Serve `model` in `role` from now on: drain, release the engine, load the model's, rejoin."""
+    async def switch_model(self, model: str, role: Role, planner: str = "", reason: str = "",
+                           expected_s: float = 0.0) -> None:
+        """Serve `model` in `role` from now on: drain, release the engine, load the model's, rejoin.
+        `expected_s`: the planner's estimate of the move (engine seconds), in the events beside the real one."""
         w = self.w
         old_group, old_role, t0 = w.group, w.role, time.monotonic()
         self.moving_to, self.moving_model = role, model
         w.out.event("", "model_switching", from_model=old_group.model, to_model=model, from_role=old_role.value,
-                    to_role=role.value, planner=planner, reason=reason)
+                    to_role=role.value, planner=planner, reason=reason, expected_seconds=expected_s)
         handed, load_s, error = -1, 0.0, ""
         try:
-            handed = await self._leave_old_role()
+            handed = await w._drain_work()  # as SIGTERM's; lets go of the old subjects
             t_load = time.monotonic()
             try:
                 await self._reload(msgspec.structs.replace(old_group, model=model))
