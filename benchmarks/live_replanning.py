@@ -70,6 +70,7 @@ PATH = "/v1/completions"
 TOK = ByteTokenizer()
 # 70B weights (140 GB in bf16) fit no one device of these fleets; the 8B runs the same case on one.
 SPEC_ON_ONE_DEVICE = {"llama-3.1-70b": "llama-3.1-8b"}
+HUNG_S = 300.0  # wall seconds without the end of a stream: counted as hung (an error)
 MAX_WIRE_BYTES = 65536  # the sim KV of an 8k prompt is ~1 GB: loopback carries a token of it
 console = Console(width=150)
 
@@ -105,7 +106,7 @@ def fleet_capacity(groups: list[ServerGroup], d: ModelDemand) -> float:
                                   d, Role.BOTH, g.max_batch, g.step_tokens) for g in groups)
 
 
-def scaled_case(name: str, windows: int, window_s: float, workers: int) -> Case:
+def scaled_case(name: str, windows: int, window_s: float, workers: int, load: float = 1.0) -> Case:
     groups, demand = shift_case(name, windows)
     n = sum(g.count for g in groups)
     small = [msgspec.structs.replace(g, devices=1, count=max(1, round(g.count * workers / n))) for g in groups]
@@ -114,7 +115,7 @@ def scaled_case(name: str, windows: int, window_s: float, workers: int) -> Case:
         row, ks = [], {}
         for d in ds:
             d1 = msgspec.structs.replace(d, spec=SPEC_ON_ONE_DEVICE.get(d.spec, d.spec))
-            ks[d.name] = fleet_capacity(small, d1) / fleet_capacity(groups, d)
+            ks[d.name] = load * fleet_capacity(small, d1) / fleet_capacity(groups, d)
             row.append(d1.scaled(ks[d.name]))
         out.append(row)
         scale.append(ks)
@@ -136,7 +137,8 @@ def good_tokens(lay: list[Assignment], c: Case, i: int, tr: Trace) -> float:
 
 
 def best_static(c: Case) -> tuple[str, list[Assignment], list[float]]:
-    """The best single layout in hindsight: each window's own plan, today's layout, the mean-demand plan."""
+    """The best single layout in hindsight (each window's own plan, today's layout, the mean-demand plan)
+    that serves every model."""
     cands = {f"window-{i}": plan(c.groups, c.demand[i], trace=c.window(i), horizon_s=float("inf")).assignments
              for i in range(len(c.demand))}
     mean = [msgspec.structs.replace(m, rate=sum(w[j].rate for w in c.demand) / len(c.demand), peak_rate=0.0)
@@ -150,7 +152,10 @@ def best_static(c: Case) -> tuple[str, list[Assignment], list[float]]:
         if sig not in seen:
             seen[sig] = [good_tokens(lay, c, i, c.window(i)) for i in range(len(c.demand))]
         per[k] = seen[sig]
-    name = max(per, key=lambda k: sum(per[k]))
+    # Only layouts that keep a worker on every model: the gateway refuses a model with no live worker at
+    # its door (503 no_workers), so that model's demand never reaches the scheduler's window nor the planner.
+    pool = [k for k, lay in cands.items() if {a.model for a in lay} >= set(c.models)] or list(cands)
+    name = max(pool, key=lambda k: sum(per[k]))
     return name, cands[name], per[name]
 
 
@@ -321,8 +326,8 @@ async def replay(mesh: Mesh, c: Case, k: float, start: float, events: list[Any])
         body = json.dumps({"model": r.model, "prompt": prompt(i, r.input_len), "max_tokens": r.output_len,
                            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}).encode()
         try:
-            res = await client.stream(PATH, body)
-        except OSError as exc:  # the connection reset or refused: an error the client saw
+            res = await asyncio.wait_for(client.stream(PATH, body), HUNG_S)
+        except (OSError, TimeoutError) as exc:  # reset, refused, or no end within HUNG_S: an error the client saw
             return Done(0, 0.0, 0.0, 0, "", False, f"client {exc!r}"[:200])
         status, text, done, err = parse(res.body)
         return Done(status, res.ttft_s, res.total_s, res.completion_tokens, text, done, err)
@@ -418,7 +423,7 @@ def summarize_live(c: Case, done: list[Done], events: list[Any], epoch: float, l
 
 # --- one case, and the table ---------------------------------------------------------------------
 def run_case(name: str, a: argparse.Namespace) -> dict[str, Any]:
-    c = scaled_case(name, a.windows, a.window_s, a.workers)
+    c = scaled_case(name, a.windows, a.window_s, a.workers, a.load)
     dur = len(c.demand) * c.window_s
     info: dict[str, Any] = {
         "fleet": [(g.name, g.accelerator, g.count) for g in c.groups], "models": c.models,
@@ -482,6 +487,9 @@ def main() -> int:
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--window-s", type=float, default=100.0, help="engine seconds per window of constant demand")
     ap.add_argument("--workers", type=int, default=3, help="one-device sim workers the fleet is scaled to")
+    # 1: as busy as the original fleet. The live mesh's own CPU (gateway, client, ~12 processes a mesh, two
+    # meshes side by side) shares 2 cores with other work here: at 1 its queues ran away (TTFT tens of s).
+    ap.add_argument("--load", type=float, default=0.5, help="the scaled rates times this")
     ap.add_argument("--time-scale", type=float, default=1.0, help="engine seconds per wall second")
     ap.add_argument("--heartbeat-s", type=float, default=0.1, help="heartbeat interval, wall seconds")
     # a plan simulates its candidates (seconds of CPU each round): rounds further apart leave the workers the CPU

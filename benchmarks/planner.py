@@ -1,15 +1,24 @@
-"""The planner's targets, measured: plan time, optimality against enumeration, and what heterogeneity
-saves in capacity planning. Prints a table per part and writes results/planner.json.
+"""The planner's targets, measured: plan time, optimality against enumeration, what heterogeneity
+saves in capacity planning, and what re-planning gains when demand moves. Prints a table per part and
+writes results/planner.json (parts not run keep their last results there).
 
 - time: 256 devices (32 servers of 8) x 6 accelerator kinds x 3 models; CPU seconds of the solver
   (options + integer program) and of the simulation check of its candidates (target: <= 5 s in all).
 - optimality: 6 servers of two kinds, one model: every (role, layout) assignment enumerated and
   simulated; the plan's simulated goodput against the best one (target: within 3%).
-- heterogeneity: a mixed workload (Azure conversation + Azure code, 2023 traces in ../shared/data,
-  two models with their own SLOs); the cheapest purchase over all kinds that meets the SLOs against
-  the cheapest single-kind purchase (target: >= 30% lower $/hour).
+- value (planner_economics.py, seconds): per kind and role, $ per million tokens within the SLOs, and
+  the most a mix can save (steady state), for the mixed and the long-context workloads.
+- heterogeneity (planner_economics.py): a mixed workload (Azure conversation + Azure code, 2023 traces
+  in ../shared/data, two models with their own SLOs); the cheapest purchase over all kinds that meets
+  the SLOs against the cheapest single-kind purchase (target: >= 30% lower $/hour); the same with the
+  assumed MI300X price swept, NVIDIA only, and chat + long context (Mooncake prompts).
+- timevarying (planner_timevarying.py): model ramp, model step and prefill:decode shift, re-planned
+  from several demand forecasts vs the best static layout and the per-window oracle (targets: >= 1.3x
+  and within 10%).
+- afd: the attention-FFN disaggregation what-if.
 
-    .venv/bin/python benchmarks/planner.py [--parts time,optimality,heterogeneity]
+    .venv/bin/python benchmarks/planner.py [--parts time,optimality,value,heterogeneity,timevarying,afd]
+    .venv/bin/python benchmarks/planner.py --parts timevarying --cases model-step
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from hetmesh.planner.forecast import forecast_demand
 from hetmesh.planner.plan import Plan, current_layout, score
 
 CASES = ("model-shift", "model-step", "pd-shift")
-MAX_REQUESTS = 800  # simulated requests per window (its first arrivals): a 2-core machine shared by many
+MAX_REQUESTS = 600  # simulated requests per window (its first arrivals): a 2-core machine shared by many
 
 
 def shift_case(case: str, windows: int) -> tuple[list[ServerGroup], list[list[ModelDemand]]]:

@@ -98,6 +98,9 @@ class PlannerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     # model: each model's own workers are planned apart (roles move, models stay); fleet: one plan over every
     # model with traffic and their workers, so a worker may also change model (a ModelSwitch: drain, reload).
     scope: str = "model"
+    # The demand a round plans for: last (the scheduler's last window) | trend (the line through the last two
+    # rounds' windows, one round on: a planner on `last` lags a steady ramp; hetmesh.planner.live.forecast).
+    forecast: str = "last"
 
 
 class ApiKey(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -306,6 +309,8 @@ class ClusterConfig(Struct, kw_only=True, forbid_unknown_fields=True):
                              "0 < max_moving_share <= 1")
         if pl.scope not in ("model", "fleet"):
             raise ValueError(f"planner.scope must be model or fleet, not {pl.scope!r}")
+        if pl.forecast not in ("last", "trend"):
+            raise ValueError(f"planner.forecast must be last or trend, not {pl.forecast!r}")
         wq = self.work_queue
         if wq.storage not in ("file", "memory"):
             raise ValueError(f"work_queue.storage must be file or memory, not {wq.storage!r}")

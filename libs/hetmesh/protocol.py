@@ -239,6 +239,7 @@ class Heartbeat(Struct, kw_only=True):
     # ... and to this model (a ModelSwitch: engine released and reloaded). `model` stays the old one until the
     # move is over; the first heartbeat after it says the new model, and neither moving field.
     moving_model: str = ""
+    ready_in_s: float = 0.0  # moving: about how long until it serves again (wall seconds; 0: not moving)
 
 
 class KvEvent(Struct, kw_only=True):

@@ -1,7 +1,8 @@
 """Live re-planning with real processes: a worker switches role, or model, under load and no request is
 lost or changed; a request for a model whose last worker is switching away gets 503 + Retry-After; of two
 planners started only the lease holder acts, and the other takes over when it dies; garbage on the
-planner's subjects is logged and ignored.
+planner's subjects is logged and ignored; an acting planner (scope fleet) moves a worker to a model left
+without one.
 
 The mesh is conftest.py's (its `[planner]` section: a round a second, a 4 s lease; a model switch's load
 takes about a second). Each test leaves it whole for the next: every worker back in its cluster file's
@@ -203,6 +204,10 @@ async def test_model_switch_under_load(mesh: Mesh, events: EventLog, bus: Any) -
     assert gone.status_code == 503 and gone.json()["error"]["code"] == "no_workers" and gone.headers["retry-after"]
 
     await move(bus, "h100-0", "agg", Role.BOTH)  # agg has no worker now; h100-0 brings it back
+    await settled(bus, lambda got: got["h100-0"].moving_model == "agg", 10)
+    coming = await refused_while(mesh, bus, "agg", lambda w: w["h100-0"].moving_model == "agg")
+    assert coming.status_code == 503 and coming.json()["error"]["code"] == "model_moving"
+    assert "h100-0 is switching to agg/both" in coming.json()["error"]["message"]
     await layout_settles(bus, {"h100-0": ("agg", Role.BOTH)})
     back = [f"served after the move {i}" for i in range(3)]
     for got, p in zip(await asyncio.gather(*(stream(mesh, "agg", p, 8) for p in back)), back, strict=True):

@@ -202,3 +202,12 @@ def test_forecast_last_and_trend() -> None:
     assert forecast([b, [msg_replace(a[0], rate=0.5)]], "trend")[0].rate == 0.0  # 2 -> 0.5 -> -1: none
     with pytest.raises(ValueError):
         forecast([a, b], "crystal-ball")
+
+
+def test_config_checks_the_forecast_option(tmp_path: Path) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text('[planner]\nforecast = "trend"\n' + CLUSTER)
+    assert config.load(p).planner.forecast == "trend"
+    p.write_text('[planner]\nforecast = "crystal-ball"\n' + CLUSTER)
+    with pytest.raises(ValueError, match=r"planner\.forecast"):
+        config.load(p)

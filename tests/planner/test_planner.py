@@ -157,3 +157,9 @@ def test_a_smaller_catalog_and_other_prices_reuse_the_options() -> None:
     priced = reprice(kinds, opts, {"amd-mi300x": 5.0})
     assert [o.usd_per_hour for o in priced] == [8 * device_usd_per_hour("nvidia-h200"), 40.0, 40.0]
     assert [o.capacity for o in priced] == [1.0, 2.0, 3.0]
+
+
+def test_a_model_forecast_to_have_no_demand_gets_no_requests() -> None:
+    gone = ModelDemand(name="gone", spec="llama-3.1-70b", rate=0.0, input_mean=512, output_mean=64)
+    tr = demand_trace([gone, _demand(2.0)], 20.0)
+    assert tr.requests and {r.model for r in tr.requests} == {"m"}

@@ -144,12 +144,13 @@ def test_prefills_queued_where_it_decodes_count_in_its_tpot() -> None:
 
 
 def test_a_prefill_that_would_push_a_placed_decode_past_its_tpot_slo_goes_elsewhere() -> None:
-    # A 20-token decode placed on an idle H100 has 19 x (50 ms - its step) of TPOT slack. A one-token request
+    # A 20-token decode placed on an H100 (beside one running) has 19 x (50 ms - its step) of TPOT slack, its
+    # step priced at a batch of 2 at its context (512 + 20 / 2 tokens). A one-token request
     # with a 6000-token prompt would be cheapest on that H100 in cluster-seconds (where the policy placed no
     # decode, it goes there), but its prefill there takes more than that slack from the decode: 20 tokens
     # pushed past the SLO for 1 brought, so it counts as late there and goes to the (slower, idle) A100.
     cm = CostModel(accelerator("nvidia-h100"), model_spec("llama-3.1-70b"), devices=8)
-    slack = 19 * (0.05 - cm.decode_step_time(1, 512 + 10))
+    slack = 19 * (0.05 - cm.decode_step_time(2, 2 * (512 + 10)))
     stolen = cm.step_time([(6000, 0)], [6000]) - cm.decode_step_time(1, 6000)  # priced at its own prompt
     assert stolen > slack
     ws = [view("a", "nvidia-h100", running=1), view("b", "nvidia-a100-80g")]

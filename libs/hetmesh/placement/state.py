@@ -177,6 +177,14 @@ def moving(model: str, heartbeats: Iterable[Heartbeat]) -> list[Heartbeat]:
     return [hb for hb in heartbeats if hb.moving_to and model in (hb.model, hb.moving_model)]
 
 
+def back_in_s(model: str, busy: Iterable[Heartbeat], floor_s: float, cap_s: float = 60.0) -> float:
+    """Retry-After for a request of `model` while `busy` (moving(model, ...)) move: the soonest a worker
+    staying with or coming to the model is expected back (its heartbeat's ready_in_s), within
+    [floor_s, cap_s]; floor_s when all of them are leaving the model (nobody knows when one comes)."""
+    back = [hb.ready_in_s for hb in busy if hb.moving_model in ("", model)]
+    return min(max(min(back), floor_s), cap_s) if back else floor_s
+
+
 def pool_full(model: str, workers: Iterable[WorkerView], queue_factor: float) -> bool:
     """Admission: the model's pool holds as many requests as it may queue (each worker: its batch plus
     `queue_factor` batches waiting). Past that, queueing more only grows latency and memory without bound;

@@ -26,6 +26,7 @@ import logging
 import sys
 import time
 import uuid
+from collections import deque
 from typing import Any
 
 import nats.js.errors
@@ -36,7 +37,7 @@ from hetmesh import config, metrics, subjects, telemetry
 from hetmesh.bus import Bus, EventBatcher, decode, encode
 from hetmesh.planner import plan
 from hetmesh.planner.commands import commands, plan_fleet
-from hetmesh.planner.live import merge, plan_models, to_send
+from hetmesh.planner.live import forecast, merge, plan_models, to_send
 from hetmesh.protocol import (
     DemandReport,
     ModelDemandStats,
@@ -101,6 +102,7 @@ class PlannerService:
         self.instance = instance
         self.mode = mode
         self.demand: dict[str, tuple[float, DemandReport]] = {}  # scheduler instance -> (received, report)
+        self.rounds: deque[list[ModelDemandStats]] = deque(maxlen=2)  # the last rounds' demand (planner.forecast)
         self.tracer = telemetry.setup("planner", instance)
         self.registry = CollectorRegistry()
         self.m_plans = Counter("hetmesh_planner_plans", "Plans made by the leading planner", ["chosen"],
@@ -184,7 +186,8 @@ class PlannerService:
                 self._event("plan_failed", error=repr(exc)[:300])
 
     async def plan_once(self) -> PlanProposal | None:
-        demand = self.current_demand()
+        self.rounds.append(self.current_demand())
+        demand = forecast(list(self.rounds), self.cfg.planner.forecast)
         reply = await self.bus.nc.request(subjects.SCHED_STATUS, b"", timeout=STATUS_TIMEOUT_S)
         status = decode(reply.data, SchedulerStatus)
         workers = status.details

@@ -33,7 +33,7 @@ from hetmesh.costmodel.economics import device_usd_per_hour
 from hetmesh.kvindex.index import PrefixIndex
 from hetmesh.placement import REFUSED, ClusterState, Decision, RequestInfo, WorkerView, aggregated, pool_full
 from hetmesh.placement.admission import retry_after_s
-from hetmesh.placement.state import moving
+from hetmesh.placement.state import back_in_s, moving
 from hetmesh.planner.live import DemandWindow
 from hetmesh.protocol import (
     Cancel,
@@ -374,7 +374,7 @@ class Scheduler:
                 message=f"no worker can take a request of model {req.model!r} right now: " + ", ".join(
                     f"{hb.worker_id} is switching to {hb.moving_model or hb.model}/{hb.moving_to}" for hb in busy)
                 + "; please retry.", type="server_error", code="model_moving", status=503,
-                retry_after_s=sc.retry_after_s))
+                retry_after_s=back_in_s(req.model, busy, sc.retry_after_s)))
         if decision is None:
             # Nobody fit in the view (workers restarting, the bus just came back, the one left excluded):
             # wait one heartbeat timeout for heartbeats rather than refuse at once.

@@ -39,11 +39,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("hetmesh.worker")
 
 
-def load_seconds(weights_bytes: float, storage_bytes_per_s: float) -> float:
-    """How long loading a model's weights takes (engine seconds): the planner's reload figure."""
-    return weights_bytes / storage_bytes_per_s
-
-
 class Switch:
     """The move under way on one worker, if any, and how to make one."""
 
@@ -51,7 +46,15 @@ class Switch:
         self.w = worker
         self.moving_to: Role | None = None  # the role being switched to
         self.moving_model = ""  # the model being switched to ("": the same model)
+        self.ready_at = 0.0  # time.monotonic() when the move should be over (the heartbeats' ready_in_s)
         self.task: asyncio.Task[None] | None = None
+
+    def ready_in_s(self) -> float:
+        return max(self.ready_at - time.monotonic(), 0.0) if self.moving_to is not None else 0.0
+
+    def _drain_bound_s(self) -> float:
+        """The longest a drain takes: one heartbeat interval of settling, the running requests' time."""
+        return self.w.cfg.mesh.heartbeat_interval_s + self.w.drain_timeout_s
 
     @property
     def busy(self) -> bool:
@@ -104,7 +107,7 @@ class Switch:
         the new role's work subjects. The first heartbeat after says the new role."""
         w = self.w
         old, t0 = w.role, time.monotonic()
-        self.moving_to = role
+        self.moving_to, self.ready_at = role, t0 + self._drain_bound_s()
         w.out.event("", "role_switching", from_role=old.value, to_role=role.value, planner=planner, reason=reason)
         handed = -1
         try:
@@ -125,21 +128,24 @@ class Switch:
         `expected_s`: the planner's estimate of the move (engine seconds), in the events beside the real one."""
         w = self.w
         old_group, old_role, t0 = w.group, w.role, time.monotonic()
-        self.moving_to, self.moving_model = role, model
+        new_group = msgspec.structs.replace(old_group, model=model)
+        load_s = self._load_s(new_group)  # expected, wall seconds
+        self.moving_to, self.moving_model, self.ready_at = role, model, t0 + self._drain_bound_s() + load_s
         w.out.event("", "model_switching", from_model=old_group.model, to_model=model, from_role=old_role.value,
                     to_role=role.value, planner=planner, reason=reason, expected_seconds=expected_s)
-        handed, load_s, error = -1, 0.0, ""
+        handed, loaded_s, error = -1, 0.0, ""
         try:
             handed = await w._drain_work()  # as SIGTERM's; lets go of the old subjects
             t_load = time.monotonic()
+            self.ready_at = t_load + load_s
             try:
-                await self._reload(msgspec.structs.replace(old_group, model=model))
+                await self._reload(new_group)
                 w.role = role
             except Exception as exc:  # the new model's engine cannot be built: serve the old one again
                 log.exception("loading model %s failed; loading %s again", model, old_group.model)
                 error = repr(exc)[:300]
                 await self._reload(old_group)
-            load_s = time.monotonic() - t_load
+            loaded_s = time.monotonic() - t_load
             await w._open_kv_port()
             await w._take_work()
         except Exception as exc:
@@ -148,10 +154,16 @@ class Switch:
         await self._rejoin()
         w.out.event("", "model_switch_failed" if error else "model_switched", from_model=old_group.model,
                     to_model=w.group.model, from_role=old_role.value, to_role=w.role.value, handed_over=handed,
-                    load_seconds=round(load_s, 3), seconds=round(time.monotonic() - t0, 3), planner=planner,
+                    load_seconds=round(loaded_s, 3), seconds=round(time.monotonic() - t0, 3), planner=planner,
                     error=error or None)
         log.info("worker %s: %s/%s -> %s/%s in %.2fs (load %.2fs)", w.worker_id, old_group.model, old_role,
-                 w.group.model, w.role, time.monotonic() - t0, load_s)
+                 w.group.model, w.role, time.monotonic() - t0, loaded_s)
+
+    def _load_s(self, group: WorkerGroup) -> float:
+        """How long loading `group`'s weights takes, in wall seconds: weights bytes over the storage
+        bandwidth (engine seconds, the planner's reload figure) at the mesh's time scale."""
+        cfg = self.w.cfg
+        return wiring.cost_model(cfg, group).weights_bytes() / cfg.worker.storage_bytes_per_s / cfg.mesh.time_scale
 
     async def _reload(self, group: WorkerGroup) -> None:
         """Release the engine (and the KV it held), build and start `group`'s, rewire the worker to it."""
@@ -161,9 +173,8 @@ class Switch:
         await w.engine.close()
         cost = wiring.cost_model(w.cfg, group)
         engine = engines.create(w.cfg, group, cost)
-        if engine.name == "sim":  # loads nothing: spend the time the weights would take (engine seconds)
-            await asyncio.sleep(load_seconds(cost.weights_bytes(), w.cfg.worker.storage_bytes_per_s)
-                                / w.cfg.mesh.time_scale)
+        if engine.name == "sim":  # loads nothing: spend the time the weights would take
+            await asyncio.sleep(self._load_s(group))
         await engine.start()
         w.group, w.model, w.cost, w.engine = group, w.cfg.model(group.model), cost, engine
         w.book.model = group.model
