@@ -379,8 +379,8 @@ def summarize_live(c: Case, done: list[Done], events: list[Any], epoch: float, l
         if x.status == 429 or x.error.startswith("slo_unattainable"):
             refused += 1  # SLO admission said no (at the start, or to a retry): a refusal, not an error
             continue
-        if x.status == 503 and '"no_workers"' in x.error:
-            unserved += 1  # no worker serves the model (yet): the clear 503 the issue asks for, no hang
+        if x.status == 503 and ('"no_workers"' in x.error or '"model_moving"' in x.error):
+            unserved += 1  # no worker serves the model (yet), or its last one is moving: the designed 503, no hang
             continue
         if x.status != 200 or not x.done or x.error:
             errors.append(f"{x.status} {x.error}"[:200])

@@ -140,6 +140,8 @@ def main() -> int:
     chosen = a.parts.split(",")
     if unknown := [p for p in chosen if p not in parts]:
         ap.error(f"unknown part(s) {', '.join(unknown)}: choose from {', '.join(parts)}")
+    if bad := [c for c in a.cases.split(",") if c not in CASES]:
+        ap.error(f"unknown case(s) {', '.join(bad)}: choose from {', '.join(CASES)}")
     out: dict[str, Any] = json.loads(Path(a.out).read_text()) if Path(a.out).exists() else {}
     out.update({"machine": f"{platform.machine()}, {os.cpu_count()} cores", "python": platform.python_version()})
     for part in chosen:

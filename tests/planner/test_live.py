@@ -211,3 +211,14 @@ def test_config_checks_the_forecast_option(tmp_path: Path) -> None:
     p.write_text('[planner]\nforecast = "crystal-ball"\n' + CLUSTER)
     with pytest.raises(ValueError, match=r"planner\.forecast"):
         config.load(p)
+
+
+def test_window_counts_refused_requests_as_demand_and_misses() -> None:
+    """Turned away at admission: still demand (the planner must see the load it cannot serve) and a miss."""
+    w = DemandWindow(10.0, {"m": (1.0, 0.1)})
+    w.submitted("a", "m", 1.0, prompt_tokens=100, max_tokens=8)
+    w.finished("a", 1.5, 8)
+    w.refused("m", 2.0, prompt_tokens=300, max_tokens=8)
+    (m,) = w.report(3.0)
+    assert (m.requests, m.rate, m.prompt_mean, m.output_mean, m.slo_attainment) == (2, 0.2, 200.0, 8.0, 0.5)
+    assert w.report(13.0) == []  # both fell out of the window

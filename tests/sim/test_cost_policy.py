@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from hetmesh.costmodel import CostModel, accelerator, model_spec
@@ -118,47 +117,3 @@ def test_a_prefill_is_charged_only_the_time_it_takes_from_the_decodes_beside_it(
     assert pr.stolen[0] == pytest.approx(stolen, rel=1e-6) and 0 < stolen < pf
     assert pr.ext_p[0] == pytest.approx(10 * stolen, rel=1e-6)  # 10 decodes held up
 
-
-def test_prefills_queued_where_it_decodes_count_in_its_tpot() -> None:
-    # A 16K prompt's prefill is queued on b (a one-token request: nothing decodes after it). A request
-    # prefilled on a and decoded on b starts decoding after a's prefill; b's queued prefill still has
-    # backlog - lead seconds to run then, in the steps the new decode rides: n - 1 = 9 steps carry it all.
-    pol = make_policy("cost")
-    ws = [view("a", "nvidia-h100"), view("b", "nvidia-h100")]
-    cm = CostModel(accelerator("nvidia-h100"), model_spec("llama-3.1-70b"), devices=8)
-    first = pol.place(req(16_384, 1), ws[1:])
-    assert first is not None and first.decode_worker == "b"
-    backlog = cm.prefill_time(8192) + cm.prefill_time(8192, 8192)  # two chunks of the step's 8192 tokens
-    r = req(1024, 10)
-    pr = pol._price(r, ws)
-    assert pr is not None and pr.backlog[1] == pytest.approx(backlog, rel=1e-6)
-    lead = cm.prefill_time(1024)
-    assert pr.ttft[0] == pytest.approx(lead, rel=1e-6)
-    slow = 1.0 - min(backlog / 1.0, 0.95)  # b's prefill share in the first second: all of it, capped
-    assert pr.slow[1] == pytest.approx(slow, rel=1e-6)
-    a, b = np.array([0]), np.array([1])
-    split = pol._tpot(pr, a, b, np.array([lead]), 10)[0]
-    assert split == pytest.approx(pr.tpot[1] + (backlog - lead) / (9 * slow), rel=1e-6)
-    assert pol._tpot(pr, b, b, np.array([pr.ttft[1]]), 10)[0] == pr.tpot[1]  # aggregated: its prefill waited
-    assert pol._tpot(pr, a, b, np.array([backlog + 1.0]), 10)[0] == pr.tpot[1]  # queue drained by then
-
-
-def test_a_prefill_that_would_push_a_placed_decode_past_its_tpot_slo_goes_elsewhere() -> None:
-    # A 20-token decode placed on an H100 (beside one running) has 19 x (50 ms - its step) of TPOT slack, its
-    # step priced at a batch of 2 at its context (512 + 20 / 2 tokens). A one-token request
-    # with a 6000-token prompt would be cheapest on that H100 in cluster-seconds (where the policy placed no
-    # decode, it goes there), but its prefill there takes more than that slack from the decode: 20 tokens
-    # pushed past the SLO for 1 brought, so it counts as late there and goes to the (slower, idle) A100.
-    cm = CostModel(accelerator("nvidia-h100"), model_spec("llama-3.1-70b"), devices=8)
-    slack = 19 * (0.05 - cm.decode_step_time(2, 2 * (512 + 10)))
-    stolen = cm.step_time([(6000, 0)], [6000]) - cm.decode_step_time(1, 6000)  # priced at its own prompt
-    assert stolen > slack
-    ws = [view("a", "nvidia-h100", running=1), view("b", "nvidia-a100-80g")]
-    fresh = make_policy("cost", ttft_slo_s=5.0, tpot_slo_s=0.05).place(req(6000, 1, t=0.01), ws)
-    assert fresh is not None and fresh.decode_worker == "a"
-    pol = make_policy("cost", ttft_slo_s=5.0, tpot_slo_s=0.05)
-    first = pol.place(req(512, 20), ws[:1])
-    assert first is not None and first.decode_worker == "a"
-    assert pol._ledger._rows[0][0, 2:] == pytest.approx([slack, 20.0], rel=1e-6)
-    d = pol.place(req(6000, 1, t=0.01), ws)
-    assert d is not None and d.mode == "aggregated" and d.decode_worker == "b"

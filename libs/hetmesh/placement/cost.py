@@ -5,8 +5,7 @@ and every disaggregated one (prefill on P, KV over the NICs, decode on D; a `bot
 take either phase) with the cost model:
 
     TTFT  = prefill backlog on P + prefill time on P (after P's prefix hit, with P's decode batch riding along)
-    TPOT  = (decode step time on D at its batch (running + queued + this one)
-             + prefill still queued on D when its decode starts / (output - 1)) / (1 - D's prefill share)
+    TPOT  = decode step time on D at its batch (running + queued + this one) / (1 - D's prefill share)
     e2e   = TTFT + KV transfer (disaggregated) + (output - 1) * TPOT
 
 The prefill backlog and each worker's prefill share are the policy's own bookkeeping of what
@@ -16,9 +15,7 @@ lowest e2e time plus the delay the placement puts on others (what the prefill's 
 from every sequence it holds up there beyond the decode steps they would have run anyway: P's
 running batch and the decodes queued on it, not the prefills this policy queued ahead of it; and
 D's slower steps), preferring placements inside the SLOs (in a closed loop, the highest throughput;
-the one that frees the cluster soonest otherwise) and, among its best few, counting as late one
-whose prefill would push more output tokens of the decodes it placed on P past their TPOT SLO than
-the request brings (hetmesh.placement.slack: each placed decode's predicted window and slack);
+the one that frees the cluster soonest otherwise);
 "latency" takes the lowest TTFT among the placements that meet both SLOs (or the least
 violating one).
 
@@ -47,7 +44,6 @@ from hetmesh.costmodel import (
 from hetmesh.costmodel.model import COEFFICIENTS, step_seconds_many, transfer_time
 from hetmesh.placement.admission import admit, over_slo, refusal
 from hetmesh.placement.fleet import Fleet
-from hetmesh.placement.slack import SlackLedger
 from hetmesh.placement.state import Decision, RequestInfo, WorkerView
 
 MAX_CANDIDATES = 16  # options a Decision lists (best first) for the placement span
@@ -66,9 +62,6 @@ class _Priced(msgspec.Struct, frozen=True, kw_only=True):
     stolen: np.ndarray  # of which the decodes there would not have spent anyway
     ttft: np.ndarray  # backlog + prefill on each worker as P
     tpot: np.ndarray  # decode step on each worker as D, slowed by its prefill share
-    step: np.ndarray  # a decode step on each worker at the batch it would join (no prefill)
-    slow: np.ndarray  # 1 - each worker's prefill share
-    backlog: np.ndarray  # seconds of prefill this policy queued on each worker, not yet run
     ext_p: np.ndarray  # seconds a prefill there takes from the sequences running or queued there
     ext_d: np.ndarray  # seconds this decode there adds to the others' steps
     fits: np.ndarray  # its KV fits on each worker as D
@@ -124,7 +117,6 @@ class CostPolicy:
         self._starts: list[deque[float]] = []
         self._fleet = Fleet(self._cm_row, self._slot, lambda: self._coef)
         self._work = np.zeros((4, 0))  # step_seconds_many's prefill arguments, 4 steps per worker
-        self._ledger = SlackLedger()  # the TPOT slack of the decodes it placed (hetmesh.placement.slack)
 
     # ---- helpers ----
     def _cm_row(self, w: WorkerView) -> int:
@@ -213,8 +205,7 @@ class CostPolicy:
                                     running * ctx)
             done += n
             left -= n
-        backlog = np.maximum(self._busy_until[sl] - now, 0.0)
-        ttft = backlog + pf
+        ttft = np.maximum(self._busy_until[sl] - now, 0.0) + pf
         # What the prefill takes from the decodes beside it (the prefill share's unit): its steps less the
         # plain decode steps they replace.
         stolen = np.maximum(pf - n_steps * alone, 0.0)
@@ -244,19 +235,7 @@ class CostPolicy:
         fits = (kv_total <= 0) | (need <= kv_total - kv_used) | (running == 0)
         return _Priced(now=now, pre=pre, dec=dec, agg=agg_i, cached=cached, ctx=ctx, pf=pf, stolen=stolen, ttft=ttft,
                        tpot=tpot,
-                       step=step, slow=slow, backlog=backlog,
                        ext_p=stolen * stalled, ext_d=ext_d, fits=fits)
-
-    def _tpot(self, pr: _Priced, p: np.ndarray, d: np.ndarray, lead: np.ndarray, n_out: int) -> np.ndarray:
-        """TPOT of placements (P, D), `lead` seconds from now to the first token on D (its prefill and the KV's
-        trip). The prefills queued on D that are still there when the decode starts run in the steps it rides
-        (every step carries a chunk while any is left): with its own n - 1 steps and the prefill share of what
-        arrives meanwhile, the decode takes T = ((n - 1) step + B) / (1 - share) in all. Aggregated (P = D): its
-        own prefill waited for D's queue, so B = 0."""
-        if n_out <= 1:
-            return pr.tpot[d]
-        left = np.where(p == d, 0.0, np.maximum(pr.backlog[d] - lead, 0.0))
-        return pr.tpot[d] + left / ((n_out - 1) * pr.slow[d])
 
     def _idle(self, pr: _Priced, prefill: np.ndarray, n_out: int, ttft_slo: float, tpot_slo: float) -> float:
         """admission's idle reference: the best prefill alone, and a decode step alone in its batch, over SLO."""
@@ -291,7 +270,7 @@ class CostPolicy:
         if not len(ip):
             return None
         o_ttft = ttft[ip]
-        o_tpot = self._tpot(pr, ip, id_, o_ttft + xfer, n_out)
+        o_tpot = tpot[id_]
         o_e2e = o_ttft + xfer + (n_out - 1) * o_tpot
         miss = ~pr.fits[id_]
         ttft_slo, tpot_slo = self.slos.get(req.model, (self.ttft_slo, self.tpot_slo))
@@ -306,18 +285,9 @@ class CostPolicy:
             order = np.lexsort((o_e2e, o_ttft, np.maximum(over, 1.0), miss))
         else:  # the cluster-seconds this request costs: its own time plus the delay it puts on others
             order = np.lexsort((o_e2e + pr.ext_p[ip] + pr.ext_d[id_], over > 1.0, miss))
-            order = self._spare(order[:MAX_CANDIDATES], pr, ip, over, miss, n_out)
         k = int(order[0])
         p, d = int(ip[k]), int(id_[k])
-        slot_p = int(f.slots[p])
-        start = pr.now + float(pr.backlog[p])
-        self._commit(slot_p, float(pr.pf[p]), pr.now)
-        self._ledger.stall(slot_p, start, float(pr.pf[p]), float(pr.stolen[p]), pr.now)
-        if n_out > 1:  # its own decode joins the ledger: its window and its slack beside what is queued on D
-            first = pr.now + float(o_ttft[k] + xfer[k])
-            left = 0.0 if p == d else max(float(pr.backlog[d]) - (first - pr.now), 0.0)
-            self._ledger.add(int(f.slots[d]), first, first + (n_out - 1) * float(o_tpot[k]),
-                             (n_out - 1) * (tpot_slo - float(pr.step[d])) - left, n_out)
+        self._commit(int(f.slots[p]), float(pr.pf[p]), pr.now)
         agg = p == d
         ids = f.ids
         shown = order[:MAX_CANDIDATES]  # the best options, for the placement span
@@ -333,20 +303,6 @@ class CostPolicy:
                                  o_ttft[shown].tolist(), o_tpot[shown].tolist(), o_e2e[shown].tolist(), strict=True)),
         )
 
-    def _spare(self, top: np.ndarray, pr: _Priced, ip: np.ndarray, over: np.ndarray, miss: np.ndarray,
-               n_out: int) -> np.ndarray:
-        """The best options (in cluster-seconds order), those that lose SLO goodput put after the rest: a
-        placement is late when it misses an SLO itself or its prefill would push at least as many output
-        tokens of the decodes placed on P past their TPOT SLO as the request brings (the slack ledger)."""
-        f, now = self._fleet, pr.now
-        harm = np.array([self._ledger.harm(int(f.slots[p]), now + float(pr.backlog[p]), float(pr.pf[p]),
-                                           float(pr.stolen[p]), now)
-                         for p in ip[top].tolist()])
-        if not harm.any():
-            return top
-        late = (over[top] > 1.0) | (harm >= n_out)
-        return top[np.lexsort((np.arange(len(top)), late, miss[top]))]
-
     def assess(self, req: RequestInfo, workers: Sequence[WorkerView], decision: Decision,
                margin: float | None = None) -> Decision:
         """SLO-aware admission for another policy's choice (hetmesh.placement.gate): `decision` with this
@@ -359,7 +315,7 @@ class CostPolicy:
             return decision  # nothing to judge it by
         n_out = max(req.max_tokens, 1)
         ttft = float(pr.ttft[p])
-        tpot = float(self._tpot(pr, np.array([p]), np.array([d]), np.array([ttft]), n_out)[0]) if n_out > 1 else 0.0
+        tpot = float(pr.tpot[d]) if n_out > 1 else 0.0
         ttft_slo, tpot_slo = self.slos.get(req.model, (self.ttft_slo, self.tpot_slo))
         over = over_slo(ttft, tpot, n_out, ttft_slo, tpot_slo)
         if margin is None:

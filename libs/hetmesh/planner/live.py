@@ -53,11 +53,18 @@ class DemandWindow:
         self._arrivals: deque[_Arrival] = deque()
         self._finishes: deque[tuple[float, str, int, bool | None]] = deque()  # ts, model, tokens, within SLO
         self._open: dict[str, tuple[str, float, float | None]] = {}  # request id -> (model, submitted, first token)
+        self._refusals: deque[tuple[float, str]] = deque()  # ts, model
 
     def submitted(self, request_id: str, model: str, now: float, prompt_tokens: int, max_tokens: int,
                   cached_tokens: int = 0) -> None:
         self._arrivals.append(_Arrival(now, model, prompt_tokens, max_tokens, min(cached_tokens, prompt_tokens)))
         self._open[request_id] = (model, now, None)
+
+    def refused(self, model: str, now: float, prompt_tokens: int, max_tokens: int) -> None:
+        """A request turned away (admission, no capacity, its model moving): demand all the same (a planner
+        that saw only what was admitted would never add capacity), and an SLO miss."""
+        self._arrivals.append(_Arrival(now, model, prompt_tokens, max_tokens, 0))
+        self._refusals.append((now, model))
 
     def first_token(self, request_id: str, now: float) -> None:
         """The request's first token is out (a P/D prefill finished): its TTFT is known."""
@@ -94,6 +101,8 @@ class DemandWindow:
             self._arrivals.popleft()
         while self._finishes and self._finishes[0][0] < start:
             self._finishes.popleft()
+        while self._refusals and self._refusals[0][0] < start:
+            self._refusals.popleft()
         stale = now - FORGET_AFTER_WINDOWS * self.window_s
         if self._open and next(iter(self._open.values()))[1] < stale:  # insertion order = submit order
             self._open = {k: v for k, v in self._open.items() if v[1] >= stale}
@@ -105,7 +114,7 @@ class DemandWindow:
             arr = [a for a in self._arrivals if a.model == model]
             fin = [f for f in self._finishes if f[1] == model]
             prompt = sum(a.prompt for a in arr)
-            judged = [f[3] for f in fin if f[3] is not None]
+            judged = [f[3] for f in fin if f[3] is not None] + [False for r in self._refusals if r[1] == model]
             out.append(ModelDemandStats(
                 model=model, requests=len(arr), rate=len(arr) / self.window_s,
                 prompt_mean=prompt / len(arr) if arr else 0.0,

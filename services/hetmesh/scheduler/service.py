@@ -339,6 +339,7 @@ class Scheduler:
         if pool_full(req.model, views, sc.queue_factor):
             self.refused += 1
             self.metrics.rejected.labels("overloaded").inc()
+            self._demand_refused(req)
             return SubmitReply(request_id=req.request_id, error=ErrorInfo(
                 message=f"The workers of model {req.model!r} are at capacity; please retry.", type="server_error",
                 code="overloaded", status=503, retry_after_s=sc.retry_after_s))
@@ -361,6 +362,7 @@ class Scheduler:
             # SLO-aware admission: served this late it would miss its SLO and delay the requests behind it.
             self.refused += 1
             self.metrics.rejected.labels("slo").inc()
+            self._demand_refused(req)
             wait = retry_after_s(decision.predicted_ttft_s or 0.0, self.cfg.slo(req.model)[0],
                                  self.cfg.admission_margin(req.model), sc.retry_after_s)
             return SubmitReply(request_id=req.request_id, error=ErrorInfo(
@@ -370,6 +372,7 @@ class Scheduler:
         if decision is None and (busy := moving(req.model, self.state.heartbeats())):
             # The model's workers are switching role or model (the planner): no use waiting a heartbeat.
             self.metrics.rejected.labels("moving").inc()
+            self._demand_refused(req)
             return SubmitReply(request_id=req.request_id, error=ErrorInfo(
                 message=f"no worker can take a request of model {req.model!r} right now: " + ", ".join(
                     f"{hb.worker_id} is switching to {hb.moving_model or hb.model}/{hb.moving_to}" for hb in busy)
@@ -384,6 +387,7 @@ class Scheduler:
                 decision = self.policy.place(info, self.state.views())
         if decision is None:
             self.metrics.rejected.labels("no_capacity").inc()
+            self._demand_refused(req)
             return SubmitReply(request_id=req.request_id, error=ErrorInfo(
                 message=f"no live worker can serve model {req.model!r} right now", type="server_error",
                 code="no_capacity", status=503))
@@ -450,6 +454,10 @@ class Scheduler:
         await self._event(rid, "placed", mode=d.mode, prefill_worker=d.prefill_worker,
                           decode_worker=d.decode_worker, cached_tokens=d.expected_cached_tokens,
                           policy=self.policy.name, attempt=req.attempt)
+
+    def _demand_refused(self, req: InferenceRequest) -> None:
+        if req.attempt == 0:  # a retry's arrival was counted with its first attempt
+            self.demand.refused(req.model, time.monotonic(), len(req.prompt_tokens), req.sampling.max_tokens)
 
     async def _send(self, worker_id: str, item: WorkItem, headers: dict[str, str] | None) -> None:
         hb = self.state.heartbeat(worker_id)
