@@ -352,6 +352,17 @@ class ModelDemandStats(Struct, frozen=True, kw_only=True):
     slo_attainment: float | None = None  # share of finished requests within their SLOs; None: not measured
 
 
+class TurnedAway(Struct, frozen=True, kw_only=True):
+    """Gateway -> scheduler on `hetmesh.sched.turned_away`: a request refused before it reached a scheduler
+    (no live worker serves its model). Demand all the same: without it a planner would never bring a
+    worker back to a model that has none."""
+
+    model: str
+    prompt_tokens: int
+    max_tokens: int
+    code: str
+
+
 class DemandReport(Struct, frozen=True, kw_only=True):
     """Scheduler -> planner on `hetmesh.sched.demand` every planner.interval_s."""
 

@@ -24,6 +24,7 @@ KV_TRANSFER = f"{PREFIX}.kv.transfer"
 KV_DONE = f"{PREFIX}.kv.done"  # prefill worker -> kv-transfer: a direct stream's outcome
 KV_RESYNC = f"{PREFIX}.kv.resync"  # scheduler -> all workers: republish the whole prefix cache
 EVENTS_ALL = f"{PREFIX}.event.>"
+TURNED_AWAY = f"{PREFIX}.sched.turned_away"  # gateway -> scheduler: a request refused before the scheduler saw it
 DEMAND = f"{PREFIX}.sched.demand"  # scheduler -> planner: windowed demand per model, every planner.interval_s
 PLAN = f"{PREFIX}.planner.plan"  # the leading planner's proposal (advise and act), every planner.interval_s
 PLANNER_BUCKET = "hetmesh_planner"  # JetStream KV bucket holding the planner leader's lease (key "leader")
@@ -134,6 +135,7 @@ TABLE: tuple[SubjectRow, ...] = (
     SubjectRow(f"{PREFIX}.kv.data.<transfer_id>", "prefill worker", "kv-transfer", "raw KV bytes", "relay only; chunked; headers Kv-Seq, Kv-Last"),
     SubjectRow(f"{PREFIX}.kv.recv.<worker_id>", "kv-transfer", "decode worker", "raw KV bytes", "relay only; chunked; headers Kv-Transfer, Kv-Seq"),
     SubjectRow(f"{PREFIX}.kv.landed.<worker_id>", "kv-transfer, prefill worker (on failure)", "decode worker", "KvLanded", "relay: decode may start; either: the transfer failed"),
+    SubjectRow(TURNED_AWAY, "gateway", "scheduler (queue group)", "TurnedAway", "a request the gateway refused for want of a worker: still demand for the planner"),
     SubjectRow(DEMAND, "scheduler", "planner", "DemandReport", "demand per model over the last planner.window_s, every planner.interval_s"),
     SubjectRow(PLAN, "planner (the leader)", "operators (`nats sub hetmesh.planner.plan`), tests", "PlanProposal",
                "current vs proposed layout and the moves sent (act) or advised; the last one also in KV bucket "

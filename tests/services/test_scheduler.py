@@ -15,6 +15,7 @@ from hetmesh import subjects
 from hetmesh.bus import Bus
 from hetmesh.kvindex.blocks import block_hashes
 from hetmesh.protocol import (
+    DemandReport,
     Heartbeat,
     InferenceRequest,
     KvEvent,
@@ -22,6 +23,7 @@ from hetmesh.protocol import (
     Role,
     SamplingParams,
     SubmitReply,
+    TurnedAway,
     WorkerLost,
     WorkItem,
 )
@@ -32,6 +34,8 @@ heartbeat_interval_s = 0.1
 heartbeat_timeout_s = 0.6
 [scheduler]
 policy = "prefix_aware"
+[planner]
+interval_s = 0.3
 [[models]]
 name = "m"
 block_size = 4
@@ -93,6 +97,26 @@ async def submit(bus: Bus, req: InferenceRequest) -> SubmitReply:
 async def test_no_workers_is_a_503(bus: Bus) -> None:
     reply = await submit(bus, request("r0", [1, 2, 3]))
     assert reply.placement is None and reply.error is not None and reply.error.status == 503
+
+
+async def test_a_request_the_gateway_turned_away_counts_as_demand(bus: Bus) -> None:
+    """The gateway refuses a model with no live worker itself; the planner must still see that demand."""
+    reports: asyncio.Queue[DemandReport] = asyncio.Queue()
+
+    async def on_report(r: DemandReport, _m: object) -> None:
+        await reports.put(r)
+
+    await bus.subscribe(subjects.DEMAND, DemandReport, on_report)
+    await bus.publish(subjects.TURNED_AWAY, TurnedAway(model="ghost", prompt_tokens=100, max_tokens=20,
+                                                       code="no_workers"))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        r = await asyncio.wait_for(reports.get(), 10)
+        ghost = [m for m in r.models if m.model == "ghost"]
+        if ghost:
+            assert ghost[0].requests == 1 and ghost[0].prompt_mean == 100 and ghost[0].slo_attainment == 0
+            return
+    raise AssertionError("the turned-away request never showed in a demand report")
 
 
 async def test_places_publishes_work_and_follows_prefix(bus: Bus) -> None:

@@ -36,6 +36,7 @@ from hetmesh.protocol import (
     Resume,
     SchedulerStatus,
     ServiceEvent,
+    TurnedAway,
 )
 
 from . import core
@@ -221,6 +222,13 @@ class Gateway:
                          type="server_error", code="overloaded", status=503,
                          retry_after_s=self.cfg.gateway.retry_after_s)
 
+    async def _turned_away(self, model: str, prep: Prepared, code: str) -> None:
+        """Tell the schedulers' demand windows about a request no scheduler saw (the planner's input)."""
+        with contextlib.suppress(Exception):  # best effort: the bus may be away, the 503 goes out anyway
+            assert self.bus is not None
+            await self.bus.publish(subjects.TURNED_AWAY, TurnedAway(
+                model=model, prompt_tokens=len(prep.prompt_tokens), max_tokens=prep.sampling.max_tokens, code=code))
+
     def reject(self, model: str, info: ErrorInfo, span: trace.Span = trace.INVALID_SPAN,
                headers: dict[str, str] | None = None) -> Response:
         """A request turned away before it reached the mesh (unknown models count under model "")."""
@@ -274,6 +282,7 @@ class Gateway:
                                                      type="server_error", code="service_unavailable", status=503,
                                                      retry_after_s=gc.retry_after_s), span)
         if self.live_workers(model.name) == 0 and not await self.wait_workers(model.name):
+            await self._turned_away(model.name, prep, "no_workers")
             return self.reject(model.name, ErrorInfo(message=f"no live worker serves model {model.name!r} right now",
                                                      type="server_error", code="no_workers", status=503,
                                                      retry_after_s=gc.retry_after_s), span)

@@ -49,6 +49,7 @@ from hetmesh.protocol import (
     SchedulerStatus,
     ServiceEvent,
     SubmitReply,
+    TurnedAway,
     WorkerLost,
     WorkerStatus,
     WorkItem,
@@ -117,6 +118,7 @@ class Scheduler:
         await self.bus.subscribe(subjects.KV_EVENTS_ALL, KvEvent, self.on_kv_event)
         await self.bus.subscribe(subjects.FINISHED, FinishedBatch, self.on_finished)
         await self.bus.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
+        await self.bus.subscribe(subjects.TURNED_AWAY, TurnedAway, self.on_turned_away, queue=subjects.SCHEDULER_QUEUE)
         # A restarted scheduler knows no workers yet: gather a round of heartbeats before taking requests,
         # so that gateways keep waiting (no responders) instead of getting "no capacity".
         await asyncio.sleep(self.cfg.mesh.heartbeat_interval_s * 1.5)
@@ -454,6 +456,9 @@ class Scheduler:
         await self._event(rid, "placed", mode=d.mode, prefill_worker=d.prefill_worker,
                           decode_worker=d.decode_worker, cached_tokens=d.expected_cached_tokens,
                           policy=self.policy.name, attempt=req.attempt)
+
+    async def on_turned_away(self, msg: TurnedAway, _m: Msg) -> None:
+        self.demand.refused(msg.model, time.monotonic(), msg.prompt_tokens, msg.max_tokens)
 
     def _demand_refused(self, req: InferenceRequest) -> None:
         if req.attempt == 0:  # a retry's arrival was counted with its first attempt
