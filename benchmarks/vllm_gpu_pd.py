@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_mesh_vs_direct import summarize, timed_streams  # sibling script (benchmarks/ is on sys.path)
+
 BLOCK = 16
 CLUSTER = """
 [mesh]
@@ -70,40 +72,18 @@ gpu_memory_utilization = {share}
 """
 
 
-def summarize(ttft: list[float], tpot: list[float]) -> dict[str, float]:
-    return {"ttft_p50_ms": statistics.median(ttft) * 1e3, "tpot_p50_ms": statistics.median(tpot) * 1e3,
-            "ttft_mean_ms": statistics.fmean(ttft) * 1e3, "tpot_mean_ms": statistics.fmean(tpot) * 1e3}
-
-
 async def alone(model: Path, ps: list[list[int]], max_tokens: int, tp: int, share: float) -> dict[str, float]:
-    from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
         model=str(model), dtype="bfloat16", max_model_len=8192, block_size=BLOCK, enable_prefix_caching=True,
         tensor_parallel_size=tp, gpu_memory_utilization=share, disable_log_stats=True))
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
-    ttft, tpot = [], []
     try:
-        for i, p in enumerate([ps[0], *ps]):  # the first is a warm-up
-            t0 = time.perf_counter()
-            first = last = 0.0
-            n = 0
-            async for out in llm.generate(TokensPrompt(prompt_token_ids=p), sp, request_id=f"alone-{i}"):
-                k = len(out.outputs[0].token_ids)
-                if k and not first:
-                    first = time.perf_counter()
-                n += k
-                last = time.perf_counter()
-            if i:
-                ttft.append(first - t0)
-                tpot.append((last - first) / (n - 1))
+        got = await timed_streams(llm, ps, max_tokens, "alone")
     finally:
         llm.shutdown()
-    return summarize(ttft, tpot)
+    return summarize([g[1] for g in got], [g[2] for g in got])
 
 
 async def through_mesh(mesh: Any, ps: list[list[int]], max_tokens: int) -> tuple[dict[str, float], list[dict]]:

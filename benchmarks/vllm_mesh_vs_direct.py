@@ -68,11 +68,33 @@ def summarize(ttft: list[float], tpot: list[float]) -> dict[str, float]:
             "tpot_p50_ms": statistics.median(tpot) * 1e3, "tpot_mean_ms": statistics.fmean(tpot) * 1e3}
 
 
-async def direct(model: Path, ps: list[list[int]], max_tokens: int) -> tuple[dict[str, float], list[Any]]:
+async def timed_streams(llm: Any, ps: list[list[int]], max_tokens: int,
+                        tag: str) -> list[tuple[list[int], float, float, int]]:
+    """Each prompt through vLLM's AsyncLLM alone, one at a time, greedy: (prompt, TTFT s, TPOT s, tokens);
+    the first prompt runs once more before them as a warm-up, not reported."""
     from vllm import SamplingParams
-    from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
+
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    got = []
+    for i, p in enumerate([ps[0], *ps]):
+        t0 = time.perf_counter()
+        first = last = 0.0
+        n = 0
+        async for out in llm.generate(TokensPrompt(prompt_token_ids=p), sp, request_id=f"{tag}-{i}"):
+            k = len(out.outputs[0].token_ids)
+            if k and not first:
+                first = time.perf_counter()
+            n += k
+            last = time.perf_counter()
+        if i:
+            got.append((p, first - t0, (last - first) / (n - 1), n))
+    return got
+
+
+async def direct(model: Path, ps: list[list[int]], max_tokens: int) -> tuple[dict[str, float], list[Any]]:
+    from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from hetmesh.costmodel.calibrate import Sample
@@ -80,24 +102,12 @@ async def direct(model: Path, ps: list[list[int]], max_tokens: int) -> tuple[dic
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
         model=str(model), dtype="float32", max_model_len=2048, block_size=BLOCK, max_num_seqs=8,
         enable_prefix_caching=True, enforce_eager=True, disable_log_stats=True))
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     ttft, tpot, samples = [], [], []
     try:
-        for i, p in enumerate([ps[0], *ps]):  # the first is a warm-up
-            t0 = time.perf_counter()
-            first = last = 0.0
-            n = 0
-            async for out in llm.generate(TokensPrompt(prompt_token_ids=p), sp, request_id=f"direct-{i}"):
-                k = len(out.outputs[0].token_ids)
-                if k and not first:
-                    first = time.perf_counter()
-                n += k
-                last = time.perf_counter()
-            if i:
-                ttft.append(first - t0)
-                tpot.append((last - first) / (n - 1))
-                samples += [Sample.prefill(len(p), first - t0),
-                            Sample.decode(1, len(p) + n // 2, (last - first) / (n - 1))]
+        for p, first_s, tpot_s, n in await timed_streams(llm, ps, max_tokens, "direct"):
+            ttft.append(first_s)
+            tpot.append(tpot_s)
+            samples += [Sample.prefill(len(p), first_s), Sample.decode(1, len(p) + n // 2, tpot_s)]
     finally:
         llm.shutdown()
     return summarize(ttft, tpot), samples
