@@ -152,8 +152,8 @@ def best_static(c: Case) -> tuple[str, list[Assignment], list[float]]:
         if sig not in seen:
             seen[sig] = [good_tokens(lay, c, i, c.window(i)) for i in range(len(c.demand))]
         per[k] = seen[sig]
-    # Only layouts that keep a worker on every model: the gateway refuses a model with no live worker at
-    # its door (503 no_workers), so that model's demand never reaches the scheduler's window nor the planner.
+    # Only layouts that keep a worker on every model, as the planner keeps them (hetmesh.planner.solve): a
+    # model with no live worker is refused at the gateway's door (503 no_workers).
     pool = [k for k, lay in cands.items() if {a.model for a in lay} >= set(c.models)] or list(cands)
     name = max(pool, key=lambda k: sum(per[k]))
     return name, cands[name], per[name]
@@ -280,8 +280,12 @@ def parse(body: bytes) -> tuple[int, str, bool, str]:
             payload += rest[eol + 2:eol + 2 + n]
             pos = eol + 4 + n
         rest = bytes(payload)
-    if status != 200:
-        return status, "", False, rest[:200].decode(errors="replace")
+    if status != 200:  # an OpenAI-shaped error body: "<code>: <message>"
+        try:
+            e = json.loads(rest)["error"]
+            return status, "", False, f"{e.get('code')}: {e.get('message', '')}"[:200]
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return status, "", False, rest[:200].decode(errors="replace")
     text, done, err = [], False, ""
     for line in rest.split(b"\n"):
         if line == b"data: [DONE]":
@@ -379,7 +383,7 @@ def summarize_live(c: Case, done: list[Done], events: list[Any], epoch: float, l
         if x.status == 429 or x.error.startswith("slo_unattainable"):
             refused += 1  # SLO admission said no (at the start, or to a retry): a refusal, not an error
             continue
-        if x.status == 503 and ('"no_workers"' in x.error or '"model_moving"' in x.error):
+        if x.status == 503 and x.error.startswith(("no_workers", "model_moving")):
             unserved += 1  # no worker serves the model (yet), or its last one is moving: the designed 503, no hang
             continue
         if x.status != 200 or not x.done or x.error:

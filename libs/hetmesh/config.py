@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 from msgspec import Struct, field
 
+from hetmesh.placement.admission import DEFAULT_MARGIN
 from hetmesh.protocol import Role
 
 
@@ -135,8 +136,8 @@ class SchedulerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     retry_after_s: float = 1.0
     # SLO-aware admission (cost policy; hetmesh.placement.admission): refuse (429 + Retry-After) a request whose
     # best placement is predicted over this many times its TTFT or TPOT SLO; 0: off. A model may set its own.
-    # On by default: without it goodput collapses past capacity (benchmarks/anchors.py, results/anchors.json).
-    admission_margin: float = 1.0
+    # On by default (hetmesh.placement.admission.DEFAULT_MARGIN, the simulator's too).
+    admission_margin: float = DEFAULT_MARGIN
 
 
 class CostModelConfig(Struct, kw_only=True, forbid_unknown_fields=True):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 
 from hetmesh.costmodel import accelerator, server_model
@@ -54,6 +55,22 @@ def test_flexible_both_servers_split_their_time_between_prefill_and_decode() -> 
     rigid = solve(groups, [_demand(100.0)], opts, flexible=False)
     assert flex is not None and rigid is not None
     assert flex.served["m"] == pytest.approx(4.0) and rigid.served["m"] == pytest.approx(2.0)
+
+
+def test_every_model_with_demand_keeps_a_server_where_the_fleet_has_one_for_each() -> None:
+    # Model a's tokens are worth 10x b's: goodput alone gives a all three servers and leaves b's requests
+    # refused at the door. The rule keeps one for b; with a single server, priority decides.
+    groups = [ServerGroup(name="g", accelerator="amd-mi300x", count=3)]
+    a = ModelDemand(name="a", spec="llama-3.1-8b", rate=100.0, input_mean=1024, output_mean=256, priority=10.0)
+    b = ModelDemand(name="b", spec="llama-3.1-8b", rate=0.1, input_mean=1024, output_mean=256)
+    opts = [Option(0, "a", Role.BOTH, "tp", 1.0, 1.0), Option(0, "b", Role.BOTH, "tp", 1.0, 1.0)]
+    s = solve(groups, [a, b], opts)
+    assert s is not None and s.counts == {0: 2, 1: 1}
+    assert s.served == pytest.approx({"a": 2.0, "b": 0.1})
+    one = solve([ServerGroup(name="g", accelerator="amd-mi300x", count=1)], [a, b], opts)
+    assert one is not None and one.counts == {0: 1}
+    gone = solve(groups, [a, msgspec.structs.replace(b, rate=0.0)], opts)  # b forecast to have no demand
+    assert gone is not None and gone.counts == {0: 3}
 
 
 def test_mdl_utilization_meets_the_bound_exactly() -> None:

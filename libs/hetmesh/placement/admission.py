@@ -24,6 +24,10 @@ from hetmesh.placement.state import Decision
 
 REFUSED = "refused"  # Decision.mode of a request refused by admission
 MAX_RETRY_AFTER_S = 60.0
+# On unless a model or the scheduler says otherwise: without it goodput collapses past capacity
+# (benchmarks/anchors.py, results/anchors.json). One default for the live scheduler and the simulator,
+# so that a simulated layout (the planner's check) is judged under the admission the mesh runs.
+DEFAULT_MARGIN = 1.0
 
 
 def over_slo(ttft_s: float, tpot_s: float, output_tokens: int, ttft_slo_s: float, tpot_slo_s: float) -> float:

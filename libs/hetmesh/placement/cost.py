@@ -42,7 +42,7 @@ from hetmesh.costmodel import (
     server_model,
 )
 from hetmesh.costmodel.model import COEFFICIENTS, step_seconds_many, transfer_time
-from hetmesh.placement.admission import admit, over_slo, refusal
+from hetmesh.placement.admission import DEFAULT_MARGIN, admit, over_slo, refusal
 from hetmesh.placement.fleet import Fleet
 from hetmesh.placement.state import Decision, RequestInfo, WorkerView
 
@@ -81,7 +81,7 @@ class CostPolicy:
         share_window_s: float = 30.0,
         top_k: int = 4,
         slos: Mapping[str, tuple[float, float]] | None = None,
-        admission_margin: float = 0.0,
+        admission_margin: float = DEFAULT_MARGIN,
         admission_margins: Mapping[str, float] | None = None,
     ) -> None:
         if objective not in ("throughput", "latency"):
@@ -93,7 +93,7 @@ class CostPolicy:
         self.tpot_slo = tpot_slo_s
         self.slos = dict(slos or {})  # model -> its own (TTFT, TPOT) SLO seconds; others use the two above
         # SLO-aware admission (hetmesh.placement.admission): refuse when the best placement is over margin x
-        # an SLO; 0 = off. Per model in admission_margins, else admission_margin.
+        # an SLO; 0 = off (default: the scheduler's). Per model in admission_margins, else admission_margin.
         self.admission_margin = admission_margin
         self.admission_margins = dict(admission_margins or {})
         if isinstance(efficiencies, str | os.PathLike):

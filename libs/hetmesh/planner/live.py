@@ -1,10 +1,10 @@
 """The live planner's pure parts: the scheduler's demand window, the fleet as the scheduler sees it
 turned into planner input, and which of a plan's moves to send now.
 
-The planner service (services/hetmesh/planner) is the shell: it feeds these with the scheduler's
-status and demand reports, runs `hetmesh.planner.plan` per model, and sends `RoleSwitch` commands.
-Only role moves are carried out live (a switch without reload); a model or layout change is
-reported, not made.
+The planner service (services/hetmesh/planner_service) is the shell: it feeds these with the scheduler's
+status and demand reports, runs `hetmesh.planner.plan` per model (role moves: `RoleSwitch`) or over the
+whole fleet (`planner.scope = fleet`, hetmesh.planner.commands: model moves too, `ModelSwitch`). A change
+of a multi-device worker's parallel layout, or a stop, is reported, not made.
 """
 
 from __future__ import annotations

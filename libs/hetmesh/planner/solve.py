@@ -7,6 +7,11 @@ any mix (continuous split variables under its integer count). A `prefill` or `de
 only that. A model serves a_m requests/s aggregated and d_m P/D, the latter bounded by both its
 prefill and its decode capacity, and at most its demand.
 
+Every model with demand keeps at least one server where the fleet has one for each such model
+(and no budget caps it): a model
+left with none is an outage (its requests refused at the door), which the goodput objective alone would
+accept for a small model next to a busy one.
+
 Stage 1 maximises the priority-weighted output tokens/s served, less a small price term and a small
 move term (both only break ties). Stage 2 keeps stage 1's served rates and spends what is left on
 headroom: the largest common factor (1 + u) by which every served rate could grow.
@@ -122,6 +127,10 @@ def solve(groups: Sequence[ServerGroup], demands: Sequence[ModelDemand], options
               float(counts.get(gi, g.count) if counts else g.count))
     for j in p.both:
         p.row({**{s: 1.0 for s in p.share[j]}, j: -1.0}, -np.inf, 0.0)
+    wanted = [d for d in demands if d.rate > 0 and any(o.model == d.name for o in options)]
+    if budget_usd_h == np.inf and len(wanted) <= sum(int(counts.get(gi, g.count) if counts else g.count) for gi, g in enumerate(groups)):
+        for d in wanted:  # no model with demand left without a server
+            p.row({j: 1.0 for j, o in enumerate(options) if o.model == d.name}, 1.0, np.inf)
     cap_rows: list[tuple[int, int]] = []  # (row, served-rate column) for stage 2
     for d in demands:
         for role, var in ((Role.BOTH, p.a[d.name]), (Role.PREFILL, p.d[d.name]), (Role.DECODE, p.d[d.name])):
