@@ -48,6 +48,7 @@ def cluster_toml(c: Case, lay: list[Assignment], a: argparse.Namespace, planner:
     ctx = max(r.input_len + r.output_len for r in c.trace) + 64
     out = ["[mesh]", f"time_scale = {a.time_scale!r}", f"heartbeat_interval_s = {a.heartbeat_s!r}",
            "heartbeat_timeout_s = 5.0", "stall_timeout_s = 120.0",  # 2 shared cores: a process may stall a while
+           "", "[gateway]", "submit_timeout_s = 30.0",  # the same: a scheduler stalled 5 s by other work here
            "", "[scheduler]", 'policy = "cost"',  # the policy the planner simulates
            f"ttft_slo_s = {d0.ttft_slo_s!r}", f"tpot_slo_s = {d0.tpot_slo_s!r}", "", "[kv_transfer]",
            f"max_wire_bytes = {MAX_WIRE_BYTES}", "", "[planner]", f'mode = "{"act" if planner else "off"}"',

@@ -53,18 +53,25 @@ class SSEClient:
         """POST one streaming request and read it to the end."""
         request = (b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
                    % (path.encode(), len(body), body))
-        r, w = self.idle.pop() if self.idle else await asyncio.open_connection(self.host, self.port)
+        reused = bool(self.idle)
+        r, w = self.idle.pop() if reused else await asyncio.open_connection(self.host, self.port)
         t0 = time.perf_counter()
         w.write(request)
         buf = b""
         ttft = second = 0.0
         while True:
-            data = await r.read(65536)
+            try:
+                data = await r.read(65536)
+            except ConnectionResetError:
+                if buf or not reused:
+                    raise
+                data = b""  # a reused keep-alive connection the server had closed: reset, not EOF
             if not data:
                 if buf:
                     self.failures.append(f"connection closed mid-response: {buf[-200:]!r}")
                     return Result(ttft, time.perf_counter() - t0, False, second_s=second)
                 # The server closed an idle keep-alive connection just as we reused it: a fresh one.
+                reused = False
                 r, w = await asyncio.open_connection(self.host, self.port)
                 w.write(request)
                 continue

@@ -125,6 +125,8 @@ def test_to_send_caps_the_moving_share() -> None:
     assert [m[0] for m in to_send(mv, 10, 1, 0.25)] == ["w5"]  # one already moving
     assert to_send(mv, 10, 3, 0.25) == []
     assert len(to_send(mv, 2, 0, 0.1)) == 1  # at least one worker may move
+    # w5 moved 30 s ago, w4 70 s ago: with a 60 s horizon w5 settles first, w4 may move again
+    assert [m[0] for m in to_send(mv, 10, 0, 0.25, {"w5": 70.0, "w4": 30.0}, now=100.0, settle_s=60.0)] == ["w4", "w3"]
 
 
 def test_plan_models_gives_role_moves_of_known_workers(cfg: config.ClusterConfig) -> None:

@@ -178,11 +178,16 @@ def role_moves(p: Plan) -> list[tuple[str, Role, Move]]:
 
 
 def to_send(moves: Sequence[tuple[str, Role, Move]], fleet_size: int, moving_now: int,
-            max_moving_share: float) -> list[tuple[str, Role, Move]]:
+            max_moving_share: float, moved_at: Mapping[str, float] | None = None, now: float = 0.0,
+            settle_s: float = 0.0) -> list[tuple[str, Role, Move]]:
     """The moves to start now: at most `max_moving_share` of the fleet moving at once (at least one worker),
-    counting those still moving; the shortest first (the fleet is back at strength soonest)."""
+    counting those still moving; the shortest first (the fleet is back at strength soonest). A worker this
+    planner moved less than `settle_s` ago (`moved_at`: worker -> when) stays: its move was priced to pay
+    within the horizon, and undoing it sooner on a noisy window makes the fleet flap."""
+    moved_at = moved_at or {}
+    free = [m for m in moves if now - moved_at.get(m[0], -math.inf) >= settle_s]
     cap = max(1, math.floor(max_moving_share * fleet_size)) - moving_now
-    return sorted(moves, key=lambda m: (m[2].seconds, m[0]))[:max(cap, 0)]
+    return sorted(free, key=lambda m: (m[2].seconds, m[0]))[:max(cap, 0)]
 
 
 def plan_models(stats: Sequence[ModelDemandStats], workers: Sequence[WorkerStatus], cfg: ClusterConfig,

@@ -6,7 +6,8 @@ own workers with `hetmesh.planner.plan` (its `horizon_s` is the hysteresis: a mo
 switch cost within it), and publishes the proposal on `hetmesh.planner.plan` plus a `proposal`
 event. With `planner.scope = "fleet"` it makes one plan over every model with traffic instead, so that
 workers may move between models (hetmesh.planner.commands). In `act` mode it also sends the commands
-(`RoleSwitch`, `ModelSwitch`), at most `max_moving_share` of the fleet moving at once; the workers drain,
+(`RoleSwitch`, `ModelSwitch`), at most `max_moving_share` of the fleet moving at once and none it moved
+within the last `horizon_s` (the move was priced to hold that long; no flapping); the workers drain,
 switch and reload on their own (hetmesh.worker.switch). A change of a multi-device worker's parallel
 layout, or a stop, is reported, not made.
 
@@ -103,6 +104,7 @@ class PlannerService:
         self.mode = mode
         self.demand: dict[str, tuple[float, DemandReport]] = {}  # scheduler instance -> (received, report)
         self.rounds: deque[list[ModelDemandStats]] = deque(maxlen=2)  # the last rounds' demand (planner.forecast)
+        self.moved_at: dict[str, float] = {}  # worker -> when this planner last moved it (monotonic)
         self.tracer = telemetry.setup("planner", instance)
         self.registry = CollectorRegistry()
         self.m_plans = Counter("hetmesh_planner_plans", "Plans made by the leading planner", ["chosen"],
@@ -205,8 +207,11 @@ class PlannerService:
             if self.mode == "act" and moves:
                 moving = sum(bool(w.moving_to) for w in workers)
                 to_model = {wid: model for wid, _r, model, _mv in moves}
+                now = time.monotonic()
                 for wid, role, mv in to_send([(w, r, mv) for w, r, _m, mv in moves], len(workers), moving,
-                                             pc.max_moving_share):
+                                             pc.max_moving_share, self.moved_at, now,
+                                             pc.horizon_s / self.cfg.mesh.time_scale):  # engine s -> wall s
+                    self.moved_at[wid] = now
                     await self.bus.publish(subjects.worker_command(wid), ModelSwitch(
                         worker_id=wid, model=to_model[wid], role=role, planner=self.instance, reason="planner",
                         seconds=mv.seconds) if to_model[wid] else RoleSwitch(
