@@ -98,7 +98,7 @@ def aclient(mesh: Mesh) -> openai.AsyncOpenAI:
 def spool_files(pid: int, prefix: str) -> list[str]:
     """The files in worker `pid`'s vLLM spool folder (hetmesh.engines.vllm_engine) whose names start with
     `prefix`; fails when the folder is not there."""
-    from hetmesh.engines.vllm_engine import SPOOL_PREFIX, _spool_root
+    from hetmesh.engines.vllm_spool import SPOOL_PREFIX, _spool_root
 
     root = Path(_spool_root() or tempfile.gettempdir())
     spools = list(root.glob(f"{SPOOL_PREFIX}{pid}-*"))

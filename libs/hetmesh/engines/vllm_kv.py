@@ -1,7 +1,7 @@
 """The KV layout across tensor-parallel ranks, as pure functions (no torch, no vLLM): where each rank's
 shard lies, which prefill/decode TP pairings the layout allows, and which prefill shards hold a decode
-rank's KV heads. Used by the connector (hetmesh.engines.vllm_connector), the worker shell
-(hetmesh.engines.vllm_engine) and the start-up check (hetmesh.engines.vllm_engine)."""
+rank's KV heads. Used by the connector (hetmesh.engines.vllm_connector), the worker shell's spool
+(hetmesh.engines.vllm_spool) and the start-up check (hetmesh.engines.vllm_args)."""
 
 from __future__ import annotations
 

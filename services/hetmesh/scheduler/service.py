@@ -13,6 +13,10 @@ cost model predicts over margin x its SLO (hetmesh.placement.admission) gets 429
 predicted excess wait). Redis is optional at run time: while it is unreachable placement runs on
 load alone, and when it is back (or restarted empty) the scheduler asks every worker to
 republish its whole prefix cache (`hetmesh.kv.resync`), which rebuilds the index.
+
+This module is the service itself (the cluster view, placement and dispatch, bookkeeping); beside it
+lie prefix_mirror (the Redis prefix index, optional at run time) and reports (metrics rows, the status
+answer and the placement span's attributes).
 """
 
 from __future__ import annotations
@@ -29,9 +33,8 @@ from opentelemetry import trace
 
 from hetmesh import config, metrics, subjects, telemetry, wiring
 from hetmesh.bus import REQUEST_ID, Bus, EventBatcher, encode, headers_for
-from hetmesh.costmodel.economics import device_usd_per_hour
 from hetmesh.kvindex.index import PrefixIndex
-from hetmesh.placement import REFUSED, ClusterState, Decision, RequestInfo, WorkerView, aggregated, pool_full
+from hetmesh.placement import REFUSED, ClusterState, Decision, RequestInfo, aggregated, pool_full
 from hetmesh.placement.admission import retry_after_s
 from hetmesh.placement.state import back_in_s, moving
 from hetmesh.planner.live import DemandWindow
@@ -43,24 +46,23 @@ from hetmesh.protocol import (
     Heartbeat,
     InferenceRequest,
     KvEvent,
-    KvResync,
     Phase,
     Placement,
-    SchedulerStatus,
     ServiceEvent,
     SubmitReply,
     TurnedAway,
     WorkerLost,
-    WorkerStatus,
     WorkItem,
 )
 from hetmesh.runtime import run_service
 from hetmesh.workqueue import WorkQueue, msg_id
 
+from .prefix_mirror import PrefixMirror
+from .reports import metric_rows, placement_attributes, status
+
 log = logging.getLogger("hetmesh.scheduler")
 
 PREFIX_POLICIES = {"prefix_aware", "cost", "llm_d", "dynamo"}  # policies that read the prefix index
-REDIS_PROBE_S = 1.0  # how often the scheduler checks Redis (down -> up, or restarted empty)
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, passed on untouched when not tracing
 
 
@@ -84,7 +86,6 @@ class Scheduler:
         self.inflight: dict[str, _InFlight] = {}
         self.by_worker: dict[str, set[str]] = defaultdict(set)
         self.draining: set[str] = set()  # workers whose heartbeats say they are draining: placed on no more
-        self.kv_queue: asyncio.Queue[KvEvent] = asyncio.Queue(maxsize=100_000)
         self.tracer = telemetry.setup("scheduler", instance)
         # Spans, context extraction and injection cost more than the rest of a placement; without an
         # exporter nobody sees them, so then the scheduler only passes the caller's trace headers on.
@@ -97,11 +98,9 @@ class Scheduler:
         self.events: EventBatcher
         self.bus: Bus
         self.queue: WorkQueue
-        self.index: PrefixIndex
+        self.prefix: PrefixMirror
         self.placed = 0
         self.refused = 0
-        self.redis_ok = False
-        self.redis_run_id = ""  # a different one means Redis restarted (empty: no persistence)
         # what the planner plans from (hetmesh.sched.demand), SLOs judged in engine time
         self.demand = DemandWindow(cfg.planner.window_s, {m.name: cfg.slo(m.name) for m in cfg.models},
                                    cfg.mesh.time_scale)
@@ -109,13 +108,14 @@ class Scheduler:
     async def start(self) -> None:
         self.bus = await Bus.for_mesh(self.cfg.mesh, f"scheduler-{self.instance}")
         self.bus.on_reconnect.append(self._on_reconnect)
-        self.index = PrefixIndex.for_mesh(self.cfg.mesh, self.cfg.scheduler.prefix_ttl_s)
         self.events = EventBatcher(self.bus, "scheduler")
+        self.prefix = PrefixMirror(self.bus, PrefixIndex.for_mesh(self.cfg.mesh, self.cfg.scheduler.prefix_ttl_s),
+                                   self.events, self.instance)
         self.queue = WorkQueue(self.bus, self.cfg.work_queue)
         await self.queue.ensure()  # before taking requests: their WorkItems need the stream
-        await self._probe_redis()
+        await self.prefix.probe()
         await self.bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
-        await self.bus.subscribe(subjects.KV_EVENTS_ALL, KvEvent, self.on_kv_event)
+        await self.bus.subscribe(subjects.KV_EVENTS_ALL, KvEvent, self.prefix.on_kv_event)
         await self.bus.subscribe(subjects.FINISHED, FinishedBatch, self.on_finished)
         await self.bus.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
         await self.bus.subscribe(subjects.TURNED_AWAY, TurnedAway, self.on_turned_away, queue=subjects.SCHEDULER_QUEUE)
@@ -125,8 +125,8 @@ class Scheduler:
         await self.bus.subscribe(subjects.SUBMIT, InferenceRequest, self.on_submit, queue=subjects.SCHEDULER_QUEUE)
         # Last: an answer on the status subject means every subscription above is in place.
         await self.bus.nc.subscribe(subjects.SCHED_STATUS, queue=subjects.SCHEDULER_QUEUE, cb=self.on_status)
-        self._tasks = [asyncio.create_task(self._expire_loop()), asyncio.create_task(self._kv_writer()),
-                       asyncio.create_task(self._redis_loop()), asyncio.create_task(self._demand_loop())]
+        self._tasks = [asyncio.create_task(self._expire_loop()), asyncio.create_task(self.prefix.writer()),
+                       asyncio.create_task(self.prefix.probe_loop()), asyncio.create_task(self._demand_loop())]
         self.started = True
         self.http = metrics.serve_from_env(self.metrics.registry, self._ready)
         log.info("scheduler %s up, policy %s", self.instance, self.policy.name)
@@ -138,57 +138,18 @@ class Scheduler:
             t.cancel()
         await self.events.close()
         await self.bus.close()
-        await self.index.close()
+        await self.prefix.close()
 
     def _ready(self) -> dict[str, object]:
         ok = self.started and self.bus.nc.is_connected
         return {"ready": ok, "instance": self.instance, "workers": len(self.state)}
 
     def _snapshot(self) -> list[metrics.Row]:
-        # Runs in the metrics thread: a heartbeat handled meanwhile may change the view under it.
-        views: list[WorkerView] = []
-        for _ in range(3):
-            try:
-                views = list(self.state.views())
-                break
-            except RuntimeError:
-                continue
-        by_role: dict[str, int] = defaultdict(int)
-        usd: dict[tuple[str, str], float] = defaultdict(float)
-        for v in views:
-            by_role[v.role.value] += 1
-            try:
-                usd[(v.model, v.accelerator)] += device_usd_per_hour(v.accelerator, self.cfg.prices) * v.devices
-            except KeyError:  # an accelerator outside the catalog has no price: leave it out
-                pass
-        rows: list[metrics.Row] = [("hetmesh_scheduler_workers", "Workers in the scheduler's view", "gauge",
-                                    {"role": role}, n) for role, n in sorted(by_role.items())]
-        # $/Mtok = sum(this) / (sum(rate(hetmesh_gateway_completion_tokens_total[5m])) * 3600 / 1e6)
-        rows += [("hetmesh_fleet_usd_per_hour", "$ per hour of the live workers (catalog list prices or the "
-                  "cluster file's [prices])", "gauge", {"model": m, "accelerator": a}, v)
-                 for (m, a), v in sorted(usd.items())]
-        rows.append(("hetmesh_scheduler_requests_in_flight", "Placed requests not finished yet", "gauge", {},
-                     len(self.inflight)))
-        rows.append(("hetmesh_scheduler_kv_index_queue_depth", "KV events waiting for the Redis prefix index",
-                     "gauge", {}, self.kv_queue.qsize()))
-        return rows
+        return metric_rows(self.state, self.cfg.prices, len(self.inflight), self.prefix.queue.qsize())
 
     async def on_status(self, m: Msg) -> None:
-        now = time.time()
-        details = []
-        for v in sorted(self.state.views(), key=lambda v: v.worker_id):
-            hb = self.state.heartbeat(v.worker_id)
-            assert hb is not None
-            details.append(WorkerStatus(
-                worker_id=v.worker_id, model=v.model, accelerator=v.accelerator, role=v.role, engine=hb.engine,
-                devices=v.devices, queue_depth=v.queue_depth, running=v.running, max_batch=v.max_batch,
-                kv_blocks_used=v.kv_blocks_used, kv_blocks_total=v.kv_blocks_total,
-                heartbeat_age_s=max(now - hb.ts, 0.0), tokens_generated=hb.tokens_generated,
-                kv_endpoint=hb.kv_endpoint, draining=hb.draining, moving_to=hb.moving_to,
-                moving_model=hb.moving_model))
-        await self.bus.respond(m, SchedulerStatus(instance=self.instance, policy=self.policy.name,
-                                                  workers=[d.worker_id for d in details], details=details,
-                                                  in_flight=len(self.inflight)))
+        await self.bus.respond(m, status(self.state, self.instance, self.policy.name, len(self.inflight),
+                                         time.time()))
 
     # --- cluster view -------------------------------------------------------------------
     async def on_heartbeat(self, hb: Heartbeat, _m: Msg) -> None:
@@ -233,58 +194,7 @@ class Scheduler:
             for w in fl.workers:
                 self.by_worker.get(w, set()).discard(rid)
             await self.bus.publish(fl.reply_subject, WorkerLost(request_id=rid, worker_id=worker_id), rid)
-        if self.redis_ok:
-            try:
-                await self.index.drop_worker(worker_id)
-            except Exception as exc:
-                self._redis_down(exc)
-
-    # --- prefix index -------------------------------------------------------------------
-    def _redis_down(self, exc: BaseException) -> None:
-        if self.redis_ok:
-            log.warning("Redis unreachable (%s): placing on load alone until it is back", exc)
-            self.events.add(ServiceEvent(service="scheduler", instance=self.instance, request_id="",
-                                         kind="redis_down", ts=time.time(), detail={"error": str(exc)}))
-        self.redis_ok = False
-
-    async def _probe_redis(self) -> None:
-        try:
-            run_id = str((await self.index.r.info("server"))["run_id"])
-        except Exception as exc:
-            self._redis_down(exc)
-            return
-        if not self.redis_ok or run_id != self.redis_run_id:
-            # Back, or restarted (and empty): every worker republishes what its cache holds.
-            was = "restarted" if self.redis_ok else "up"
-            self.redis_ok, self.redis_run_id = True, run_id
-            log.info("Redis %s: asking workers to republish their prefix caches", was)
-            await self.bus.publish(subjects.KV_RESYNC, KvResync(reason=f"redis {was}"))
-            self.events.add(ServiceEvent(service="scheduler", instance=self.instance, request_id="",
-                                         kind="kv_resync", ts=time.time(), detail={"reason": f"redis {was}"}))
-
-    async def _redis_loop(self) -> None:
-        while True:
-            await asyncio.sleep(REDIS_PROBE_S)
-            await self._probe_redis()
-
-    async def on_kv_event(self, ev: KvEvent, _m: Msg) -> None:
-        if not self.redis_ok:
-            return  # lost either way; the resync when Redis is back rebuilds the index
-        try:
-            self.kv_queue.put_nowait(ev)
-        except asyncio.QueueFull:
-            log.warning("kv index writer behind; dropping an event from %s", ev.worker_id)
-
-    async def _kv_writer(self) -> None:
-        # One writer keeps each worker's stored/removed events in order.
-        while True:
-            ev = await self.kv_queue.get()
-            if not self.redis_ok:
-                continue
-            try:
-                await self.index.apply(ev)
-            except Exception as exc:
-                self._redis_down(exc)
+        await self.prefix.drop_worker(worker_id)
 
     # --- placement ----------------------------------------------------------------------
     async def on_submit(self, req: InferenceRequest, m: Msg) -> None:
@@ -332,11 +242,8 @@ class Scheduler:
         t0 = time.perf_counter()
         sc = self.cfg.scheduler
         cached: dict[str, int] = {}
-        if self.uses_prefix and req.block_hashes and self.redis_ok:
-            try:
-                cached = await self.index.lookup(req.model, req.block_hashes, self.state.worker_ids())
-            except Exception as exc:
-                self._redis_down(exc)
+        if self.uses_prefix and req.block_hashes and self.prefix.ok:
+            cached = await self.prefix.lookup(req.model, req.block_hashes, self.state.worker_ids())
         views = self.state.views()
         if pool_full(req.model, views, sc.queue_factor):
             self.refused += 1
@@ -357,7 +264,7 @@ class Scheduler:
         if self.tracing:
             with self.tracer.start_as_current_span("placement") as span:
                 decision = self.policy.place(info, views)
-                _placement_attributes(span, self.policy.name, info, decision)
+                placement_attributes(span, self.policy.name, info, decision)
         else:
             decision = self.policy.place(info, views)
         if decision is not None and decision.mode == REFUSED:
@@ -508,28 +415,6 @@ class Scheduler:
     async def _event(self, request_id: str, kind: str, **detail: str | int | float | bool | None) -> None:
         self.events.add(ServiceEvent(service="scheduler", instance=self.instance, request_id=request_id, kind=kind,
                                      ts=time.time(), detail=detail))
-
-
-def _placement_attributes(span: trace.Span, policy: str, info: RequestInfo, d: Decision | None) -> None:
-    """The candidates the policy weighed (with the cost model's predictions) and the one it chose."""
-    span.set_attribute("hetmesh.policy", policy)
-    span.set_attribute("hetmesh.prompt_tokens", info.prompt_len)
-    span.set_attribute("hetmesh.cached_blocks", [f"{w}={n}" for w, n in sorted(info.cached_blocks.items())])
-    if d is None:
-        span.set_status(trace.Status(trace.StatusCode.ERROR, "no placement"))
-        return
-    span.set_attribute("hetmesh.candidates", [f"{p}->{dw} ttft={ttft:.6f}s tpot={tpot:.6f}s e2e={e2e:.6f}s"
-                                              for p, dw, ttft, tpot, e2e in d.candidates])
-    span.set_attribute("hetmesh.candidate_count", len(d.candidates))
-    span.set_attribute("hetmesh.mode", d.mode)
-    span.set_attribute("hetmesh.decode_worker", d.decode_worker)
-    if d.prefill_worker is not None:
-        span.set_attribute("hetmesh.prefill_worker", d.prefill_worker)
-    span.set_attribute("hetmesh.expected_cached_tokens", d.expected_cached_tokens)
-    if d.predicted_ttft_s is not None:
-        span.set_attribute("hetmesh.predicted_ttft_s", d.predicted_ttft_s)
-    if d.predicted_tpot_s is not None:
-        span.set_attribute("hetmesh.predicted_tpot_s", d.predicted_tpot_s)
 
 
 def main() -> None:

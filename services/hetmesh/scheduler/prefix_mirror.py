@@ -1,0 +1,101 @@
+"""The scheduler's side of the Redis prefix index (hetmesh.kvindex.index), for hetmesh.scheduler.service.
+
+Workers' KV events are mirrored into the index by one writer (each worker's stored/removed events stay in
+order), and placement looks prefixes up in it. Redis is optional at run time: while it is unreachable
+events are dropped and lookups find nothing (placement runs on load alone), and when it is back (or
+restarted empty) every worker is asked to republish its whole prefix cache (`hetmesh.kv.resync`), which
+rebuilds the index. Kept apart from placement and the cluster view, which only call it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Sequence
+
+from nats.aio.msg import Msg
+
+from hetmesh import subjects
+from hetmesh.bus import Bus, EventBatcher
+from hetmesh.kvindex.index import PrefixIndex
+from hetmesh.protocol import KvEvent, KvResync, ServiceEvent
+
+log = logging.getLogger("hetmesh.scheduler")
+
+REDIS_PROBE_S = 1.0  # how often the scheduler checks Redis (down -> up, or restarted empty)
+
+
+class PrefixMirror:
+    def __init__(self, bus: Bus, index: PrefixIndex, events: EventBatcher, instance: str) -> None:
+        self.bus = bus
+        self.index = index
+        self.events = events
+        self.instance = instance
+        self.ok = False  # Redis answered the last probe and no call failed since
+        self.run_id = ""  # a different one means Redis restarted (empty: no persistence)
+        self.queue: asyncio.Queue[KvEvent] = asyncio.Queue(maxsize=100_000)
+
+    def down(self, exc: BaseException) -> None:
+        if self.ok:
+            log.warning("Redis unreachable (%s): placing on load alone until it is back", exc)
+            self.events.add(ServiceEvent(service="scheduler", instance=self.instance, request_id="",
+                                         kind="redis_down", ts=time.time(), detail={"error": str(exc)}))
+        self.ok = False
+
+    async def probe(self) -> None:
+        try:
+            run_id = str((await self.index.r.info("server"))["run_id"])
+        except Exception as exc:
+            self.down(exc)
+            return
+        if not self.ok or run_id != self.run_id:
+            # Back, or restarted (and empty): every worker republishes what its cache holds.
+            was = "restarted" if self.ok else "up"
+            self.ok, self.run_id = True, run_id
+            log.info("Redis %s: asking workers to republish their prefix caches", was)
+            await self.bus.publish(subjects.KV_RESYNC, KvResync(reason=f"redis {was}"))
+            self.events.add(ServiceEvent(service="scheduler", instance=self.instance, request_id="",
+                                         kind="kv_resync", ts=time.time(), detail={"reason": f"redis {was}"}))
+
+    async def probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(REDIS_PROBE_S)
+            await self.probe()
+
+    async def on_kv_event(self, ev: KvEvent, _m: Msg) -> None:
+        if not self.ok:
+            return  # lost either way; the resync when Redis is back rebuilds the index
+        try:
+            self.queue.put_nowait(ev)
+        except asyncio.QueueFull:
+            log.warning("kv index writer behind; dropping an event from %s", ev.worker_id)
+
+    async def writer(self) -> None:
+        # One writer keeps each worker's stored/removed events in order.
+        while True:
+            ev = await self.queue.get()
+            if not self.ok:
+                continue
+            try:
+                await self.index.apply(ev)
+            except Exception as exc:
+                self.down(exc)
+
+    async def lookup(self, model: str, hashes: Sequence[int], live_workers: Iterable[str]) -> dict[str, int]:
+        """Cached blocks per worker for the prompt's block hashes; none while Redis is unreachable."""
+        try:
+            return await self.index.lookup(model, hashes, live_workers)
+        except Exception as exc:
+            self.down(exc)
+            return {}
+
+    async def drop_worker(self, worker_id: str) -> None:
+        if self.ok:
+            try:
+                await self.index.drop_worker(worker_id)
+            except Exception as exc:
+                self.down(exc)
+
+    async def close(self) -> None:
+        await self.index.close()
