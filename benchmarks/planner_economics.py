@@ -118,11 +118,12 @@ def _compare(kinds: list[ServerGroup], opts: list, demands: Sequence[ModelDemand
     kinds are simulated once each (`singles` caches them across calls, at catalog prices; a single
     kind buys the fewest servers whatever its price), and only where the steady state puts that
     kind within PRUNE x the steady-state best single of `names`: the others cannot be cheapest."""
-    ks, os_ = restrict(kinds, reprice(kinds, opts, prices), names)
-    m = cheapest(ks, demands, trace=tr, attainment=ATTAINMENT, prices=prices, opts=os_)
     steady = value(names, demands, names, prices)["single_usd_h"]
     floor = min(steady.values())
     pruned = {k: round(v / floor, 2) for k, v in steady.items() if v > PRUNE * floor}
+    ks, os_ = restrict(kinds, reprice(kinds, opts, prices), names)
+    m = cheapest(ks, demands, trace=tr, attainment=ATTAINMENT, prices=prices, opts=os_,
+                 alone=[k for k in names if k not in pruned])
     for k in names:
         if k not in singles and k not in pruned:
             k1, o1 = restrict(kinds, opts, [k])

@@ -130,26 +130,33 @@ def reprice(kinds: Sequence[ServerGroup], opts: Sequence[Option], prices: Mappin
                                     * kinds[o.group].devices) for o in opts]
 
 
-def cheapest(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], *, trace: Trace | None = None,
-             attainment: float = 0.9, prices: Mapping[str, float] | None = None,
-             efficiencies: Mapping[str, Efficiency] | None = None, check_duration_s: float = 300.0,
-             tries: int = 8, measure: bool = True, seed: int = 0,
-             opts: Sequence[Option] | None = None) -> Purchase | None:
-    """The lowest-$/hour servers (at most `count` of each kind) whose simulated SLO attainment on the
-    demand is >= `attainment`; None when even the most the solver may buy does not meet it.
+def _better(a: Purchase | None, b: Purchase | None) -> Purchase | None:
+    """Of two purchases, the one that meets the SLOs at the lower $/hour; of two that miss, the closer."""
+    if a is None or b is None:
+        return a or b
+    if a.meets != b.meets:
+        return a if a.meets else b
+    if a.meets:
+        return a if a.usd_per_hour <= b.usd_per_hour else b
+    return a if a.slo_attainment >= b.slo_attainment else b
 
-    The solver sizes for a share of the mean demand; the simulation says whether that meets the
-    SLOs. With `measure`, the capacities are first measured by simulation (`calibrate`); `opts`
-    passes options already built (and measured) for these kinds, prices and trace instead. The
-    share is searched between 1 (the mean) and the bursts' peak (ModelDemand.peak_rate),
-    doubling past it while it fails, in at most `tries` simulations."""
-    tr = trace or demand_trace(demands, check_duration_s, seed)
-    if opts is None:
-        opts = options(kinds, demands, prices, efficiencies)
-        if measure:
-            opts = calibrate(kinds, demands, opts, tr, attainment, prices, efficiencies)
-    if not opts:
-        return None
+
+def _catalogs(kinds: Sequence[ServerGroup], opts: Sequence[Option],
+              alone: Sequence[str] | None = None) -> list[tuple[list[ServerGroup], list[Option]]]:
+    """The whole catalog and each kind alone (those named in `alone`; None: every kind). The share
+    search scales one share of the demand for every kind, so a kind whose measured capacity is
+    overstated can win the program at every share while the simulation fails, and the search buys
+    more of it than another kind alone needs; each kind alone as a candidate bounds the plan by the
+    cheapest single kind that meets the SLOs."""
+    names = [k.name for k in kinds if alone is None or k.name in alone] if len(kinds) > 1 else []
+    alone_ = [restrict(kinds, opts, [n]) for n in names]
+    return [(ks, os_) for ks, os_ in [(list(kinds), list(opts)), *alone_] if os_]
+
+
+def _search(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], opts: Sequence[Option], tr: Trace,
+            attainment: float, prices: Mapping[str, float] | None, efficiencies: Mapping[str, Efficiency] | None,
+            tries: int, measure: bool) -> Purchase | None:
+    """The share search of `cheapest` over one catalog."""
     tried: dict[float, Purchase | None] = {}
 
     def attempt(share: float) -> Purchase | None:
@@ -184,22 +191,55 @@ def cheapest(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], *, tr
     return max((p for p in tried.values() if p is not None), key=lambda p: p.slo_attainment, default=None)
 
 
+def cheapest(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], *, trace: Trace | None = None,
+             attainment: float = 0.9, prices: Mapping[str, float] | None = None,
+             efficiencies: Mapping[str, Efficiency] | None = None, check_duration_s: float = 300.0,
+             tries: int = 8, measure: bool = True, seed: int = 0,
+             opts: Sequence[Option] | None = None, alone: Sequence[str] | None = None) -> Purchase | None:
+    """The lowest-$/hour servers (at most `count` of each kind) whose simulated SLO attainment on the
+    demand is >= `attainment`; None when even the most the solver may buy does not meet it.
+
+    The solver sizes for a share of the mean demand; the simulation says whether that meets the
+    SLOs. With `measure`, the capacities are first measured by simulation (`calibrate`); `opts`
+    passes options already built (and measured) for these kinds, prices and trace instead. The
+    share is searched between 1 (the mean) and the bursts' peak (ModelDemand.peak_rate),
+    doubling past it while it fails, in at most `tries` simulations, for the whole catalog and
+    for each kind alone (`_catalogs`; `alone` names the kinds worth trying alone, default all);
+    the cheapest that meets the SLOs wins."""
+    tr = trace or demand_trace(demands, check_duration_s, seed)
+    if opts is None:
+        opts = options(kinds, demands, prices, efficiencies)
+        if measure:
+            opts = calibrate(kinds, demands, opts, tr, attainment, prices, efficiencies)
+    best: Purchase | None = None
+    for ks, os_ in _catalogs(kinds, opts, alone):
+        best = _better(best, _search(ks, demands, os_, tr, attainment, prices, efficiencies, tries, measure))
+    return best
+
+
 def pareto(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], budgets: Sequence[float], *,
            trace: Trace | None = None, prices: Mapping[str, float] | None = None,
            efficiencies: Mapping[str, Efficiency] | None = None, check_duration_s: float = 300.0,
            seed: int = 0) -> list[Purchase]:
-    """For each $/hour budget, the most goodput the servers it buys deliver (simulated)."""
+    """For each $/hour budget, the most goodput the servers it buys deliver (simulated), from the
+    same candidates as `cheapest` (the whole catalog and each kind alone); by $/hour, only the
+    points that beat every cheaper one's goodput."""
     opts = options(kinds, demands, prices, efficiencies)
     tr = trace or demand_trace(demands, check_duration_s, seed)
-    out: list[Purchase] = []
+    got: list[Purchase] = []
     for b in budgets:
-        s = solve(kinds, demands, opts, budget_usd_h=b)
-        if s is None or not s.counts:
-            continue
-        lay = _servers(kinds, opts, s.counts)
-        sm = evaluate(lay, demands, kinds, tr, prices, efficiencies)
-        if sm is not None:
-            out.append(_purchase(kinds, lay, sm, 1.0, 0.0))
+        for ks, os_ in _catalogs(kinds, opts):
+            s = solve(ks, demands, os_, budget_usd_h=b)
+            if s is None or not s.counts:
+                continue
+            lay = _servers(ks, os_, s.counts)
+            sm = evaluate(lay, demands, ks, tr, prices, efficiencies)
+            if sm is not None:
+                got.append(_purchase(ks, lay, sm, 1.0, 0.0))
+    out: list[Purchase] = []
+    for p in sorted(got, key=lambda p: (p.usd_per_hour, -p.goodput_tok_s)):
+        if not out or p.goodput_tok_s > out[-1].goodput_tok_s:
+            out.append(p)
     return out
 
 

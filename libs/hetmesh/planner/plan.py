@@ -198,13 +198,16 @@ def evaluate(layout: Sequence[Assignment], demands: Sequence[ModelDemand], group
     slos = {d.name: Slo(d.ttft_slo_s, d.tpot_slo_s) for d in demands}
     summary, _ = simulate(workers, "cost", tr, SimConfig(efficiencies=efficiencies or {}),
                           slo=slos if len(served) > 1 else slos[next(iter(served))], prices=prices)
-    # requests for a model nobody serves count as served late (none of their tokens is good)
+    # SLO attainment of every request offered: a refused one (the mesh's admission) is a miss, or a layout
+    # too small would pass the check by refusing work; so is a request for a model nobody serves
     missed = len(trace.requests) - len(tr.requests)
     summary["unserved_requests"] = missed
-    if missed:
-        summary["slo_attainment"] *= len(tr.requests) / len(trace.requests)
+    summary["slo_attainment"] = summary["offered_slo_attainment"] * len(tr.requests) / len(trace.requests)
+    for per in summary.get("models", {}).values():
+        per["slo_attainment"] = per["offered_slo_attainment"]
     if len(served) == 1 and len(demands) > 1:
-        summary["models"] = {next(iter(served)): {"goodput_tok_s": summary["goodput_tok_s"]}}
+        summary["models"] = {next(iter(served)): {"goodput_tok_s": summary["goodput_tok_s"],
+                                                  "slo_attainment": summary["offered_slo_attainment"]}}
     return summary
 
 

@@ -94,6 +94,7 @@ class Simulator:
         self.records: list[RequestRecord] = []
         self.reqs: dict[int, _Req] = {}
         self.kv_bytes = 0
+        self.rejected_models: dict[str, int] = {}  # the rejected per model
         self.rejected = 0  # every request not served, of which
         self.refused = 0  # refused by the policy's admission (hetmesh.placement.admission)
 
@@ -199,6 +200,8 @@ class Simulator:
 
     def _reject(self, req: _Req, backoff: float = 0.0) -> None:
         self.rejected += 1
+        model = req.model or self._model
+        self.rejected_models[model] = self.rejected_models.get(model, 0) + 1
         del self.reqs[req.rid]
         self._next(backoff)
 
@@ -402,4 +405,5 @@ class Simulator:
                  for w in self.workers]
         steps = {w.spec.worker_id: w.steps for w in self.workers if w.steps is not None}
         return SimResult(self.records, stats, t_start, end, self.kv_bytes, self.rejected,
-                         getattr(self.policy, "name", type(self.policy).__name__), steps, self.refused)
+                         getattr(self.policy, "name", type(self.policy).__name__), steps, self.refused,
+                         self.rejected_models)

@@ -78,7 +78,8 @@ def summarize(res: SimResult, slo: Slo | Mapping[str, Slo] = Slo(),
     for m in sorted(set(names.tolist())) if len(set(names.tolist())) > 1 else []:
         sel = names == m
         per_model[m] = {"requests": int(sel.sum()), "output_tok_s": float(out[sel].sum() / dur),
-                        "goodput_tok_s": float(out[sel & ok].sum() / dur), "slo_attainment": float(ok[sel].mean())}
+                        "goodput_tok_s": float(out[sel & ok].sum() / dur), "slo_attainment": float(ok[sel].mean()),
+                        "offered_slo_attainment": float(ok[sel].sum() / (sel.sum() + res.rejected_models.get(m, 0)))}
     return {
         "policy": res.policy,
         "requests": len(recs),
