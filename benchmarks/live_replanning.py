@@ -46,7 +46,8 @@ from hetmesh import config, protocol
 from hetmesh.costmodel import server_model
 from hetmesh.planner import Assignment, ModelDemand, ServerGroup, demand_trace, evaluate, plan
 from hetmesh.planner.capacity import capacity
-from hetmesh.planner.plan import current_layout, moves, score
+from hetmesh.planner.plan import current_layout, moves
+from hetmesh.planner.plan import good_tokens as weighted_good_tokens
 from hetmesh.protocol import Role
 from hetmesh.sim.report import write_json
 from hetmesh.sim.traces import Trace, TraceRequest
@@ -119,7 +120,7 @@ def good_tokens(lay: list[Assignment], c: Case, i: int, tr: Trace) -> float:
     if not tr.requests:
         return 0.0
     sm = evaluate(lay, c.demand[i], c.groups, tr)
-    return score(sm, c.demand[i]) * sm["duration_s"] if sm else 0.0
+    return weighted_good_tokens(sm, c.demand[i]) if sm else 0.0
 
 
 def best_static(c: Case) -> tuple[str, list[Assignment], list[float]]:

@@ -24,7 +24,7 @@ from hetmesh.planner import (
 )
 from hetmesh.planner.buy import calibrate, cheapest, pareto, reprice, restrict
 from hetmesh.planner.capacity import capacity, mdl_utilization
-from hetmesh.planner.plan import current_layout
+from hetmesh.planner.plan import current_layout, score
 from hetmesh.planner.solve import Option, solve
 from hetmesh.protocol import Role
 from hetmesh.sim import SimConfig, Slo, pool, simulate
@@ -227,3 +227,15 @@ def test_the_check_counts_a_request_refused_by_admission_as_a_miss() -> None:
     offered = sm["requests"] + sm["rejected"]
     assert sm["slo_attainment"] <= (offered - sm["refused"]) / offered
     assert sm["slo_attainment"] == pytest.approx(sm["offered_slo_attainment"])
+
+
+def test_score_is_good_tokens_per_second_of_offered_arrivals_not_of_the_drain() -> None:
+    # Two layouts with the same 2,000 good tokens of a 10 s trace: one drains by 20 s, one by 40 s.
+    fast = {"goodput_tok_s": 100.0, "duration_s": 20.0, "offered_span_s": 10.0}
+    slow = {"goodput_tok_s": 50.0, "duration_s": 40.0, "offered_span_s": 10.0}
+    d = [_demand(1.0, priority=2.0)]
+    assert score(fast, d) == score(slow, d) == pytest.approx(400.0)  # 2 x 2,000 tokens / 10 s
+    g = [ServerGroup(name="g", accelerator="amd-mi300x", model="m")]
+    tr = demand_trace([_demand(1.0)], 20.0)
+    sm = evaluate(current_layout(g), [_demand(1.0)], g, tr)
+    assert sm is not None and sm["offered_span_s"] == pytest.approx(tr.requests[-1].arrival - tr.requests[0].arrival)

@@ -176,12 +176,21 @@ def workers_for(layout: Sequence[Assignment], demands: Sequence[ModelDemand],
             for a in layout if a.model]
 
 
-def score(summary: Mapping[str, Any], demands: Sequence[ModelDemand]) -> float:
-    """Priority-weighted SLO goodput (output tokens/s) of a simulated summary."""
+def good_tokens(summary: Mapping[str, Any], demands: Sequence[ModelDemand]) -> float:
+    """Priority-weighted SLO-meeting output tokens of a simulated summary."""
     per = summary.get("models")
     if not per:
-        return summary["goodput_tok_s"] * (demands[0].priority if len(demands) == 1 else 1.0)
-    return sum(d.priority * per.get(d.name, {}).get("goodput_tok_s", 0.0) for d in demands)
+        rate = summary["goodput_tok_s"] * (demands[0].priority if len(demands) == 1 else 1.0)
+    else:
+        rate = sum(d.priority * per.get(d.name, {}).get("goodput_tok_s", 0.0) for d in demands)
+    return rate * summary["duration_s"]
+
+
+def score(summary: Mapping[str, Any], demands: Sequence[ModelDemand]) -> float:
+    """Priority-weighted SLO goodput: good output tokens per second of the offered trace's arrivals (as
+    `evaluate` records them). Not per simulated second: that includes the drain after the last arrival,
+    so a layout that refused work or finished sooner would score higher for the same good tokens."""
+    return good_tokens(summary, demands) / summary.get("offered_span_s", summary["duration_s"])
 
 
 def evaluate(layout: Sequence[Assignment], demands: Sequence[ModelDemand], groups: Sequence[ServerGroup],
@@ -202,6 +211,9 @@ def evaluate(layout: Sequence[Assignment], demands: Sequence[ModelDemand], group
     # too small would pass the check by refusing work; so is a request for a model nobody serves
     missed = len(trace.requests) - len(tr.requests)
     summary["unserved_requests"] = missed
+    arrivals = [r.arrival for r in trace.requests]
+    span = max(arrivals) - min(arrivals)
+    summary["offered_span_s"] = span if span > 0 else summary["duration_s"]
     summary["slo_attainment"] = summary["offered_slo_attainment"] * len(tr.requests) / len(trace.requests)
     for per in summary.get("models", {}).values():
         per["slo_attainment"] = per["offered_slo_attainment"]
