@@ -227,8 +227,9 @@ def pareto(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], budgets
     opts = options(kinds, demands, prices, efficiencies)
     tr = trace or demand_trace(demands, check_duration_s, seed)
     got: list[Purchase] = []
+    catalogs = _catalogs(kinds, opts)
     for b in budgets:
-        for ks, os_ in _catalogs(kinds, opts):
+        for ks, os_ in catalogs:
             s = solve(ks, demands, os_, budget_usd_h=b)
             if s is None or not s.counts:
                 continue

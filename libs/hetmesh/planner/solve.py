@@ -7,10 +7,9 @@ any mix (continuous split variables under its integer count). A `prefill` or `de
 only that. A model serves a_m requests/s aggregated and d_m P/D, the latter bounded by both its
 prefill and its decode capacity, and at most its demand.
 
-Every model with demand keeps at least one server where the fleet has one for each such model
-(and no budget caps it): a model
-left with none is an outage (its requests refused at the door), which the goodput objective alone would
-accept for a small model next to a busy one.
+Every model with demand keeps at least one server where the fleet has one for each such model (and no
+budget caps it): a model left with none is an outage (its requests refused at the door), which the
+goodput objective alone would accept for a small model next to a busy one.
 
 Stage 1 maximises the priority-weighted output tokens/s served, less a small price term and a small
 move term (both only break ties). Stage 2 keeps stage 1's served rates and spends what is left on
@@ -122,13 +121,13 @@ def solve(groups: Sequence[ServerGroup], demands: Sequence[ModelDemand], options
     p = _Program(groups, demands, options, flexible)
     if budget_usd_h < np.inf:
         p.row({j: o.usd_per_hour for j, o in enumerate(options)}, 0.0, budget_usd_h)
-    for gi, g in enumerate(groups):
-        p.row({j: 1.0 for j, o in enumerate(options) if o.group == gi}, 0.0,
-              float(counts.get(gi, g.count) if counts else g.count))
+    servers = [counts.get(gi, g.count) if counts else g.count for gi, g in enumerate(groups)]
+    for gi, n in enumerate(servers):
+        p.row({j: 1.0 for j, o in enumerate(options) if o.group == gi}, 0.0, float(n))
     for j in p.both:
         p.row({**{s: 1.0 for s in p.share[j]}, j: -1.0}, -np.inf, 0.0)
     wanted = [d for d in demands if d.rate > 0 and any(o.model == d.name for o in options)]
-    if budget_usd_h == np.inf and len(wanted) <= sum(int(counts.get(gi, g.count) if counts else g.count) for gi, g in enumerate(groups)):
+    if budget_usd_h == np.inf and len(wanted) <= sum(servers):
         for d in wanted:  # no model with demand left without a server
             p.row({j: 1.0 for j, o in enumerate(options) if o.model == d.name}, 1.0, np.inf)
     cap_rows: list[tuple[int, int]] = []  # (row, served-rate column) for stage 2

@@ -94,8 +94,7 @@ class Simulator:
         self.records: list[RequestRecord] = []
         self.reqs: dict[int, _Req] = {}
         self.kv_bytes = 0
-        self.rejected_models: dict[str, int] = {}  # the rejected per model
-        self.rejected = 0  # every request not served, of which
+        self.rejected_models: dict[str, int] = {}  # requests not served, per model; of them
         self.refused = 0  # refused by the policy's admission (hetmesh.placement.admission)
 
     def _build(self, hash_tokens: int) -> None:
@@ -199,7 +198,6 @@ class Simulator:
         self._wake(pw)
 
     def _reject(self, req: _Req, backoff: float = 0.0) -> None:
-        self.rejected += 1
         model = req.model or self._model
         self.rejected_models[model] = self.rejected_models.get(model, 0) + 1
         del self.reqs[req.rid]
@@ -404,6 +402,6 @@ class Simulator:
                              w.prefill_tokens, w.decode_tokens, w.core.stats.preempted, w.spec.devices)
                  for w in self.workers]
         steps = {w.spec.worker_id: w.steps for w in self.workers if w.steps is not None}
-        return SimResult(self.records, stats, t_start, end, self.kv_bytes, self.rejected,
+        return SimResult(self.records, stats, t_start, end, self.kv_bytes, sum(self.rejected_models.values()),
                          getattr(self.policy, "name", type(self.policy).__name__), steps, self.refused,
                          self.rejected_models)
