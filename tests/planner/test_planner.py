@@ -239,3 +239,17 @@ def test_score_is_good_tokens_per_second_of_offered_arrivals_not_of_the_drain() 
     tr = demand_trace([_demand(1.0)], 20.0)
     sm = evaluate(current_layout(g), [_demand(1.0)], g, tr)
     assert sm is not None and sm["offered_span_s"] == pytest.approx(tr.requests[-1].arrival - tr.requests[0].arrival)
+
+
+def test_a_server_is_swapped_only_for_a_cheaper_kind_in_its_own_role() -> None:
+    from hetmesh.planner.buy import _swaps
+
+    kinds = [ServerGroup(name="a", accelerator="nvidia-h200", count=4), ServerGroup(name="b", accelerator="amd-mi300x", count=4)]
+    opts = [Option(0, "m", Role.BOTH, "tp", 1.0, 38.0), Option(1, "m", Role.BOTH, "tp", 2.0, 24.0),
+            Option(1, "m", Role.BOTH, "dp", 2.5, 24.0), Option(1, "m", Role.DECODE, "tp", 3.0, 24.0)]
+    lay = [Assignment("a-0", "a", "nvidia-h200", 8, "m", Role.BOTH, "tp"),
+           Assignment("b-0", "b", "amd-mi300x", 8, "m", Role.DECODE, "tp")]
+    got = _swaps(lay, kinds, opts, {"nvidia-h200": 4.75, "amd-mi300x": 3.0})
+    # the H200 ($38/h) becomes the next free MI300X ($24/h) on its strongest `both` layout; the MI300X stays
+    assert [(saved, [(a.server, a.role, a.parallel) for a in alt]) for saved, alt in got] == [
+        (pytest.approx(14.0), [("b-1", Role.BOTH, "dp"), ("b-0", Role.DECODE, "tp")])]

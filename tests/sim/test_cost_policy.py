@@ -117,3 +117,36 @@ def test_a_prefill_is_charged_only_the_time_it_takes_from_the_decodes_beside_it(
     assert pr.stolen[0] == pytest.approx(stolen, rel=1e-6) and 0 < stolen < pf
     assert pr.ext_p[0] == pytest.approx(10 * stolen, rel=1e-6)  # 10 decodes held up
 
+
+
+def test_a_short_decode_is_priced_at_the_recent_prefill_share_a_long_one_at_the_window() -> None:
+    # Three 2048-token prefills placed on one H100 server at t = 20 s (the policy's first placement at t = 0).
+    # Half a second later a 5-token decode (life at its SLO: 4 x 0.1 s) reads the share at the ladder's
+    # shortest time constant above 0.4 s (30 s / 27); a 500-token one (50 s) reads the 30 s window's.
+    import math
+
+    pol = make_policy("cost")  # window 30 s, TPOT SLO 0.1 s
+    w = view("h-0", "nvidia-h100")
+    assert pol.place(req(16, 2, t=0.0), [w]) is not None
+    placed = 0.0
+    for _ in range(3):
+        d = pol.place(req(2048, 2, t=20.0), [w])
+        assert d is not None
+        placed += d.predicted_ttft_s - placed  # the backlog: each prefill's TTFT includes those before it
+    first = make_policy("cost")._price(req(16, 2, t=0.0), [w])  # the t = 0 prefill's seconds
+    assert first is not None
+    acc = float(first.pf[0]) * math.exp(-20 / 30) + placed  # the t = 0 prefill decayed, plus the burst
+    acc_short = float(first.pf[0]) * math.exp(-20 / (30 / 27)) + placed
+    cm = CostModel(accelerator("nvidia-h100"), model_spec("llama-3.1-70b"), devices=8)
+
+    def expected(out: int, tau: float, a: float) -> float:
+        share = a * math.exp(-0.5 / tau) / (tau * (1 - math.exp(-20.5 / tau)))
+        return cm.decode_step_time(1, 16 + out // 2) / (1 - share)
+
+    short = pol._price(req(16, 5, t=20.5), [w])
+    long = pol._price(req(16, 500, t=20.5), [w])
+    assert short is not None and long is not None
+    assert long.tpot[0] == pytest.approx(expected(500, 30.0, acc), rel=1e-6)
+    assert short.tpot[0] == pytest.approx(expected(5, 30 / 27, acc_short), rel=1e-6)
+    # the burst slows the short decode's steps by 1.4x, the long one's by 1.04x
+    assert short.tpot[0] / cm.decode_step_time(1, 18) > 1.3 > 1.1 > long.tpot[0] / cm.decode_step_time(1, 266)

@@ -9,7 +9,11 @@ take either phase) with the cost model:
     e2e   = TTFT + KV transfer (disaggregated) + (output - 1) * TPOT
 
 The prefill backlog and each worker's prefill share are the policy's own bookkeeping of what
-it placed (prefill seconds it predicted, drained in real time, read off `RequestInfo.arrival`);
+it placed (prefill seconds it predicted, drained in real time, read off `RequestInfo.arrival`).
+The share a decode is priced at is forecast over its own life at its SLO ((output - 1) x TPOT SLO):
+prefills arrive in bursts, and a 12-token decode lives through the burst it lands in, not through the
+30 s mean, so it reads the share at the ladder's shortest time constant covering its life (window,
+window/3, ...; never below the window's);
 batch sizes, memory and roles come from the `WorkerView`s. Objectives: "throughput" takes the
 lowest e2e time plus the delay the placement puts on others (what the prefill's steps on P take
 from every sequence it holds up there beyond the decode steps they would have run anyway: P's
@@ -46,6 +50,7 @@ from hetmesh.placement.admission import DEFAULT_MARGIN, admit, over_slo, refusal
 from hetmesh.placement.fleet import Fleet
 from hetmesh.placement.state import Decision, RequestInfo, WorkerView
 
+SHARE_RUNGS = 4  # the prefill share's time constants: window, window/3, window/9, window/27
 MAX_CANDIDATES = 16  # options a Decision lists (best first) for the placement span
 
 
@@ -110,7 +115,10 @@ class CostPolicy:
         # busy_until, the predicted start of each queued prefill, and a decaying prefill share (acc at last).
         self._slots: dict[str, int] = {}
         self._busy_until = np.zeros(16)
-        self._acc = np.zeros(16)
+        # The prefill share at a ladder of time constants (window, window/3, ...): a decode reads the rung that
+        # matches its own life, since bursts of prefill last seconds and a short decode sees the burst it lands in.
+        self._taus = self.window / 3.0 ** np.arange(SHARE_RUNGS)
+        self._acc = np.zeros((len(self._taus), 16))
         self._last = np.zeros(16)
         self._first_start = np.full(16, math.inf)  # starts[slot][0], so only due queues are walked
         self._queued = np.zeros(16)  # len(starts[slot])
@@ -138,10 +146,10 @@ class CostPolicy:
         if s is None:
             s = self._slots[wid] = len(self._starts)
             self._starts.append(deque())
-            if s >= len(self._acc):
-                grow = len(self._acc)
-                self._busy_until, self._acc, self._last = (np.concatenate([a, np.zeros(grow)]) for a in
-                                                           (self._busy_until, self._acc, self._last))
+            if s >= len(self._last):
+                grow = len(self._last)
+                self._busy_until, self._last = (np.concatenate([a, np.zeros(grow)]) for a in (self._busy_until, self._last))
+                self._acc = np.concatenate([self._acc, np.zeros((len(self._taus), grow))], axis=1)
                 self._first_start = np.concatenate([self._first_start, np.full(grow, math.inf)])
                 self._queued = np.concatenate([self._queued, np.zeros(grow)])
         return s
@@ -216,9 +224,11 @@ class CostPolicy:
             step = np.where(waits, step * (b / max_batch), step)  # waits for a slot: b / max_batch rounds
         marginal = step - fewer
         marginal[bb <= 1] = 0.0
-        span = self.window * (1.0 - math.exp(-max(now - self._t0, 1e-3) / self.window))
-        share = np.minimum(self._acc[sl] * np.exp(-np.maximum(now - self._last[sl], 0.0) / self.window)
-                           / max(span, 1.0), 0.95)
+        share = self._share(now, sl, 0)
+        _, tpot_slo = self.slos.get(req.model, (self.ttft_slo, self.tpot_slo))
+        rung = self._rung(max(req.max_tokens - 1, 1) * tpot_slo)  # the decode's life at its SLO
+        if rung > 0:  # a short decode: the recent share, never below the long-run one
+            share = np.maximum(share, self._share(now, sl, rung))
         slow = 1.0 - share
         tpot = step / slow
         ext_d = (bb - 1) * max(req.max_tokens - 1, 0) * marginal / slow
@@ -325,6 +335,18 @@ class CostPolicy:
         self._commit(int(self._fleet.slots[p]), float(pr.pf[p]), pr.now)
         return msgspec.structs.replace(decision, predicted_ttft_s=ttft, predicted_tpot_s=tpot)
 
+    def _rung(self, life_s: float) -> int:
+        """The ladder's shortest time constant at least `life_s` (0, the window, for a life beyond it)."""
+        return max(int(np.searchsorted(-self._taus, -life_s, side="right")) - 1, 0)
+
+    def _share(self, now: float, sl: np.ndarray | slice, rung: int) -> np.ndarray:
+        """Each worker's prefill share (seconds of prefill placed per second) at time constant taus[rung]: an
+        exponentially decaying sum over the span it has seen (shorter than tau in the first seconds)."""
+        tau = float(self._taus[rung])
+        span = tau * (1.0 - math.exp(-max(now - self._t0, 1e-3) / tau))
+        decay = np.exp(-np.maximum(now - self._last[sl], 0.0) / tau)
+        return np.minimum(self._acc[rung, sl] * decay / max(span, min(1.0, tau)), 0.95)
+
     def _commit(self, slot: int, pf: float, now: float) -> None:
         start = max(float(self._busy_until[slot]), now)
         if not self._starts[slot]:
@@ -332,5 +354,5 @@ class CostPolicy:
         self._starts[slot].append(start)
         self._queued[slot] += 1
         self._busy_until[slot] = start + pf
-        self._acc[slot] = self._acc[slot] * math.exp(-max(now - float(self._last[slot]), 0.0) / self.window) + pf
+        self._acc[:, slot] = self._acc[:, slot] * np.exp(-max(now - float(self._last[slot]), 0.0) / self._taus) + pf
         self._last[slot] = now

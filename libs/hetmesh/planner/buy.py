@@ -93,12 +93,43 @@ def calibrate(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], opts
     return [o for o in out if max(o.capacity, o.prefill, o.decode) > 0]
 
 
+def _swaps(lay: Sequence[Assignment], kinds: Sequence[ServerGroup], opts: Sequence[Option],
+           prices: Mapping[str, float] | None) -> list[tuple[float, list[Assignment]]]:
+    """Each server of `lay` replaced by one of a cheaper kind running its model in its role (on that kind's
+    layout with the most capacity in the role), with the $/hour each saves, most first."""
+    used = {a.server for a in lay}
+    best: dict[tuple[str, str, Role], Option] = {}  # (kind, model, role) -> its strongest option
+    for o in opts:
+        key = (kinds[o.group].name, o.model, o.role)
+        if key not in best or _strength(o) > _strength(best[key]):
+            best[key] = o
+    out = []
+    for a in lay:
+        usd = device_usd_per_hour(a.accelerator, prices) * a.devices
+        for g in kinds:
+            o = best.get((g.name, a.model, a.role))
+            free = next((sid for sid in g.server_ids() if sid not in used), None)
+            if o is None or free is None or o.usd_per_hour >= usd:
+                continue
+            swapped = Assignment(free, g.name, g.accelerator, g.devices, a.model, a.role, o.parallel)
+            out.append((usd - o.usd_per_hour, [swapped if b.server == a.server else b for b in lay]))
+    return sorted(out, key=lambda t: -t[0])
+
+
+def _strength(o: Option) -> float:
+    return o.capacity if o.role != Role.BOTH else max(o.capacity, o.prefill, o.decode)
+
+
 def trim(p: Purchase, kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], trace: Trace,
          attainment: float, prices: Mapping[str, float] | None = None,
-         efficiencies: Mapping[str, Efficiency] | None = None, limit: int = 12) -> Purchase:
+         efficiencies: Mapping[str, Efficiency] | None = None, limit: int = 12,
+         opts: Sequence[Option] = ()) -> Purchase:
     """Local search on a purchase that meets the SLOs: drop servers, dearest first, while the
     simulation still says it meets them (the solver sizes whole servers on estimates; this takes
-    back what the estimates over-bought). At most `limit` simulations."""
+    back what the estimates over-bought); then swap a server for one of a cheaper kind in the same
+    role (`opts`: the kinds' options), biggest saving first, while it still meets them: a whole
+    server too many of one kind is often a cheaper server of another. At most `limit` simulations
+    for each of the two."""
     lay = list(p.assignments)
     best = p
     tries = 0
@@ -111,6 +142,20 @@ def trim(p: Purchase, kinds: Sequence[ServerGroup], demands: Sequence[ModelDeman
         if sm is not None and sm["slo_attainment"] >= attainment:
             lay = rest
             best = _purchase(kinds, rest, sm, p.served_share, attainment)
+    tries, failed = 0, set()
+    while tries < limit:
+        cand = next(((sv, alt) for sv, alt in _swaps(lay, kinds, opts, prices)
+                     if tuple(sorted((b.group, b.model, b.role) for b in alt)) not in failed), None)
+        if cand is None:
+            break
+        tries += 1
+        alt = cand[1]
+        sm = evaluate(alt, demands, kinds, trace, prices, efficiencies)
+        if sm is not None and sm["slo_attainment"] >= attainment:
+            lay = alt
+            best = _purchase(kinds, alt, sm, p.served_share, attainment)
+        else:
+            failed.add(tuple(sorted((b.group, b.model, b.role) for b in alt)))
     return best
 
 
@@ -175,7 +220,7 @@ def _search(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], opts: 
             if got is None or not got.meets:
                 break
         return trim(min((p for p in tried.values() if p is not None and p.meets), key=lambda p: p.usd_per_hour),
-                    kinds, demands, tr, attainment, prices, efficiencies)
+                    kinds, demands, tr, attainment, prices, efficiencies, opts=opts)
     while len(tried) < tries and not ((top := attempt(hi)) is not None and top.meets):
         if top is None:
             return first  # the solver cannot serve that much with what it may buy
@@ -187,7 +232,7 @@ def _search(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], opts: 
     meeting = [p for p in tried.values() if p is not None and p.meets]
     if meeting:
         return trim(min(meeting, key=lambda p: p.usd_per_hour), kinds, demands, tr, attainment, prices,
-                    efficiencies)
+                    efficiencies, opts=opts)
     return max((p for p in tried.values() if p is not None), key=lambda p: p.slo_attainment, default=None)
 
 
