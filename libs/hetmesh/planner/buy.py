@@ -6,7 +6,7 @@ every answer is checked by simulation and re-solved with more headroom until it 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
 
@@ -17,6 +17,8 @@ from hetmesh.planner.plan import Assignment, _servers, demand_trace, evaluate, o
 from hetmesh.planner.solve import Option, solve
 from hetmesh.protocol import Role
 from hetmesh.sim.traces import Trace
+
+STARTS = 3  # purchases the local search (`trim`) starts from
 
 
 class Purchase(msgspec.Struct, frozen=True):
@@ -212,6 +214,15 @@ def _search(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], opts: 
             tried[share] = _purchase(kinds, lay, sm, share, attainment) if sm is not None else None
         return tried[share]
 
+    def _trimmed(got: Iterable[Purchase | None]) -> Purchase | None:
+        # local search from the STARTS cheapest that meet the SLOs: different shares buy different mixes, and
+        # the search from the cheapest alone often ends in a local minimum another start avoids
+        meeting = sorted((p for p in got if p is not None and p.meets), key=lambda p: p.usd_per_hour)
+        out: Purchase | None = None
+        for p in meeting[:STARTS]:
+            out = _better(out, trim(p, kinds, demands, tr, attainment, prices, efficiencies, opts=opts))
+        return out
+
     lo, hi = 1.0, 1.25 if measure else max(max(d.peak_rate / d.rate for d in demands if d.rate > 0), 1.25)
     first = attempt(lo)
     if first is not None and first.meets:
@@ -219,8 +230,7 @@ def _search(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], opts: 
             got = attempt(share)
             if got is None or not got.meets:
                 break
-        return trim(min((p for p in tried.values() if p is not None and p.meets), key=lambda p: p.usd_per_hour),
-                    kinds, demands, tr, attainment, prices, efficiencies, opts=opts)
+        return _trimmed(tried.values())
     while len(tried) < tries and not ((top := attempt(hi)) is not None and top.meets):
         if top is None:
             return first  # the solver cannot serve that much with what it may buy
@@ -229,10 +239,8 @@ def _search(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], opts: 
         mid = (lo * hi) ** 0.5
         got = attempt(mid)
         lo, hi = (lo, mid) if got is not None and got.meets else (mid, hi)
-    meeting = [p for p in tried.values() if p is not None and p.meets]
-    if meeting:
-        return trim(min(meeting, key=lambda p: p.usd_per_hour), kinds, demands, tr, attainment, prices,
-                    efficiencies, opts=opts)
+    if any(p is not None and p.meets for p in tried.values()):
+        return _trimmed(tried.values())
     return max((p for p in tried.values() if p is not None), key=lambda p: p.slo_attainment, default=None)
 
 
