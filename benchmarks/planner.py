@@ -15,9 +15,11 @@ writes results/planner.json (parts not run keep their last results there).
 - timevarying (planner_timevarying.py): model ramp, model step and prefill:decode shift, re-planned
   from several demand forecasts vs the best static layout and the per-window oracle (targets: >= 1.3x
   and within 10%).
+- timevarying_load: the model step and the model ramp with every rate x 0.5, 1, 1.5, 2: where
+  re-planning pays (the ceiling grows once each phase needs most of the fleet).
 - afd: the attention-FFN disaggregation what-if.
 
-    .venv/bin/python benchmarks/planner.py [--parts time,optimality,value,heterogeneity,timevarying,afd]
+    .venv/bin/python benchmarks/planner.py [--parts time,optimality,value,heterogeneity,timevarying,timevarying_load,afd]
     .venv/bin/python benchmarks/planner.py --parts timevarying --cases model-step
 """
 
@@ -33,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from planner_economics import part_heterogeneity, part_value  # sibling scripts (benchmarks/ is on sys.path)
-from planner_timevarying import CASES, part_timevarying
+from planner_timevarying import CASES, part_timevarying, part_timevarying_load
 from rich.console import Console
 from rich.table import Table
 
@@ -122,7 +124,7 @@ def part_afd() -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", "--part", default="time,optimality,value,heterogeneity,timevarying,afd",
+    ap.add_argument("--parts", "--part", default="time,optimality,value,heterogeneity,timevarying,timevarying_load,afd",
                     help="comma-separated parts to run (results of the others are kept from --out if it exists)")
     ap.add_argument("--requests", type=int, default=2000, help="heterogeneity: requests taken from each trace")
     ap.add_argument("--scale", type=float, default=8.0,
@@ -136,7 +138,8 @@ def main() -> int:
     parts = {"time": part_time, "optimality": part_optimality,
              "value": lambda: part_value(a.requests, a.scale, a.long_requests),
              "heterogeneity": lambda: part_heterogeneity(a.requests, a.scale, a.long_requests),
-             "timevarying": lambda: part_timevarying(sub_s=a.sub_s, cases=a.cases.split(",")), "afd": part_afd}
+             "timevarying": lambda: part_timevarying(sub_s=a.sub_s, cases=a.cases.split(",")),
+             "timevarying_load": lambda: part_timevarying_load(sub_s=a.sub_s), "afd": part_afd}
     chosen = a.parts.split(",")
     if unknown := [p for p in chosen if p not in parts]:
         ap.error(f"unknown part(s) {', '.join(unknown)}: choose from {', '.join(parts)}")

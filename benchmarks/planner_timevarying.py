@@ -33,8 +33,9 @@ CASES = ("model-shift", "model-step", "pd-shift")
 MAX_REQUESTS = 600  # simulated requests per window (its first arrivals): a 2-core machine shared by many
 
 
-def shift_case(case: str, windows: int) -> tuple[list[ServerGroup], list[list[ModelDemand]]]:
-    """Per-window demand of a time-varying case, and the fleet it runs on (today's layout: all `both`)."""
+def shift_case(case: str, windows: int, load: float = 1.0) -> tuple[list[ServerGroup], list[list[ModelDemand]]]:
+    """Per-window demand of a time-varying case, and the fleet it runs on (today's layout: all `both`);
+    `load` multiplies every rate."""
     out = []
     for i in range(windows):
         x = i / max(windows - 1, 1)
@@ -43,11 +44,11 @@ def shift_case(case: str, windows: int) -> tuple[list[ServerGroup], list[list[Mo
             # traffic, then all of B's (a regional day/night swap), each keeping a 5% trickle
             a = max(36.0 * (1 - x), 1.8) if case == "model-shift" else (36.0 if i < windows / 2 else 1.8)
             b = max(80.0 * x, 4.0) if case == "model-shift" else (4.0 if i < windows / 2 else 80.0)
-            out.append([ModelDemand(name="A", spec="llama-3.1-70b", rate=a, input_mean=2048, output_mean=256),
-                        ModelDemand(name="B", spec="qwen3-32b", rate=b, input_mean=1024, output_mean=256)])
+            out.append([ModelDemand(name="A", spec="llama-3.1-70b", rate=a * load, input_mean=2048, output_mean=256),
+                        ModelDemand(name="B", spec="qwen3-32b", rate=b * load, input_mean=1024, output_mean=256)])
         else:  # the prefill:decode mix alternates between code-heavy and chat-heavy phases
             code = i % 2 == 0
-            out.append([ModelDemand(name="A", spec="llama-3.1-70b", rate=6.0 if code else 10.0,
+            out.append([ModelDemand(name="A", spec="llama-3.1-70b", rate=(6.0 if code else 10.0) * load,
                                     input_mean=8192 if code else 512, output_mean=64 if code else 512)])
     if case == "pd-shift":  # the NVL144 CPX rack's 2:1
         groups = [ServerGroup(name="cpx", accelerator="nvidia-rubin-cpx", count=6, model="A", max_batch=128),
@@ -78,8 +79,8 @@ def _sig(lay: Sequence[Assignment]) -> tuple:
 class _Case:
     """One case's windows, with every simulation and plan memoised (layouts recur across bases)."""
 
-    def __init__(self, case: str, windows: int, window_s: float) -> None:
-        self.groups, self.demand = shift_case(case, windows)
+    def __init__(self, case: str, windows: int, window_s: float, load: float = 1.0) -> None:
+        self.groups, self.demand = shift_case(case, windows, load)
         self.windows, self.window_s = windows, window_s
         self.n = sum(g.count for g in self.groups)
         self.traces = [demand_trace(d, window_s, seed=i, max_requests=MAX_REQUESTS) for i, d in enumerate(self.demand)]
@@ -128,8 +129,8 @@ class _Case:
         return tok
 
 
-def run_case(case: str, windows: int, window_s: float, sub_s: float) -> dict[str, Any]:
-    c = _Case(case, windows, window_s)
+def run_case(case: str, windows: int, window_s: float, sub_s: float, load: float = 1.0) -> dict[str, Any]:
+    c = _Case(case, windows, window_s, load)
     d = c.demand
     oracle = [c.plan(c.groups, d[i], float("inf"), check=i) for i in range(windows)]
     oracle_tok = sum(c.good(p.assignments, i) for i, p in enumerate(oracle))
@@ -149,7 +150,7 @@ def run_case(case: str, windows: int, window_s: float, sub_s: float) -> dict[str
     }
     got = {name: c.replan(fn, sub_s if name == "last_subwindow" else window_s) for name, fn in bases.items()}
     best = static_tok[static_name]
-    return {"windows": windows, "window_s": window_s, "sub_s": sub_s, "replans_per_window_sub": per,
+    return {"windows": windows, "window_s": window_s, "sub_s": sub_s, "load": load, "replans_per_window_sub": per,
             "static_best": static_name, "static_best_tok": best, "oracle_tok": oracle_tok,
             "bound_oracle_vs_static": oracle_tok / best,
             **{f"replanned_{k}_tok": v for k, v in got.items()},
@@ -171,4 +172,25 @@ def part_timevarying(windows: int = 6, window_s: float = 300.0, sub_s: float = 6
     return out
 
 
-__all__ = ["CASES", "part_timevarying", "regroup", "shift_case"]
+LOADS = (0.5, 1.0, 1.5, 2.0)
+
+
+def part_timevarying_load(windows: int = 6, window_s: float = 300.0, sub_s: float = 60.0,
+                          cases: Sequence[str] = ("model-step", "model-shift"),
+                          loads: Sequence[float] = LOADS) -> dict[str, Any]:
+    """The model cases with every rate times `load`: where the fleet has room, a static split of the
+    servers between the models serves both phases and re-planning has little to win; once each phase
+    needs most of the fleet, only moving servers to the model in demand serves it."""
+    out: dict[str, Any] = {}
+    for case in cases:
+        rows = []
+        for x in loads:
+            t0 = time.perf_counter()
+            r = run_case(case, windows, window_s, sub_s, x)
+            rows.append({k: v for k, v in r.items() if not k.startswith("replanned_")})
+            print(f"  timevarying_load: {case} x{x:g} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        out[case] = rows
+    return out
+
+
+__all__ = ["CASES", "LOADS", "part_timevarying", "part_timevarying_load", "regroup", "shift_case"]
