@@ -144,21 +144,23 @@ def trim(p: Purchase, kinds: Sequence[ServerGroup], demands: Sequence[ModelDeman
         if sm is not None and sm["slo_attainment"] >= attainment:
             lay = rest
             best = _purchase(kinds, rest, sm, p.served_share, attainment)
-    tries, failed = 0, set()
+    tries, failed = 0, set()  # failed: the shapes of layouts simulated and found short, not tried again
     while tries < limit:
-        cand = next(((sv, alt) for sv, alt in _swaps(lay, kinds, opts, prices)
-                     if tuple(sorted((b.group, b.model, b.role) for b in alt)) not in failed), None)
-        if cand is None:
+        alt = next((alt for _, alt in _swaps(lay, kinds, opts, prices) if _shape(alt) not in failed), None)
+        if alt is None:
             break
         tries += 1
-        alt = cand[1]
         sm = evaluate(alt, demands, kinds, trace, prices, efficiencies)
         if sm is not None and sm["slo_attainment"] >= attainment:
             lay = alt
             best = _purchase(kinds, alt, sm, p.served_share, attainment)
         else:
-            failed.add(tuple(sorted((b.group, b.model, b.role) for b in alt)))
+            failed.add(_shape(alt))
     return best
+
+
+def _shape(lay: Sequence[Assignment]) -> tuple[tuple[str, str, Role], ...]:
+    return tuple(sorted((a.group, a.model, a.role) for a in lay))
 
 
 def restrict(kinds: Sequence[ServerGroup], opts: Sequence[Option],
