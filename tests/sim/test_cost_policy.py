@@ -128,11 +128,10 @@ def test_a_short_decode_is_priced_at_the_recent_prefill_share_a_long_one_at_the_
     pol = make_policy("cost")  # window 30 s, TPOT SLO 0.1 s
     w = view("h-0", "nvidia-h100")
     assert pol.place(req(16, 2, t=0.0), [w]) is not None
-    placed = 0.0
     for _ in range(3):
         d = pol.place(req(2048, 2, t=20.0), [w])
         assert d is not None
-        placed += d.predicted_ttft_s - placed  # the backlog: each prefill's TTFT includes those before it
+    placed = d.predicted_ttft_s  # the prefill seconds placed at t = 20: the last TTFT includes those before it
     first = make_policy("cost")._price(req(16, 2, t=0.0), [w])  # the t = 0 prefill's seconds
     assert first is not None
     acc = float(first.pf[0]) * math.exp(-20 / 30) + placed  # the t = 0 prefill decayed, plus the burst

@@ -225,7 +225,7 @@ class CostPolicy:
         marginal = step - fewer
         marginal[bb <= 1] = 0.0
         share = self._share(now, sl, 0)
-        _, tpot_slo = self.slos.get(req.model, (self.ttft_slo, self.tpot_slo))
+        _, tpot_slo = self._slo(req.model)
         rung = self._rung(max(req.max_tokens - 1, 1) * tpot_slo)  # the decode's life at its SLO
         if rung > 0:  # a short decode: the recent share, never below the long-run one
             share = np.maximum(share, self._share(now, sl, rung))
@@ -283,7 +283,7 @@ class CostPolicy:
         o_tpot = tpot[id_]
         o_e2e = o_ttft + xfer + (n_out - 1) * o_tpot
         miss = ~pr.fits[id_]
-        ttft_slo, tpot_slo = self.slos.get(req.model, (self.ttft_slo, self.tpot_slo))
+        ttft_slo, tpot_slo = self._slo(req.model)
         over = np.maximum(o_ttft / ttft_slo, o_tpot / tpot_slo if n_out > 1 else 0.0)
         margin = self.admission_margins.get(req.model, self.admission_margin)
         if margin > 0:  # before anything is committed: a refused request leaves no bookkeeping behind
@@ -326,7 +326,7 @@ class CostPolicy:
         n_out = max(req.max_tokens, 1)
         ttft = float(pr.ttft[p])
         tpot = float(pr.tpot[d]) if n_out > 1 else 0.0
-        ttft_slo, tpot_slo = self.slos.get(req.model, (self.ttft_slo, self.tpot_slo))
+        ttft_slo, tpot_slo = self._slo(req.model)
         over = over_slo(ttft, tpot, n_out, ttft_slo, tpot_slo)
         if margin is None:
             margin = self.admission_margins.get(req.model, self.admission_margin)
@@ -334,6 +334,10 @@ class CostPolicy:
             return refusal(ttft, tpot, over, margin)
         self._commit(int(self._fleet.slots[p]), float(pr.pf[p]), pr.now)
         return msgspec.structs.replace(decision, predicted_ttft_s=ttft, predicted_tpot_s=tpot)
+
+    def _slo(self, model: str) -> tuple[float, float]:
+        """The model's (TTFT, TPOT) SLO seconds: its own, else the policy's."""
+        return self.slos.get(model, (self.ttft_slo, self.tpot_slo))
 
     def _rung(self, life_s: float) -> int:
         """The ladder's shortest time constant at least `life_s` (0, the window, for a life beyond it)."""

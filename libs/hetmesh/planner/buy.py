@@ -105,15 +105,15 @@ def _swaps(lay: Sequence[Assignment], kinds: Sequence[ServerGroup], opts: Sequen
         key = (kinds[o.group].name, o.model, o.role)
         if key not in best or _strength(o) > _strength(best[key]):
             best[key] = o
+    free = {g.name: next((sid for sid in g.server_ids() if sid not in used), None) for g in kinds}
     out = []
     for a in lay:
         usd = device_usd_per_hour(a.accelerator, prices) * a.devices
         for g in kinds:
             o = best.get((g.name, a.model, a.role))
-            free = next((sid for sid in g.server_ids() if sid not in used), None)
-            if o is None or free is None or o.usd_per_hour >= usd:
+            if o is None or free[g.name] is None or o.usd_per_hour >= usd:
                 continue
-            swapped = Assignment(free, g.name, g.accelerator, g.devices, a.model, a.role, o.parallel)
+            swapped = Assignment(free[g.name], g.name, g.accelerator, g.devices, a.model, a.role, o.parallel)
             out.append((usd - o.usd_per_hour, [swapped if b.server == a.server else b for b in lay]))
     return sorted(out, key=lambda t: -t[0])
 
