@@ -98,13 +98,16 @@ async def test_redis_stopped_serving_goes_on_and_index_is_rebuilt(mesh: Mesh, ac
     assert _redis_keys(mesh.redis_url, "hetmesh:kv:wrk:*"), "workers' blocks should be in the index"
     idx, rs = next((i, s) for i, s in enumerate(mesh.started_servers) if s.name == "redis-server")
     port = urlparse(rs.url).port
+    t0 = time.time()  # before the stop: the scheduler's probe may see Redis go while stop() waits for it
     rs.stop()
-    t0 = time.time()
     for i in range(3):  # placement runs on load alone
         r = await aclient.completions.create(model="pd", prompt=shared + f"while redis is down {i}", max_tokens=3,
                                              extra_body={"ignore_eos": True})
         assert r.choices[0].text == expected_text(shared + f"while redis is down {i}", 3)
-    assert any(e.kind == "redis_down" and e.ts >= t0 for e in events.events)
+    deadline = time.monotonic() + 10  # service events travel batched
+    while not any(e.kind == "redis_down" and e.ts >= t0 for e in events.events):
+        assert time.monotonic() < deadline, "the scheduler did not report redis_down"
+        await asyncio.sleep(0.1)
     assert all(s.alive for s in mesh.services.values())
     back = servers.start_redis(port)
     mesh._started[idx] = back  # so that the mesh stops this one
