@@ -15,7 +15,9 @@ the trace's first capacity x --span requests (300 to --max-requests) with arriva
 The anchors run at their best: per point, the best SLO goodput over llm-d (two scorer profiles x P/D
 threshold 0, 1, 2K, 8K, 16K x static roles or every worker `both`) and over Dynamo (default and agentic
 weights x aggregated over `both` workers, static roles always split, static roles with isl_bounding).
-`cost` runs with its config defaults (objective, admission margin); `cost, admission off` beside it. The
+`cost` runs with its config defaults (objective, admission margin); `cost, admission off` beside it, and
+`cost, clients retry`: each refused request sent again after its Retry-After, twice, as the official openai
+client does (its TTFT counted from the first send). The
 anchors behind the same SLO-aware admission as cost (hetmesh.placement.gate: cost's rule applied to the anchor's
 own choice, for llm-d's flow control and Dynamo's busy thresholds): each anchor's --gated-top best
 configurations at the point, rerun gated, the best kept ("llm_d, admission", "dynamo, admission").
@@ -35,6 +37,7 @@ results/anchors.png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import platform
@@ -144,7 +147,7 @@ def _row(s: dict[str, Any], trace: Trace, label: str, layout: str) -> dict[str, 
     return {"label": label, "layout": layout, "goodput_tok_s": good, "output_tok_s": s["output_tok_s"],
             "slo_attainment": s["slo_attainment"], "offered_slo_attainment": s["offered_slo_attainment"],
             "ttft_s": {k: s["ttft_s"][k] for k in ("p50", "p99")}, "tpot_s": {k: s["tpot_s"][k] for k in ("p50", "p99")},
-            "rejected": s["rejected"], "modes": s["modes"]}
+            "rejected": s["rejected"], "retried": s["retried"], "modes": s["modes"]}
 
 
 def run_point(build: Callable[[str], list[WorkerSpec]], trace: Trace, cfg: SimConfig, slo: Slo,
@@ -157,6 +160,10 @@ def run_point(build: Callable[[str], list[WorkerSpec]], trace: Trace, cfg: SimCo
     out["cost"] = _row(s, trace, "cost", "both")
     s, _ = simulate(both, "cost", trace, cfg, slo, admission_margin=0.0, **cost_kw)
     out["cost, admission off"] = _row(s, trace, "cost, admission off", "both")
+    # What the live mesh sees from the official openai client: it retries a refusal after its Retry-After.
+    s, _ = simulate(both, "cost", trace, dataclasses.replace(cfg, client_retries=OPENAI_CLIENT_RETRIES), slo,
+                    admission_margin=sc.admission_margin, **cost_kw)
+    out[RETRYING] = _row(s, trace, RETRYING, "both")
     s, _ = simulate(both, "least_loaded", trace, cfg, slo)
     out["load balancer"] = _row(s, trace, "load balancer", "both")
     if overload:  # the latency objective too: without admission it serves everything late
@@ -256,6 +263,8 @@ def main() -> int:
 
 
 ANCHORS = ("llm_d", "dynamo")
+OPENAI_CLIENT_RETRIES = 2  # openai-python's DEFAULT_MAX_RETRIES: a 429 is retried after its Retry-After
+RETRYING = "cost, clients retry"
 GATED = tuple(f"{a}, admission" for a in ANCHORS)  # the anchors with the same SLO-aware admission as cost
 
 
@@ -316,7 +325,7 @@ def _print(console: Console, results: dict[str, Any]) -> None:
                         "TTFT p50/p99 s", "TPOT p50/p99 ms", "rejected"):
                 tb.add_column(col, justify="left" if col.startswith("policy") else "right")
             for p in t["points"]:
-                for key in ("cost", "cost, admission off", *ANCHORS, *GATED, "load balancer", "cost latency",
+                for key in ("cost", "cost, admission off", RETRYING, *ANCHORS, *GATED, "load balancer", "cost latency",
                             "cost latency, admission off"):
                     r = p.get(key)
                     if r is None:

@@ -2,7 +2,7 @@
 scheduler makes, over batching cores. Properties of the rules, not figures of one trace."""
 
 from hetmesh.protocol import Role
-from hetmesh.sim import ClosedLoop, Slo, Trace, pool, simulate, synthetic
+from hetmesh.sim import ClosedLoop, SimConfig, Slo, Trace, pool, simulate, synthetic
 
 KW = {"model": "llama-3.1-70b", "devices": 8, "max_batch": 64}
 STATIC = pool("p", 1, "nvidia-h100", Role.PREFILL, **KW) + pool("d", 2, "nvidia-h100", Role.DECODE, **KW)
@@ -43,6 +43,20 @@ def test_admission_refuses_under_overload_and_keeps_the_served_within_slo() -> N
     assert off["rejected"] == 0 and on["refused"] == on["rejected"] > 0
     assert on["requests"] + on["rejected"] == len(t)
     assert on["slo_attainment"] > off["slo_attainment"]
+
+
+def test_a_refused_request_is_retried_after_its_retry_after_with_its_clock_running() -> None:
+    """As the openai client retries a 429: the same request, after the refusal's Retry-After; its TTFT counts
+    from the first send (what its user waits), and after the last retry it is rejected."""
+    slo = Slo(ttft_s=2.0, tpot_s=0.1)
+    t = trace(300, rate=40.0)
+    once, _ = simulate(BOTH, "cost", t, slo=slo, admission_margin=1.0)
+    again, res = simulate(BOTH, "cost", t, SimConfig(client_retries=2), slo=slo, admission_margin=1.0)
+    assert once["retried"] == 0 and again["retried"] > 0
+    assert again["requests"] > once["requests"] and again["requests"] + again["rejected"] == len(t)
+    assert again["refused"] == again["rejected"] <= once["rejected"]
+    sent = {r.arrival for r in t.requests}
+    assert all(r.arrival in sent for r in res.records)  # timed from the first send, not the retry
 
 
 def test_a_refused_closed_loop_client_backs_off_instead_of_cascading() -> None:

@@ -7,7 +7,7 @@ import pytest
 
 from hetmesh.config import ClusterConfig, ModelConfig, SchedulerConfig
 from hetmesh.placement import REFUSED, Decision, RequestInfo, WorkerView, make_policy
-from hetmesh.placement.admission import admit, over_slo, retry_after_s
+from hetmesh.placement.admission import admit, over_slo, retry_after_s, retry_wait_s
 from hetmesh.placement.dynamo import Dynamo, argmin, decode_cost, isl_bounding, kv_cost
 from hetmesh.placement.llmd import (
     LlmD,
@@ -136,6 +136,8 @@ def test_admission_rule_by_hand() -> None:
     assert admit(1.0, 1.0, idle_over=0.2) and not admit(1.01, 1.0, idle_over=0.2)
     assert retry_after_s(7.0, 2.0, 1.5, 1.0) == 4.0  # 7 - 1.5 * 2
     assert retry_after_s(2.5, 2.0, 1.5, 1.0) == 1.0 and retry_after_s(1e6, 2.0, 1.5, 1.0) == 60.0
+    # too long even when idle (3x its SLO): it waits only for what load adds, 13 - 1.5 * 3 * 2
+    assert retry_after_s(13.0, 2.0, 1.5, 1.0, idle_over=3.0) == 4.0
 
 
 def test_cost_policy_refuses_past_the_margin_and_commits_nothing() -> None:
@@ -154,6 +156,8 @@ def test_cost_policy_refuses_past_the_margin_and_commits_nothing() -> None:
     second = p.place(r, ws)
     assert second is not None and second.mode == REFUSED and second.decode_worker == ""
     assert math.isclose(second.predicted_ttft_s or 0, 2 * pf, rel_tol=1e-6)
+    assert math.isclose(second.retry_after_s or 0, 0.5 * pf, rel_tol=1e-6)  # the wait past 1.5x its SLO
+    assert retry_wait_s(second, 1e6) == 60.0 and retry_wait_s(second, 0.0) == second.retry_after_s
     # The refusal queued nothing: the next one sees the same backlog, and a wider margin admits it.
     p.admission_margin = 2.1
     third = p.place(r, ws)

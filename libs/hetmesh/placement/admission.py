@@ -45,13 +45,20 @@ def admit(best_over: float, margin: float, idle_over: float = 0.0) -> bool:
     return margin <= 0 or best_over <= margin * max(1.0, idle_over)
 
 
-def retry_after_s(ttft_s: float, ttft_slo_s: float, margin: float, floor_s: float) -> float:
+def retry_after_s(ttft_s: float, ttft_slo_s: float, margin: float, floor_s: float, idle_over: float = 0.0) -> float:
     """What Retry-After says: the predicted wait past what admission allows (the backlog that must drain
     first), at least `floor_s`, at most a minute."""
-    return min(max(ttft_s - margin * ttft_slo_s, floor_s), MAX_RETRY_AFTER_S)
+    return min(max(ttft_s - margin * max(1.0, idle_over) * ttft_slo_s, floor_s), MAX_RETRY_AFTER_S)
 
 
-def refusal(ttft_s: float, tpot_s: float, best_over: float, margin: float) -> Decision:
-    """The Decision a policy returns for a refused request (no worker; the predictions that refused it)."""
+def retry_wait_s(refused: Decision, floor_s: float) -> float:
+    """The Retry-After a refusal is answered with (live) or a simulated client waits (the simulator)."""
+    return min(max(refused.retry_after_s or 0.0, floor_s), MAX_RETRY_AFTER_S)
+
+
+def refusal(ttft_s: float, tpot_s: float, best_over: float, margin: float, wait_s: float) -> Decision:
+    """The Decision a policy returns for a refused request (no worker; the predictions that refused it, and
+    `wait_s`, the retry_after_s before the scheduler's floor)."""
     return Decision(mode=REFUSED, decode_worker="", predicted_ttft_s=ttft_s, predicted_tpot_s=tpot_s,
+                    retry_after_s=wait_s,
                     reason=f"admission: best placement {best_over:.2f}x its SLO > margin {margin:g}")

@@ -63,6 +63,7 @@ class Decision(Struct, frozen=True, kw_only=True):
     reason: str = ""
     predicted_ttft_s: float | None = None
     predicted_tpot_s: float | None = None
+    retry_after_s: float | None = None  # a refusal's: how long until admission would let it in (before any floor)
     # Every placement the policy weighed: (prefill worker, decode worker, ttft s, tpot s, e2e s); for traces.
     candidates: tuple[tuple[str, str, float, float, float], ...] = ()
 

@@ -23,19 +23,20 @@ from hetmesh.batching import Core, Kind, Seq, Settings, Step, following
 from hetmesh.costmodel import CostModel, link_bandwidth, server_model
 from hetmesh.kvindex.blocks import leading_blocks
 from hetmesh.placement import REFUSED, Policy, RequestInfo, WorkerView
+from hetmesh.placement.admission import retry_wait_s
 from hetmesh.sim.results import RequestRecord, SimResult, WorkerStats
 from hetmesh.sim.spec import SimConfig, WorkerSpec
 from hetmesh.sim.traces import ClosedLoop, Trace, TraceRequest
 from hetmesh.wiring import kv_blocks_for
 
-_ARRIVAL, _KICK, _STEP_END, _KV_LANDED = 0, 1, 2, 3
+_ARRIVAL, _KICK, _STEP_END, _KV_LANDED, _RETRY = 0, 1, 2, 3, 4
 _FULL, _PREFILL, _DECODE = Kind  # module names: cheaper than member lookups
 MAX_SPAN = 256  # plain decode steps one event may stand for
 
 
 class _Req:
     __slots__ = ("arrival", "cached", "decision", "dw", "finish", "first", "hashes", "mode", "model", "n_in", "n_out",
-                 "pw", "rid")
+                 "pw", "rid", "tries")
 
     def __init__(self, rid: int, tr: TraceRequest, arrival: float) -> None:
         self.rid = rid
@@ -51,6 +52,7 @@ class _Req:
         self.pw: _Worker | None = None
         self.dw: _Worker | None = None
         self.decision = None
+        self.tries = 0  # refusals retried so far
 
 
 class _Worker:
@@ -95,7 +97,8 @@ class Simulator:
         self.reqs: dict[int, _Req] = {}
         self.kv_bytes = 0
         self.rejected_models: dict[str, int] = {}  # requests not served, per model; of them
-        self.refused = 0  # refused by the policy's admission (hetmesh.placement.admission)
+        self.refused = 0  # refused by the policy's admission (hetmesh.placement.admission), retries exhausted
+        self.retried = 0  # refusals a client retried after Retry-After (SimConfig.client_retries)
 
     def _build(self, hash_tokens: int) -> None:
         cms: dict[tuple, CostModel] = {}
@@ -171,6 +174,12 @@ class Simulator:
         info = RequestInfo(request_id=str(req.rid), model=req.model or self._model, prompt_len=req.n_in,
                            max_tokens=req.n_out, cached_blocks=self._cached_blocks(req.hashes), block_size=block_tokens, arrival=self.now)
         d = self.policy.place(info, self._views())
+        if d is not None and d.mode == REFUSED and req.tries < self.cfg.client_retries:
+            # Retried as the openai client retries a 429: after Retry-After, the same request, its clock running.
+            req.tries += 1
+            self.retried += 1
+            self._push(self.now + retry_wait_s(d, self.cfg.retry_floor_s), _RETRY, req)
+            return
         if d is None or d.mode == REFUSED:  # no worker, or SLO-aware admission refused it
             self.refused += d is not None
             # A refused closed-loop client backs off for the wait it was refused for, as Retry-After tells it.
@@ -393,6 +402,8 @@ class Simulator:
                 w: _Worker = obj  # type: ignore[assignment]
                 if not w.busy:
                     self._start_step(w)
+            elif kind == _RETRY:
+                self._arrive(obj, block_tokens)  # type: ignore[arg-type]
             else:
                 self._landed(obj)  # type: ignore[arg-type]
         if progress is not None:
@@ -404,4 +415,4 @@ class Simulator:
         steps = {w.spec.worker_id: w.steps for w in self.workers if w.steps is not None}
         return SimResult(self.records, stats, t_start, end, self.kv_bytes, sum(self.rejected_models.values()),
                          getattr(self.policy, "name", type(self.policy).__name__), steps, self.refused,
-                         self.rejected_models)
+                         self.rejected_models, self.retried)

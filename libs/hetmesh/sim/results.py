@@ -54,3 +54,4 @@ class SimResult:
     steps: dict[str, list[tuple[object, ...]]] = field(default_factory=dict)  # with SimConfig.record_steps
     refused: int = 0  # of `rejected`: refused by admission
     rejected_models: dict[str, int] = field(default_factory=dict)  # `rejected` per model
+    retried: int = 0  # refusals retried by their client (SimConfig.client_retries)

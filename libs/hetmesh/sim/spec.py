@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from hetmesh.config import ClusterConfig
+from hetmesh.config import ClusterConfig, SchedulerConfig
 from hetmesh.costmodel import Efficiency
 from hetmesh.costmodel.model import DEFAULT_LINK_LATENCY_S
 from hetmesh.protocol import Role
@@ -61,3 +61,7 @@ class SimConfig:
     prefix_caching: bool = True
     max_time_s: float = float("inf")  # stop the run at this virtual time
     record_steps: bool = False  # keep every worker's Step.signature() (fidelity tests)
+    # A refused request's client retries it this many times, each after the refusal's Retry-After (at least
+    # retry_floor_s, the scheduler's default): the official openai client retries a 429 twice by default.
+    client_retries: int = 0
+    retry_floor_s: float = SchedulerConfig().retry_after_s

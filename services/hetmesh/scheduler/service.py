@@ -35,7 +35,7 @@ from hetmesh import config, metrics, subjects, telemetry, wiring
 from hetmesh.bus import REQUEST_ID, Bus, EventBatcher, encode, headers_for
 from hetmesh.kvindex.index import PrefixIndex
 from hetmesh.placement import REFUSED, ClusterState, Decision, RequestInfo, aggregated, pool_full
-from hetmesh.placement.admission import retry_after_s
+from hetmesh.placement.admission import retry_wait_s
 from hetmesh.placement.state import back_in_s, moving
 from hetmesh.planner.live import DemandWindow
 from hetmesh.protocol import (
@@ -272,8 +272,7 @@ class Scheduler:
             self.refused += 1
             self.metrics.rejected.labels("slo").inc()
             self._demand_refused(req)
-            wait = retry_after_s(decision.predicted_ttft_s or 0.0, self.cfg.slo(req.model)[0],
-                                 self.cfg.admission_margin(req.model), sc.retry_after_s)
+            wait = retry_wait_s(decision, sc.retry_after_s)
             return SubmitReply(request_id=req.request_id, error=ErrorInfo(
                 message=f"The workers of model {req.model!r} cannot serve this request within its latency SLO "
                         f"now ({decision.reason}); please retry.", type="server_error", code="slo_unattainable",
