@@ -23,6 +23,14 @@ the one that frees the cluster soonest otherwise);
 "latency" takes the lowest TTFT among the placements that meet both SLOs (or the least
 violating one).
 
+With admission on, the policy also keeps the SLOs of the decodes it admitted (hetmesh.placement.guard): a
+decode so short that one full prefill chunk beside it would break its TPOT SLO is guarded for its life, a
+placement whose prefill would push guarded decodes past their SLO ranks after those that keep every SLO,
+and admission looks for a placement that costs them fewer output tokens than the request may bring. The
+share prices the prefill a decode should expect; the guard keeps the policy from placing the one prefill
+that breaks a decode too short to average over. Longer decodes are left to the share: guarding them too
+makes the prefill-strong chip hold decodes (the seed case's closed loop: -15% throughput, measured).
+
 Every worker is priced at once with numpy (`step_seconds_many`, the scalar cost model's
 arithmetic over arrays), so a placement over hundreds of workers stays well under a millisecond;
 the policy's bookkeeping lives in arrays indexed by a slot per worker for the same reason.
@@ -48,6 +56,7 @@ from hetmesh.costmodel import (
 from hetmesh.costmodel.model import COEFFICIENTS, step_seconds_many, transfer_time
 from hetmesh.placement.admission import DEFAULT_MARGIN, admit, over_slo, refusal, retry_after_s
 from hetmesh.placement.fleet import Fleet
+from hetmesh.placement.guard import DecodeGuard
 from hetmesh.placement.state import Decision, RequestInfo, WorkerView
 
 SHARE_RUNGS = 4  # the prefill share's time constants: window, window/3, window/9, window/27
@@ -66,7 +75,9 @@ class _Priced(msgspec.Struct, frozen=True, kw_only=True):
     pf: np.ndarray  # prefill seconds on each worker (its steps, the decodes riding along included)
     stolen: np.ndarray  # of which the decodes there would not have spent anyway
     ttft: np.ndarray  # backlog + prefill on each worker as P
-    tpot: np.ndarray  # decode step on each worker as D, slowed by its prefill share
+    plain: np.ndarray  # decode step on each worker as D at its batch, no prefill beside it
+    full_chunk: np.ndarray  # what one full prefill chunk there takes from the decodes beside it
+    tpot: np.ndarray  # that step slowed by the worker's prefill share
     ext_p: np.ndarray  # seconds a prefill there takes from the sequences running or queued there
     ext_d: np.ndarray  # seconds this decode there adds to the others' steps
     fits: np.ndarray  # its KV fits on each worker as D
@@ -125,6 +136,7 @@ class CostPolicy:
         self._starts: list[deque[float]] = []
         self._fleet = Fleet(self._cm_row, self._slot, lambda: self._coef)
         self._work = np.zeros((4, 0))  # step_seconds_many's prefill arguments, 4 steps per worker
+        self._guard = DecodeGuard()
 
     # ---- helpers ----
     def _cm_row(self, w: WorkerView) -> int:
@@ -152,6 +164,7 @@ class CostPolicy:
                 self._acc = np.concatenate([self._acc, np.zeros((len(self._taus), grow))], axis=1)
                 self._first_start = np.concatenate([self._first_start, np.full(grow, math.inf)])
                 self._queued = np.concatenate([self._queued, np.zeros(grow)])
+                self._guard.ensure(len(self._last))
         return s
 
     def _link(self, p_row: int, d_row: int) -> float:
@@ -196,15 +209,19 @@ class CostPolicy:
         b = running + queue + 1
         bb = np.minimum(b, max_batch)
         work = self._work
-        if work.shape[1] != 4 * nw:
-            work = self._work = np.zeros((4, 4 * nw))  # the decode steps' prefill columns stay 0
+        if work.shape[1] != 5 * nw:
+            work = self._work = np.zeros((4, 5 * nw))  # the decode steps' prefill columns stay 0
         work[0, :nw] = n
         work[1, :nw] = (n > 0) * 1.0
         work[2, :nw] = n * cached + n * (n + 1) // 2
         work[3, :nw] = cached
-        batch = np.concatenate([running, bb, bb - 1, running])
-        priced = step_seconds_many(f.tiled(4), work[0], work[1], work[2], work[3], batch, batch * ctx)
-        pf, step, fewer, alone = priced[:nw], priced[nw : 2 * nw], priced[2 * nw : 3 * nw], priced[3 * nw :]
+        work[0, 4 * nw :] = chunk  # and a full chunk of a fresh prompt beside the running batch
+        work[1, 4 * nw :] = 1.0
+        work[2, 4 * nw :] = chunk * (chunk + 1) // 2
+        batch = np.concatenate([running, bb, bb - 1, running, running])
+        priced = step_seconds_many(f.tiled(5), work[0], work[1], work[2], work[3], batch, batch * ctx)
+        pf, step, fewer, alone = priced[:nw], priced[nw : 2 * nw], priced[2 * nw : 3 * nw], priced[3 * nw : 4 * nw]
+        full_chunk = priced[4 * nw :] - alone
         done = cached + n
         left = left - n
         while np.count_nonzero(left):
@@ -244,8 +261,7 @@ class CostPolicy:
         need = np.ceil((prompt + req.max_tokens) / np.maximum(block_size, 1))
         fits = (kv_total <= 0) | (need <= kv_total - kv_used) | (running == 0)
         return _Priced(now=now, pre=pre, dec=dec, agg=agg_i, cached=cached, ctx=ctx, pf=pf, stolen=stolen, ttft=ttft,
-                       tpot=tpot,
-                       ext_p=stolen * stalled, ext_d=ext_d, fits=fits)
+                       plain=step, full_chunk=full_chunk, tpot=tpot, ext_p=stolen * stalled, ext_d=ext_d, fits=fits)
 
     def _idle(self, pr: _Priced, prefill: np.ndarray, n_out: int, ttft_slo: float, tpot_slo: float) -> float:
         """admission's idle reference: the best prefill alone, and a decode step alone in its batch, over SLO."""
@@ -262,14 +278,22 @@ class CostPolicy:
             return None
         f = self._fleet
         n_out = max(req.max_tokens, 1)
+        ttft_slo, tpot_slo = self._slo(req.model)
+        margin = self.admission_margins.get(req.model, self.admission_margin)
         pre, dec, agg_i, ttft, tpot = pr.pre, pr.dec, pr.agg, pr.ttft, pr.tpot
+        # With admission on, the output tokens of the decodes placed on each worker that a prefill there would
+        # push past their TPOT SLO (DecodeGuard); with it off the policy keeps no SLO but its own preference
+        # and places by cost.
+        harm_w = (self._guard.harmed(f.slots, np.maximum(self._busy_until[f.slot_index], pr.now), pr.stolen)
+                  if margin > 0 else np.zeros(len(f.ids)))
         # Options: every `both` worker alone, then the top_k prefill x top_k decode pairs.
         ip = id_ = agg_i
         xfer = np.zeros(len(agg_i))
         if n_out > 1 or not len(agg_i):
             rows = f.row_list
             kv_bytes = req.prompt_len * self._cm_list[rows[pre[0]]].kv_bytes_per_token()
-            best_p = pre[ttft[pre].argsort(kind="stable")[: self.top_k]].tolist()
+            # the fastest prefills among those within the TTFT SLO, then harming no guarded decode (as below)
+            best_p = pre[np.lexsort((ttft[pre], harm_w[pre] > 0, ttft[pre] > ttft_slo))[: self.top_k]].tolist()
             best_d = dec[tpot[dec].argsort(kind="stable")[: self.top_k]].tolist()
             pairs = [(p, d) for p in best_p for d in best_d if p != d]
             if pairs:
@@ -283,23 +307,27 @@ class CostPolicy:
         o_tpot = tpot[id_]
         o_e2e = o_ttft + xfer + (n_out - 1) * o_tpot
         miss = ~pr.fits[id_]
-        ttft_slo, tpot_slo = self._slo(req.model)
+        harm = harm_w[ip]
         over = np.maximum(o_ttft / ttft_slo, o_tpot / tpot_slo if n_out > 1 else 0.0)
-        margin = self.admission_margins.get(req.model, self.admission_margin)
         if margin > 0:  # before anything is committed: a refused request leaves no bookkeeping behind
-            j = int(np.argmin(np.where(miss, np.inf, over))) if not miss.all() else int(np.argmin(over))
+            # the best placement that does not cost admitted decodes as many tokens as it may bring, else the best
+            # that fits, else the best
+            blocked = miss | (harm >= n_out)
+            j = int(np.argmin(np.where(blocked if not blocked.all() else miss if not miss.all() else False,
+                                       np.inf, over)))
             # the idle reference only when it could refuse: what no wait would give
             if over[j] > margin and not admit(float(over[j]), margin, idle := self._idle(pr, ip, n_out, ttft_slo,
                                                                                        tpot_slo)):
                 return refusal(float(o_ttft[j]), float(o_tpot[j]) if n_out > 1 else 0.0, float(over[j]), margin,
                                retry_after_s(float(o_ttft[j]), ttft_slo, margin, 0.0, idle))
         if self.objective == "latency":
-            order = np.lexsort((o_e2e, o_ttft, np.maximum(over, 1.0), miss))
+            order = np.lexsort((o_e2e, o_ttft, harm > 0, np.maximum(over, 1.0), miss))
         else:  # the cluster-seconds this request costs: its own time plus the delay it puts on others
-            order = np.lexsort((o_e2e + pr.ext_p[ip] + pr.ext_d[id_], over > 1.0, miss))
+            # within its SLOs first, then sparing the guarded decodes, then the cheapest
+            order = np.lexsort((o_e2e + pr.ext_p[ip] + pr.ext_d[id_], harm > 0, over > 1.0, miss))
         k = int(order[0])
         p, d = int(ip[k]), int(id_[k])
-        self._commit(int(f.slots[p]), float(pr.pf[p]), pr.now)
+        self._guarded(pr, int(f.slots[p]), int(f.slots[d]), p, d, n_out, pr.now + float(o_ttft[k] + xfer[k]), tpot_slo)
         agg = p == d
         ids = f.ids
         shown = order[:MAX_CANDIDATES]  # the best options, for the placement span
@@ -337,6 +365,19 @@ class CostPolicy:
             return refusal(ttft, tpot, over, margin, retry_after_s(ttft, ttft_slo, margin, 0.0, idle))
         self._commit(int(self._fleet.slots[p]), float(pr.pf[p]), pr.now)
         return msgspec.structs.replace(decision, predicted_ttft_s=ttft, predicted_tpot_s=tpot)
+
+    def _guarded(self, pr: _Priced, slot_p: int, slot_d: int, p: int, d: int, n_out: int, start: float,
+                 tpot_slo: float) -> None:
+        """Commit the prefill on P (the decodes there absorb what it takes from them) and guard the decode on D
+        from its first token on (DecodeGuard)."""
+        self._guard.charge(slot_p, max(float(self._busy_until[slot_p]), pr.now), float(pr.stolen[p]))
+        self._commit(slot_p, float(pr.pf[p]), pr.now)
+        if n_out > 1:
+            life = (n_out - 1) * float(pr.plain[d])
+            queued = max(float(self._busy_until[slot_d]) - start, 0.0)  # prefill still queued on D by then
+            slack = (n_out - 1) * tpot_slo - life - queued
+            if slack < float(pr.full_chunk[d]):  # fragile: one prefill chunk beside it would break its SLO
+                self._guard.add(slot_d, start, start + life + queued, n_out, slack, pr.now)
 
     def _slo(self, model: str) -> tuple[float, float]:
         """The model's (TTFT, TPOT) SLO seconds: its own, else the policy's."""

@@ -1,0 +1,75 @@
+"""The short decodes a worker holds, and the TPOT slack each has left: so a prefill is not placed where it
+would push an admitted decode past its TPOT SLO. hetmesh.placement.cost guards the decodes one full prefill
+chunk could break (slack below what a chunk takes from them) and leaves longer ones to its share estimate.
+
+A prefill on a worker runs in the steps its decodes run in, so every decode alive while it runs is slowed
+by (about) the prefill's seconds. The share estimate in hetmesh.placement.cost prices that on average, for
+the decode being placed; a short decode (a dozen tokens, under a second) instead lives through the one or
+two prefills that land beside it, and a single 8K-token chunk can double its TPOT. The guard keeps, per
+worker, each decode the policy placed there: its predicted life [start, end] and its slack, the seconds of
+prefill it can absorb and still meet its TPOT SLO:
+
+    slack = (output - 1) x TPOT SLO - (output - 1) x its plain decode step - prefill already queued in its life
+
+A prefill that takes x seconds from the decodes beside it (its steps less the plain decode steps they
+replace) starting at s would push past their SLO the decodes alive after s with less slack than x; the
+policy counts their output tokens as goodput that placement loses (`harmed`). Once placed, each decode whose life it overlaps
+absorbs all of x (its steps run the chunks) and lives x longer; one past its SLO is no longer guarded.
+Plain arrays, a row per worker slot; `now` passed in.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_COLS = 8  # decodes per row to start with; a full row doubles
+_FIELDS = ("start", "end", "slack", "tokens")
+
+
+class DecodeGuard:
+    def __init__(self, slots: int = 16) -> None:
+        self.start = np.zeros((slots, _COLS))
+        self.end = np.full((slots, _COLS), -np.inf)  # -inf: a free cell
+        self.slack = np.zeros((slots, _COLS))
+        self.tokens = np.zeros((slots, _COLS))  # its output tokens: what goodput loses if it misses
+
+    def _grow(self, rows: int, cols: int) -> None:
+        for name in _FIELDS:
+            a = getattr(self, name)
+            fill = -np.inf if name == "end" else 0.0
+            setattr(self, name, np.pad(a, ((0, rows), (0, cols)), constant_values=fill))
+
+    def ensure(self, slots: int) -> None:
+        """Room for `slots` rows."""
+        n = self.end.shape[0]
+        if slots > n:
+            self._grow(max(slots - n, n), 0)
+
+    def add(self, slot: int, start: float, end: float, tokens: int, slack: float, now: float) -> None:
+        """Guard a decode of `tokens` output tokens placed on `slot`, predicted to run from `start` to `end`
+        with `slack` seconds to spare (nothing to guard when it is predicted to miss anyway)."""
+        if slack <= 0 or tokens < 2:
+            return
+        free = np.flatnonzero(self.end[slot] <= now)
+        j = int(free[0]) if len(free) else self.end.shape[1]
+        if not len(free):
+            self._grow(0, self.end.shape[1])
+        self.start[slot, j], self.end[slot, j], self.slack[slot, j], self.tokens[slot, j] = start, end, slack, tokens
+
+    def harmed(self, slots: np.ndarray, at: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+        """Per slot: the output tokens of its decodes that a prefill starting there at `at` and taking `seconds`
+        from them would push past their TPOT SLO (the ones alive then with less slack than that)."""
+        hit = ((self.end[slots] > at[:, None]) & (self.start[slots] < (at + seconds)[:, None])
+               & (self.slack[slots] < seconds[:, None]))
+        return np.where(hit, self.tokens[slots], 0.0).sum(axis=1)
+
+    def charge(self, slot: int, at: float, seconds: float) -> None:
+        """A prefill placed on `slot`, starting at `at` and taking `seconds` from the decodes beside it: each
+        decode whose life it overlaps absorbs all of it (its steps run the chunks; a short decode lives on
+        through them) and lives that much longer; one it pushes past its SLO is no longer guarded."""
+        end = self.end[slot]
+        hit = (end > at) & (self.start[slot] < at + seconds)
+        if hit.any():
+            self.slack[slot, hit] -= seconds
+            end[hit] += seconds
+            end[self.slack[slot] <= 0] = -np.inf
