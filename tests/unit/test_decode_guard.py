@@ -59,3 +59,25 @@ def test_the_cost_policy_keeps_a_long_prefill_off_a_worker_holding_a_fragile_dec
                                      arrival=at), [_view("fast", "nvidia-h200", running=1),
                                                    _view("slow", "nvidia-a100-80g")])
         assert second is not None and (second.prefill_worker or second.decode_worker) == expect, (margin, second)
+
+
+def test_a_decode_is_never_priced_slower_than_a_step_carrying_a_full_prefill_chunk() -> None:
+    """The share's TPOT, step / (1 - share), grows without bound as prefill fills the worker, but the decodes
+    ride along in every step, and a step carries at most one chunk of prefill. On a data-parallel VR200 a
+    chunk is split eight ways, so with the share at its 0.95 cap the chunk-step bound is what prices it."""
+    w = [WorkerView(worker_id="v", model="llama-3.1-70b", accelerator="nvidia-rubin-vr200", vendor="nvidia",
+                    devices=8, role=Role.BOTH, queue_depth=0, running=0, max_batch=64, kv_blocks_total=0,
+                    kv_blocks_used=0, block_size=16, parallel="dp")]
+    p = make_policy("cost", admission_margin=0.0)
+
+    def short(at: float) -> float:
+        d = p.place(RequestInfo(request_id="s", model="llama-3.1-70b", prompt_len=100, max_tokens=100, arrival=at), w)
+        assert d is not None and d.predicted_tpot_s is not None
+        return d.predicted_tpot_s
+
+    plain = short(0.0)  # no prefill placed yet: the plain decode step
+    for i in range(400):  # far more prefill than the worker can run: the share saturates
+        p.place(RequestInfo(request_id=f"l{i}", model="llama-3.1-70b", prompt_len=16_000, max_tokens=1,
+                            arrival=1e-3 * i), w)
+    busy = short(0.5)
+    assert plain < busy < 0.5 * plain / (1 - 0.95)

@@ -247,7 +247,8 @@ class CostPolicy:
         if rung > 0:  # a short decode: the recent share, never below the long-run one
             share = np.maximum(share, self._share(now, sl, rung))
         slow = 1.0 - share
-        tpot = step / slow
+        # never slower than a step carrying a full chunk beside the batch: prefill cannot take more of a step
+        tpot = np.minimum(step / slow, step + full_chunk)
         ext_d = (bb - 1) * max(req.max_tokens - 1, 0) * marginal / slow
         # Sequences a prefill here would hold up: the running batch and the decodes queued (for their KV or
         # a slot), not the prefills this policy queued ahead of it.
