@@ -135,7 +135,7 @@ class CostPolicy:
         self._queued = np.zeros(16)  # len(starts[slot])
         self._starts: list[deque[float]] = []
         self._fleet = Fleet(self._cm_row, self._slot, lambda: self._coef)
-        self._work = np.zeros((4, 0))  # step_seconds_many's prefill arguments, 4 steps per worker
+        self._work = np.zeros((4, 0))  # step_seconds_many's prefill arguments, 5 steps per worker
         self._guard = DecodeGuard()
 
     # ---- helpers ----
@@ -311,11 +311,10 @@ class CostPolicy:
         harm = harm_w[ip]
         over = np.maximum(o_ttft / ttft_slo, o_tpot / tpot_slo if n_out > 1 else 0.0)
         if margin > 0:  # before anything is committed: a refused request leaves no bookkeeping behind
-            # the best placement that does not cost admitted decodes as many tokens as it may bring, else the best
-            # that fits, else the best
-            blocked = miss | (harm >= n_out)
-            j = int(np.argmin(np.where(blocked if not blocked.all() else miss if not miss.all() else False,
-                                       np.inf, over)))
+            # the best placement that does not cost guarded decodes as many tokens as it may bring, else the
+            # best that fits, else the best
+            out = next((m for m in (miss | (harm >= n_out), miss) if not m.all()), np.zeros_like(miss))
+            j = int(np.argmin(np.where(out, np.inf, over)))
             # the idle reference only when it could refuse: what no wait would give
             if over[j] > margin and not admit(float(over[j]), margin, idle := self._idle(pr, ip, n_out, ttft_slo,
                                                                                        tpot_slo)):

@@ -13,9 +13,9 @@ prefill it can absorb and still meet its TPOT SLO:
 
 A prefill that takes x seconds from the decodes beside it (its steps less the plain decode steps they
 replace) starting at s would push past their SLO the decodes alive after s with less slack than x; the
-policy counts their output tokens as goodput that placement loses (`harmed`). Once placed, each decode whose life it overlaps
-absorbs all of x (its steps run the chunks) and lives x longer; one past its SLO is no longer guarded.
-Plain arrays, a row per worker slot; `now` passed in.
+policy counts their output tokens as goodput that placement loses (`harmed`). Once placed, each decode
+whose life it overlaps absorbs all of x (its steps run the chunks) and lives x longer; one past its SLO
+is no longer guarded. Plain arrays, a row per worker slot; `now` passed in.
 """
 
 from __future__ import annotations
