@@ -32,6 +32,7 @@ class DecodeGuard:
         self.end = np.full((slots, _COLS), -np.inf)  # -inf: a free cell
         self.slack = np.zeros((slots, _COLS))
         self.tokens = np.zeros((slots, _COLS))  # its output tokens: what goodput loses if it misses
+        self.last_end = -np.inf  # no guarded decode lives past this (most placements find none alive)
 
     def _grow(self, rows: int, cols: int) -> None:
         for name in _FIELDS:
@@ -55,10 +56,13 @@ class DecodeGuard:
         if not len(free):
             self._grow(0, self.end.shape[1])
         self.start[slot, j], self.end[slot, j], self.slack[slot, j], self.tokens[slot, j] = start, end, slack, tokens
+        self.last_end = max(self.last_end, end)
 
     def harmed(self, slots: np.ndarray, at: np.ndarray, seconds: np.ndarray) -> np.ndarray:
         """Per slot: the output tokens of its decodes that a prefill starting there at `at` and taking `seconds`
         from them would push past their TPOT SLO (the ones alive then with less slack than that)."""
+        if self.last_end <= at.min():
+            return np.zeros(len(at))
         hit = ((self.end[slots] > at[:, None]) & (self.start[slots] < (at + seconds)[:, None])
                & (self.slack[slots] < seconds[:, None]))
         return np.where(hit, self.tokens[slots], 0.0).sum(axis=1)
@@ -67,9 +71,12 @@ class DecodeGuard:
         """A prefill placed on `slot`, starting at `at` and taking `seconds` from the decodes beside it: each
         decode whose life it overlaps absorbs all of it (its steps run the chunks; a short decode lives on
         through them) and lives that much longer; one it pushes past its SLO is no longer guarded."""
+        if self.last_end <= at:
+            return
         end = self.end[slot]
         hit = (end > at) & (self.start[slot] < at + seconds)
         if hit.any():
             self.slack[slot, hit] -= seconds
             end[hit] += seconds
+            self.last_end = max(self.last_end, float(end.max()))
             end[self.slack[slot] <= 0] = -np.inf
