@@ -56,9 +56,10 @@ def retry_wait_s(refused: Decision, floor_s: float) -> float:
     return min(max(refused.retry_after_s or 0.0, floor_s), MAX_RETRY_AFTER_S)
 
 
-def refusal(ttft_s: float, tpot_s: float, best_over: float, margin: float, wait_s: float) -> Decision:
-    """The Decision a policy returns for a refused request (no worker; the predictions that refused it, and
-    `wait_s`, the retry_after_s before the scheduler's floor)."""
+def refusal(ttft_s: float, tpot_s: float, best_over: float, margin: float, ttft_slo_s: float,
+            idle_over: float) -> Decision:
+    """The Decision a policy returns for a refused request (no worker; the predictions that refused it, and its
+    retry_after_s before the scheduler's floor)."""
     return Decision(mode=REFUSED, decode_worker="", predicted_ttft_s=ttft_s, predicted_tpot_s=tpot_s,
-                    retry_after_s=wait_s,
+                    retry_after_s=retry_after_s(ttft_s, ttft_slo_s, margin, 0.0, idle_over),
                     reason=f"admission: best placement {best_over:.2f}x its SLO > margin {margin:g}")

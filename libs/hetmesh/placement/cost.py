@@ -54,7 +54,7 @@ from hetmesh.costmodel import (
     server_model,
 )
 from hetmesh.costmodel.model import COEFFICIENTS, step_seconds_many, transfer_time
-from hetmesh.placement.admission import DEFAULT_MARGIN, admit, over_slo, refusal, retry_after_s
+from hetmesh.placement.admission import DEFAULT_MARGIN, admit, over_slo, refusal
 from hetmesh.placement.fleet import Fleet
 from hetmesh.placement.guard import DecodeGuard
 from hetmesh.placement.state import Decision, RequestInfo, WorkerView
@@ -319,7 +319,7 @@ class CostPolicy:
             if over[j] > margin and not admit(float(over[j]), margin, idle := self._idle(pr, ip, n_out, ttft_slo,
                                                                                        tpot_slo)):
                 return refusal(float(o_ttft[j]), float(o_tpot[j]) if n_out > 1 else 0.0, float(over[j]), margin,
-                               retry_after_s(float(o_ttft[j]), ttft_slo, margin, 0.0, idle))
+                               ttft_slo, idle)
         if self.objective == "latency":
             order = np.lexsort((o_e2e, o_ttft, harm > 0, np.maximum(over, 1.0), miss))
         else:  # the cluster-seconds this request costs: its own time plus the delay it puts on others
@@ -362,7 +362,7 @@ class CostPolicy:
             margin = self.admission_margins.get(req.model, self.admission_margin)
         if margin > 0 and over > margin and not admit(over, margin,
                                                       idle := self._idle(pr, pr.pre, n_out, ttft_slo, tpot_slo)):
-            return refusal(ttft, tpot, over, margin, retry_after_s(ttft, ttft_slo, margin, 0.0, idle))
+            return refusal(ttft, tpot, over, margin, ttft_slo, idle)
         self._commit(int(self._fleet.slots[p]), float(pr.pf[p]), pr.now)
         return msgspec.structs.replace(decision, predicted_ttft_s=ttft, predicted_tpot_s=tpot)
 
