@@ -147,7 +147,7 @@ def _row(s: dict[str, Any], trace: Trace, label: str, layout: str) -> dict[str, 
     return {"label": label, "layout": layout, "goodput_tok_s": good, "output_tok_s": s["output_tok_s"],
             "slo_attainment": s["slo_attainment"], "offered_slo_attainment": s["offered_slo_attainment"],
             "ttft_s": {k: s["ttft_s"][k] for k in ("p50", "p99")}, "tpot_s": {k: s["tpot_s"][k] for k in ("p50", "p99")},
-            "rejected": s["rejected"], "retried": s["retried"], "modes": s["modes"]}
+            "rejected": s["rejected"], "retried": s["retried"], "held": s["held"], "modes": s["modes"]}
 
 
 def run_point(build: Callable[[str], list[WorkerSpec]], trace: Trace, cfg: SimConfig, slo: Slo,

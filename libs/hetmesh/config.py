@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 from msgspec import Struct, field
 
-from hetmesh.placement.admission import DEFAULT_MARGIN
+from hetmesh.placement.admission import DEFAULT_HOLD_S, DEFAULT_MARGIN
 from hetmesh.protocol import Role
 
 
@@ -138,6 +138,9 @@ class SchedulerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     # best placement is predicted over this many times its TTFT or TPOT SLO; 0: off. A model may set its own.
     # On by default (hetmesh.placement.admission.DEFAULT_MARGIN, the simulator's too).
     admission_margin: float = DEFAULT_MARGIN
+    # Before it refuses, hold the request and place it again every this many seconds while its TTFT SLO is still
+    # within reach (at most half the gateway's submit_timeout_s); 0: refuse at once.
+    admission_hold_s: float = DEFAULT_HOLD_S
 
 
 class CostModelConfig(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -295,8 +298,8 @@ class ClusterConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         for k in self.auth.keys:
             if len(k.sha256) != 64 or any(c not in "0123456789abcdef" for c in k.sha256.lower()):
                 raise ValueError(f"auth key {k.name!r}: sha256 must be 64 hex digits (the key's SHA-256)")
-        if self.scheduler.admission_margin < 0:
-            raise ValueError("scheduler.admission_margin must be >= 0 (0: off)")
+        if self.scheduler.admission_margin < 0 or self.scheduler.admission_hold_s < 0:
+            raise ValueError("scheduler.admission_margin and scheduler.admission_hold_s must be >= 0 (0: off)")
         if self.mesh.migration_limit < 0 or self.worker.drain_timeout_s < 0:
             raise ValueError("mesh.migration_limit and worker.drain_timeout_s must be >= 0")
         if self.worker.storage_bytes_per_s <= 0:

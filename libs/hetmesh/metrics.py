@@ -87,6 +87,8 @@ class SchedulerMetrics:
         self.rejected = Counter("hetmesh_scheduler_rejected", "Requests the scheduler could not place",
                                 ["reason"], registry=r)
         self.rejected.labels("no_capacity")  # exported at 0 from the start: dashboards and alerts see it
+        self.held = Counter("hetmesh_scheduler_held", "Placements held by SLO-aware admission and tried again",
+                            registry=r)
         self.placement_seconds = Histogram("hetmesh_scheduler_placement_duration_seconds",
                                            "Prefix lookup, policy and dispatch of one request",
                                            buckets=LATENCY_BUCKETS, registry=r)

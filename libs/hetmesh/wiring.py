@@ -60,6 +60,7 @@ def policy_options(cfg: ClusterConfig) -> dict[str, Any]:
         if any(m.ttft_slo_s or m.tpot_slo_s for m in cfg.models):
             kw["slos"] = {m.name: cfg.slo(m.name) for m in cfg.models}
         kw["admission_margin"] = sc.admission_margin
+        kw["admission_hold_s"] = sc.admission_hold_s
         if any(m.admission_margin >= 0 for m in cfg.models):
             kw["admission_margins"] = {m.name: cfg.admission_margin(m.name) for m in cfg.models}
     kw.update(sc.options)

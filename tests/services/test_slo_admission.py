@@ -36,6 +36,16 @@ spec = "llama-3.1-70b"
 max_context = 65536
 ttft_slo_s = 1.0
 admission_margin = 0.0
+[[models]]
+name = "held"
+spec = "llama-3.1-70b"
+ttft_slo_s = 2.0
+tpot_slo_s = 0.1
+[[workers]]
+name = "h"
+model = "held"
+accelerator = "nvidia-h100"
+devices = 8
 [[workers]]
 name = "s"
 model = "strict"
@@ -62,11 +72,11 @@ async def bus(scheduler: None, nats_url: str) -> AsyncIterator[Bus]:
     await b.close()
 
 
-def beat(wid: str, model: str) -> Heartbeat:
+def beat(wid: str, model: str, running: int = 0, queue: int = 0) -> Heartbeat:
     return Heartbeat(worker_id=wid, model=model, accelerator="nvidia-h100", vendor="nvidia", devices=8, role=Role.BOTH,
                      engine="sim", work_subject=subjects.work_direct("both", "nvidia", "nvidia-h100", wid),
-                     queue_depth=0, running=0, max_batch=8, kv_blocks_total=4096, kv_blocks_used=0, block_size=16,
-                     ts=time.time())
+                     queue_depth=queue, running=running, max_batch=8, kv_blocks_total=4096, kv_blocks_used=0,
+                     block_size=16, ts=time.time())
 
 
 async def submit(bus: Bus, rid: str, model: str) -> SubmitReply:
@@ -103,5 +113,46 @@ async def test_refused_with_429_and_retry_after_unless_the_model_turns_it_off(bu
         assert reply.error.status == 429 and reply.error.code == "slo_unattainable"
         assert reply.error.retry_after_s is not None and reply.error.retry_after_s >= 0.5
         assert "admission" in reply.error.message
+    finally:
+        task.cancel()
+
+
+async def test_a_refusal_for_tpot_is_held_and_placed_when_the_batch_drains(bus: Bus) -> None:
+    """A full batch and a queue 3x as deep: every token of a new decode waits four rounds for a slot (TPOT over
+    its 0.1 s SLO; 0.03 s alone), the prompt is short (TTFT well within): the scheduler holds the request and places it again; once the
+    worker reports the queue drained it is placed, within the one submit. Still full: refused when the hold
+    could no longer meet its TTFT SLO (2 s), with the 429 of a refusal."""
+    busy = True
+
+    async def beats() -> None:
+        while True:
+            await bus.publish(subjects.heartbeat("h-0"), beat("h-0", "held", *((8, 24) if busy else (0, 0))))
+            await asyncio.sleep(0.05)
+
+    async def submit_short(rid: str) -> tuple[SubmitReply, float]:
+        req = InferenceRequest(request_id=rid, model="held", prompt_tokens=list(range(100)), block_hashes=[],
+                               sampling=SamplingParams(max_tokens=16), reply_subject=subjects.reply(rid),
+                               arrival_ts=time.time())
+        t0 = time.monotonic()
+        reply = await bus.request(subjects.SUBMIT, req, SubmitReply, timeout_s=5)
+        return reply, time.monotonic() - t0
+
+    task = asyncio.create_task(beats())
+    try:
+        await asyncio.sleep(0.4)
+        reply, took = await submit_short("r-held-refused")
+        assert reply.placement is None and reply.error is not None and reply.error.status == 429
+        assert reply.error.code == "slo_unattainable" and 1.0 < took < 2.5  # held while 2 s could still be met
+
+        async def drain() -> None:
+            nonlocal busy
+            await asyncio.sleep(0.6)
+            busy = False
+
+        drained = asyncio.create_task(drain())
+        reply, took = await submit_short("r-held-placed")
+        await drained
+        assert reply.error is None and reply.placement is not None and reply.placement.decode_worker == "h-0"
+        assert 0.5 < took < 2.0  # placed after the drain, not before
     finally:
         task.cancel()

@@ -59,6 +59,22 @@ def test_a_refused_request_is_retried_after_its_retry_after_with_its_clock_runni
     assert all(r.arrival in sent for r in res.records)  # timed from the first send, not the retry
 
 
+def test_a_refusal_held_by_the_scheduler_is_placed_again_when_the_burst_is_over() -> None:
+    """Short outputs behind long prompts under a tight TPOT SLO: refusals are mostly for TPOT, a burst of prefill
+    beside the decodes; held (Decision.hold_s) and placed again, more requests are served, none of them later
+    than its clock allows (TTFT counted from its arrival), and goodput does not drop."""
+    t = synthetic(300, 8.0, input_mean=3000, output_mean=16, prefix_groups=4, prefix_tokens=2048, seed=3)
+    slo = Slo(ttft_s=2.0, tpot_s=0.04)
+    at_once, _ = simulate(BOTH, "cost", t, slo=slo, admission_hold_s=0.0)
+    held, res = simulate(BOTH, "cost", t, slo=slo)
+    assert at_once["held"] == 0 and at_once["rejected"] > 0 and held["held"] > 0
+    assert held["requests"] > at_once["requests"] and held["rejected"] < at_once["rejected"]
+    assert held["requests"] + held["rejected"] == len(t)
+    assert held["goodput_tok_s"] >= at_once["goodput_tok_s"]
+    sent = {r.arrival for r in t.requests}
+    assert all(r.arrival in sent for r in res.records)
+
+
 def test_a_refused_closed_loop_client_backs_off_instead_of_cascading() -> None:
     """Without the back-off each refusal would send the client's next request at the same instant, against the
     same backlog: nearly every request after the first round would be refused at once (3 of 200 served)."""

@@ -7,7 +7,7 @@ import pytest
 
 from hetmesh.config import ClusterConfig, ModelConfig, SchedulerConfig
 from hetmesh.placement import REFUSED, Decision, RequestInfo, WorkerView, make_policy
-from hetmesh.placement.admission import admit, over_slo, retry_after_s, retry_wait_s
+from hetmesh.placement.admission import admit, hold_s, over_slo, retry_after_s, retry_wait_s
 from hetmesh.placement.dynamo import Dynamo, argmin, decode_cost, isl_bounding, kv_cost
 from hetmesh.placement.llmd import (
     LlmD,
@@ -138,6 +138,42 @@ def test_admission_rule_by_hand() -> None:
     assert retry_after_s(2.5, 2.0, 1.5, 1.0) == 1.0 and retry_after_s(1e6, 2.0, 1.5, 1.0) == 60.0
     # too long even when idle (3x its SLO): it waits only for what load adds, 13 - 1.5 * 3 * 2
     assert retry_after_s(13.0, 2.0, 1.5, 1.0, idle_over=3.0) == 4.0
+
+
+def test_hold_rule_by_hand() -> None:
+    assert hold_s(1.0, 0.5, 0.25, 1.0, 2.0) == 0.25  # 0.5 waited + 0.25 + 1.0 <= 2.0
+    assert hold_s(1.0, 0.8, 0.25, 1.0, 2.0) is None  # 2.05 > 2.0: its TTFT would be gone by then
+    assert hold_s(1.0, 0.0, 0.0, 1.0, 2.0) is None  # holding off
+    assert hold_s(1.0, 1.5, 0.25, 1.5, 2.0) == 0.25  # the margin widens what admission allows: 2.75 <= 3.0
+    assert hold_s(5.0, 0.0, 0.25, 1.0, 2.0, idle_over=3.0) == 0.25  # too long even when idle: 5.25 <= 6.0
+
+
+def test_cost_policy_holds_a_refusal_for_tpot_and_counts_the_wait_in_its_ttft() -> None:
+    def views(running: int, queue: int) -> list[WorkerView]:
+        return [WorkerView(worker_id="h-0", model="llama-3.1-70b", accelerator="nvidia-h100", vendor="nvidia",
+                           devices=8, role=Role.BOTH, queue_depth=queue, running=running, max_batch=64,
+                           kv_blocks_total=0, kv_blocks_used=0, block_size=16)]
+
+    r = RequestInfo(request_id="r", model="llama-3.1-70b", prompt_len=100, max_tokens=32, arrival=0.0)
+    probe = make_policy("cost").place(r, views(63, 0))  # a full batch of 64
+    assert probe is not None and probe.predicted_tpot_s and probe.predicted_ttft_s is not None
+    step = probe.predicted_tpot_s
+    # 64 running and 64 queued: the batch waits for slots, two rounds a token (2 x step), over a 1.5 x step SLO
+    p = make_policy("cost", ttft_slo_s=2.0, tpot_slo_s=1.5 * step, admission_hold_s=0.25)
+    d = p.place(r, views(64, 63))
+    assert d is not None and d.mode == REFUSED and d.hold_s == 0.25
+    assert math.isclose(d.predicted_tpot_s or 0, 2 * step, rel_tol=1e-6)
+    # the queue drained: placed again 0.25 s later, its wait counted in its TTFT
+    again = msgspec.structs.replace(r, arrival=0.25, waited_s=0.25)
+    d = p.place(again, views(63, 0))
+    assert d is not None and d.mode == "aggregated"
+    # no time left: a refusal that has waited nearly its TTFT SLO is answered at once
+    late = msgspec.structs.replace(r, arrival=1.9, waited_s=1.9)
+    d = p.place(late, views(64, 63))
+    assert d is not None and d.mode == REFUSED and d.hold_s is None
+    # and past its TTFT SLO with the wait counted, it is refused even on an idle worker
+    d = p.place(msgspec.structs.replace(r, arrival=2.5, waited_s=2.5), views(0, 0))
+    assert d is not None and d.mode == REFUSED
 
 
 def test_cost_policy_refuses_past_the_margin_and_commits_nothing() -> None:

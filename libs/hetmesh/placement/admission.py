@@ -13,6 +13,10 @@ where idle is what no load would give: the larger of the best prefill alone / TT
 step alone in its batch / TPOT SLO. A request that misses its SLO even on an idle worker is refused only for
 what load adds (a retry could never do better than idle).
 
+Before it refuses, the scheduler may hold the request and place it again (`hold_s`): every DEFAULT_HOLD_S
+while its TTFT (the wait so far included) would still be within what admission allows. Most refusals at
+moderate load are for TPOT: a burst of prefill on the decoders, over in a second or two; held, the request
+is served within its SLO instead of refused. A hold takes nothing from the cluster (no worker holds it).
 The live scheduler answers a refusal with 429 and `Retry-After` (the predicted excess wait: how long
 until the backlog it saw would let the request in); the simulator counts it as rejected.
 Pure functions: predictions in, verdict out.
@@ -28,6 +32,10 @@ MAX_RETRY_AFTER_S = 60.0
 # (benchmarks/anchors.py, results/anchors.json). One default for the live scheduler and the simulator,
 # so that a simulated layout (the planner's check) is judged under the admission the mesh runs.
 DEFAULT_MARGIN = 1.0
+# A refusal is held and the request placed again this often while its TTFT SLO is still within reach: a
+# refusal for TPOT is mostly a burst of prefill on the decoders, over in a second or two. One default for the
+# live scheduler and the simulator; 0.1 s and 0.25 s measure alike (benchmarks/anchors.py).
+DEFAULT_HOLD_S = 0.25
 
 
 def over_slo(ttft_s: float, tpot_s: float, output_tokens: int, ttft_slo_s: float, tpot_slo_s: float) -> float:
@@ -56,10 +64,21 @@ def retry_wait_s(refused: Decision, floor_s: float) -> float:
     return min(max(refused.retry_after_s or 0.0, floor_s), MAX_RETRY_AFTER_S)
 
 
+def hold_s(ttft_s: float, waited_s: float, recheck_s: float, margin: float, ttft_slo_s: float,
+           idle_over: float = 0.0) -> float | None:
+    """How long the scheduler may hold a refused request before placing it again: `recheck_s`, while its TTFT
+    (the wait so far, that long again, and the TTFT predicted now) would still be within what admission allows;
+    None: refuse now (or holding is off, recheck_s 0)."""
+    if recheck_s <= 0 or waited_s + recheck_s + ttft_s > margin * max(1.0, idle_over) * ttft_slo_s:
+        return None
+    return recheck_s
+
+
 def refusal(ttft_s: float, tpot_s: float, best_over: float, margin: float, ttft_slo_s: float,
-            idle_over: float) -> Decision:
-    """The Decision a policy returns for a refused request (no worker; the predictions that refused it, and its
-    retry_after_s before the scheduler's floor)."""
+            idle_over: float, waited_s: float = 0.0, recheck_s: float = 0.0) -> Decision:
+    """The Decision a policy returns for a refused request (no worker; the predictions that refused it, its
+    retry_after_s before the scheduler's floor, and how long it may be held instead)."""
     return Decision(mode=REFUSED, decode_worker="", predicted_ttft_s=ttft_s, predicted_tpot_s=tpot_s,
                     retry_after_s=retry_after_s(ttft_s, ttft_slo_s, margin, 0.0, idle_over),
+                    hold_s=hold_s(ttft_s, waited_s, recheck_s, margin, ttft_slo_s, idle_over),
                     reason=f"admission: best placement {best_over:.2f}x its SLO > margin {margin:g}")

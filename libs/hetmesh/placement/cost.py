@@ -54,7 +54,7 @@ from hetmesh.costmodel import (
     server_model,
 )
 from hetmesh.costmodel.model import COEFFICIENTS, step_seconds_many, transfer_time
-from hetmesh.placement.admission import DEFAULT_MARGIN, admit, over_slo, refusal
+from hetmesh.placement.admission import DEFAULT_HOLD_S, DEFAULT_MARGIN, admit, over_slo, refusal
 from hetmesh.placement.fleet import Fleet
 from hetmesh.placement.guard import DecodeGuard
 from hetmesh.placement.state import Decision, RequestInfo, WorkerView
@@ -99,6 +99,7 @@ class CostPolicy:
         slos: Mapping[str, tuple[float, float]] | None = None,
         admission_margin: float = DEFAULT_MARGIN,
         admission_margins: Mapping[str, float] | None = None,
+        admission_hold_s: float = DEFAULT_HOLD_S,
     ) -> None:
         if objective not in ("throughput", "latency"):
             raise ValueError("objective must be 'throughput' or 'latency'")
@@ -112,6 +113,7 @@ class CostPolicy:
         # an SLO; 0 = off (default: the scheduler's). Per model in admission_margins, else admission_margin.
         self.admission_margin = admission_margin
         self.admission_margins = dict(admission_margins or {})
+        self.admission_hold_s = admission_hold_s  # a refusal may be held and placed again after this long
         if isinstance(efficiencies, str | os.PathLike):
             efficiencies = load_efficiencies(efficiencies)
         self.effs: Mapping[str, Efficiency] = dict(efficiencies or {})
@@ -309,7 +311,7 @@ class CostPolicy:
         o_e2e = o_ttft + xfer + (n_out - 1) * o_tpot
         miss = ~pr.fits[id_]
         harm = harm_w[ip]
-        over = np.maximum(o_ttft / ttft_slo, o_tpot / tpot_slo if n_out > 1 else 0.0)
+        over = np.maximum((o_ttft + req.waited_s) / ttft_slo, o_tpot / tpot_slo if n_out > 1 else 0.0)
         if margin > 0:  # before anything is committed: a refused request leaves no bookkeeping behind
             # the best placement that does not cost guarded decodes as many tokens as it may bring, else the
             # best that fits, else the best
@@ -319,7 +321,7 @@ class CostPolicy:
             if over[j] > margin and not admit(float(over[j]), margin, idle := self._idle(pr, ip, n_out, ttft_slo,
                                                                                        tpot_slo)):
                 return refusal(float(o_ttft[j]), float(o_tpot[j]) if n_out > 1 else 0.0, float(over[j]), margin,
-                               ttft_slo, idle)
+                               ttft_slo, idle, req.waited_s, self.admission_hold_s)
         if self.objective == "latency":
             order = np.lexsort((o_e2e, o_ttft, harm > 0, np.maximum(over, 1.0), miss))
         else:  # the cluster-seconds this request costs: its own time plus the delay it puts on others
@@ -357,12 +359,12 @@ class CostPolicy:
         ttft = float(pr.ttft[p])
         tpot = float(pr.tpot[d]) if n_out > 1 else 0.0
         ttft_slo, tpot_slo = self._slo(req.model)
-        over = over_slo(ttft, tpot, n_out, ttft_slo, tpot_slo)
+        over = over_slo(ttft + req.waited_s, tpot, n_out, ttft_slo, tpot_slo)
         if margin is None:
             margin = self.admission_margins.get(req.model, self.admission_margin)
         if margin > 0 and over > margin and not admit(over, margin,
                                                       idle := self._idle(pr, pr.pre, n_out, ttft_slo, tpot_slo)):
-            return refusal(ttft, tpot, over, margin, ttft_slo, idle)
+            return refusal(ttft, tpot, over, margin, ttft_slo, idle, req.waited_s, self.admission_hold_s)
         self._commit(int(self._fleet.slots[p]), float(pr.pf[p]), pr.now)
         return msgspec.structs.replace(decision, predicted_ttft_s=ttft, predicted_tpot_s=tpot)
 

@@ -50,6 +50,7 @@ class RequestInfo(Struct, frozen=True, kw_only=True):
     block_size: int = 16
     exclude: frozenset[str] = frozenset()
     arrival: float = 0.0
+    waited_s: float = 0.0  # held by admission since its submit this long: its TTFT clock runs from the submit
 
     def cached_tokens(self, worker_id: str) -> int:
         return min(self.cached_blocks.get(worker_id, 0) * self.block_size, max(self.prompt_len - 1, 0))
@@ -64,6 +65,9 @@ class Decision(Struct, frozen=True, kw_only=True):
     predicted_ttft_s: float | None = None
     predicted_tpot_s: float | None = None
     retry_after_s: float | None = None  # a refusal's: how long until admission would let it in (before any floor)
+    # A refusal the scheduler may hold instead: place it again after this many seconds (its TTFT SLO still in
+    # reach then); None: answer the refusal now.
+    hold_s: float | None = None
     # Every placement the policy weighed: (prefill worker, decode worker, ttft s, tpot s, e2e s); for traces.
     candidates: tuple[tuple[str, str, float, float, float], ...] = ()
 

@@ -29,14 +29,14 @@ from hetmesh.sim.spec import SimConfig, WorkerSpec
 from hetmesh.sim.traces import ClosedLoop, Trace, TraceRequest
 from hetmesh.wiring import kv_blocks_for
 
-_ARRIVAL, _KICK, _STEP_END, _KV_LANDED, _RETRY = 0, 1, 2, 3, 4
+_ARRIVAL, _KICK, _STEP_END, _KV_LANDED, _RETRY, _HOLD = 0, 1, 2, 3, 4, 5
 _FULL, _PREFILL, _DECODE = Kind  # module names: cheaper than member lookups
 MAX_SPAN = 256  # plain decode steps one event may stand for
 
 
 class _Req:
     __slots__ = ("arrival", "cached", "decision", "dw", "finish", "first", "hashes", "mode", "model", "n_in", "n_out",
-                 "pw", "rid", "tries")
+                 "pw", "rid", "sent", "tries")
 
     def __init__(self, rid: int, tr: TraceRequest, arrival: float) -> None:
         self.rid = rid
@@ -53,6 +53,7 @@ class _Req:
         self.dw: _Worker | None = None
         self.decision = None
         self.tries = 0  # refusals retried so far
+        self.sent = arrival  # when its client sent it last (a retry sends it again)
 
 
 class _Worker:
@@ -99,6 +100,7 @@ class Simulator:
         self.rejected_models: dict[str, int] = {}  # requests not served, per model; of them
         self.refused = 0  # refused by the policy's admission (hetmesh.placement.admission), retries exhausted
         self.retried = 0  # refusals a client retried after Retry-After (SimConfig.client_retries)
+        self.held = 0  # refusals held and placed again (Decision.hold_s)
 
     def _build(self, hash_tokens: int) -> None:
         cms: dict[tuple, CostModel] = {}
@@ -169,11 +171,19 @@ class Simulator:
         return leading_blocks(hashes, holders.get)
 
     # ---- request lifecycle ----
-    def _arrive(self, req: _Req, block_tokens: int) -> None:
+    def _arrive(self, req: _Req, block_tokens: int, held: bool = False) -> None:
         self.reqs[req.rid] = req
+        if not held:
+            req.sent = self.now
         info = RequestInfo(request_id=str(req.rid), model=req.model or self._model, prompt_len=req.n_in,
-                           max_tokens=req.n_out, cached_blocks=self._cached_blocks(req.hashes), block_size=block_tokens, arrival=self.now)
+                           max_tokens=req.n_out, cached_blocks=self._cached_blocks(req.hashes), block_size=block_tokens,
+                           arrival=self.now, waited_s=self.now - req.sent)
         d = self.policy.place(info, self._views())
+        if d is not None and d.mode == REFUSED and d.hold_s is not None:
+            # Held by the scheduler and placed again (the client waits on its submit, its clock running).
+            self.held += 1
+            self._push(self.now + d.hold_s, _HOLD, req)
+            return
         if d is not None and d.mode == REFUSED and req.tries < self.cfg.client_retries:
             # Retried as the openai client retries a 429: after Retry-After, the same request, its clock running.
             req.tries += 1
@@ -404,6 +414,8 @@ class Simulator:
                     self._start_step(w)
             elif kind == _RETRY:
                 self._arrive(obj, block_tokens)  # type: ignore[arg-type]
+            elif kind == _HOLD:
+                self._arrive(obj, block_tokens, held=True)  # type: ignore[arg-type]
             else:
                 self._landed(obj)  # type: ignore[arg-type]
         if progress is not None:
@@ -415,4 +427,4 @@ class Simulator:
         steps = {w.spec.worker_id: w.steps for w in self.workers if w.steps is not None}
         return SimResult(self.records, stats, t_start, end, self.kv_bytes, sum(self.rejected_models.values()),
                          getattr(self.policy, "name", type(self.policy).__name__), steps, self.refused,
-                         self.rejected_models, self.retried)
+                         self.rejected_models, self.retried, self.held)

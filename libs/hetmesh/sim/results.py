@@ -55,3 +55,4 @@ class SimResult:
     refused: int = 0  # of `rejected`: refused by admission
     rejected_models: dict[str, int] = field(default_factory=dict)  # `rejected` per model
     retried: int = 0  # refusals retried by their client (SimConfig.client_retries)
+    held: int = 0  # refusals the scheduler held and placed again (Decision.hold_s)

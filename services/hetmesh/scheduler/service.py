@@ -28,6 +28,7 @@ import time
 import uuid
 from collections import defaultdict
 
+import msgspec
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
@@ -233,6 +234,24 @@ class Scheduler:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, reply.error.message))
         await self.bus.respond(m, reply)
 
+    async def _hold(self, info: RequestInfo, decision: Decision) -> Decision | None:
+        """SLO-aware admission's hold: place the refused request again after each `hold_s` the policy allows,
+        its wait counted in its TTFT, for at most half the gateway's submit timeout (it answers the client)."""
+        scale = self.cfg.mesh.time_scale  # the policy's clock is the engines'
+        t0, a0 = time.monotonic(), info.arrival
+        budget = self.cfg.gateway.submit_timeout_s / 2
+        d: Decision | None = decision
+        while d is not None and d.mode == REFUSED and d.hold_s is not None:
+            wait = d.hold_s / scale
+            if time.monotonic() - t0 + wait > budget:
+                break
+            self.metrics.held.inc()
+            await asyncio.sleep(wait)
+            held = time.monotonic() - t0
+            info = msgspec.structs.replace(info, arrival=a0 + held * scale, waited_s=held * scale)
+            d = self.policy.place(info, self.state.views())
+        return d
+
     async def place(self, req: InferenceRequest, headers: dict[str, str] | None = None) -> SubmitReply:
         """Place `req` and dispatch its WorkItems. `headers`: what they carry (default: the request id
         and the current span's trace context).
@@ -267,6 +286,8 @@ class Scheduler:
                 placement_attributes(span, self.policy.name, info, decision)
         else:
             decision = self.policy.place(info, views)
+        if decision is not None and decision.mode == REFUSED and decision.hold_s is not None:
+            decision = await self._hold(info, decision)
         if decision is not None and decision.mode == REFUSED:
             # SLO-aware admission: served this late it would miss its SLO and delay the requests behind it.
             self.refused += 1
