@@ -122,6 +122,11 @@ class AuthConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     shared_limits: bool = True
 
 
+# A held request is answered within this share of the gateway's submit_timeout_s (the live scheduler and the
+# simulator alike): the client gets its 429 before the gateway stops waiting for the scheduler.
+HOLD_LIMIT = 0.5
+
+
 class SchedulerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     policy: str = "prefix_aware"  # round_robin | least_loaded | prefix_aware | cost
     objective: str = "throughput"  # cost policy: throughput | latency
@@ -139,7 +144,7 @@ class SchedulerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     # On by default (hetmesh.placement.admission.DEFAULT_MARGIN, the simulator's too).
     admission_margin: float = DEFAULT_MARGIN
     # Before it refuses, hold the request and place it again every this many seconds while its TTFT SLO is still
-    # within reach (at most half the gateway's submit_timeout_s); 0: refuse at once.
+    # within reach, for at most HOLD_LIMIT of the gateway's submit_timeout_s; 0: refuse at once.
     admission_hold_s: float = DEFAULT_HOLD_S
 
 

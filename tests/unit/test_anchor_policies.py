@@ -7,7 +7,7 @@ import pytest
 
 from hetmesh.config import ClusterConfig, ModelConfig, SchedulerConfig
 from hetmesh.placement import REFUSED, Decision, RequestInfo, WorkerView, make_policy
-from hetmesh.placement.admission import admit, hold_s, over_slo, retry_after_s, retry_wait_s
+from hetmesh.placement.admission import admit, hold_s, hold_wait_s, over_slo, retry_after_s, retry_wait_s
 from hetmesh.placement.dynamo import Dynamo, argmin, decode_cost, isl_bounding, kv_cost
 from hetmesh.placement.llmd import (
     LlmD,
@@ -146,6 +146,10 @@ def test_hold_rule_by_hand() -> None:
     assert hold_s(1.0, 0.0, 0.0, 1.0, 2.0) is None  # holding off
     assert hold_s(1.0, 1.5, 0.25, 1.5, 2.0) == 0.25  # the margin widens what admission allows: 2.75 <= 3.0
     assert hold_s(5.0, 0.0, 0.25, 1.0, 2.0, idle_over=3.0) == 0.25  # too long even when idle: 5.25 <= 6.0
+    # the shell's limit (live: half the gateway's submit timeout): the whole wait stays within it
+    held = Decision(mode=REFUSED, decode_worker="", hold_s=0.25)
+    assert hold_wait_s(held, 2.0, 2.5) == 0.25 and hold_wait_s(held, 2.3, 2.5) is None
+    assert hold_wait_s(Decision(mode=REFUSED, decode_worker=""), 0.0, 2.5) is None
 
 
 def test_cost_policy_holds_a_refusal_for_tpot_and_counts_the_wait_in_its_ttft() -> None:

@@ -74,6 +74,14 @@ def hold_s(ttft_s: float, waited_s: float, recheck_s: float, margin: float, ttft
     return recheck_s
 
 
+def hold_wait_s(refused: Decision, waited_s: float, limit_s: float) -> float | None:
+    """How long the scheduler (or the simulator) holds a refusal before placing the request again: the policy's
+    hold_s while the request's whole wait stays within `limit_s` (live: half the gateway's submit timeout, so
+    the client is answered before the gateway gives up); None: answer the refusal now."""
+    h = refused.hold_s
+    return h if h is not None and waited_s + h <= limit_s else None
+
+
 def refusal(ttft_s: float, tpot_s: float, best_over: float, margin: float, ttft_slo_s: float,
             idle_over: float, waited_s: float = 0.0, recheck_s: float = 0.0) -> Decision:
     """The Decision a policy returns for a refused request (no worker; the predictions that refused it, its

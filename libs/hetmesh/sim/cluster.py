@@ -23,7 +23,7 @@ from hetmesh.batching import Core, Kind, Seq, Settings, Step, following
 from hetmesh.costmodel import CostModel, link_bandwidth, server_model
 from hetmesh.kvindex.blocks import leading_blocks
 from hetmesh.placement import REFUSED, Policy, RequestInfo, WorkerView
-from hetmesh.placement.admission import retry_wait_s
+from hetmesh.placement.admission import hold_wait_s, retry_wait_s
 from hetmesh.sim.results import RequestRecord, SimResult, WorkerStats
 from hetmesh.sim.spec import SimConfig, WorkerSpec
 from hetmesh.sim.traces import ClosedLoop, Trace, TraceRequest
@@ -179,10 +179,11 @@ class Simulator:
                            max_tokens=req.n_out, cached_blocks=self._cached_blocks(req.hashes), block_size=block_tokens,
                            arrival=self.now, waited_s=self.now - req.sent)
         d = self.policy.place(info, self._views())
-        if d is not None and d.mode == REFUSED and d.hold_s is not None:
+        if d is not None and d.mode == REFUSED and (
+                hold := hold_wait_s(d, info.waited_s, self.cfg.hold_limit_s)) is not None:
             # Held by the scheduler and placed again (the client waits on its submit, its clock running).
             self.held += 1
-            self._push(self.now + d.hold_s, _HOLD, req)
+            self._push(self.now + hold, _HOLD, req)
             return
         if d is not None and d.mode == REFUSED and req.tries < self.cfg.client_retries:
             # Retried as the openai client retries a 429: after Retry-After, the same request, its clock running.

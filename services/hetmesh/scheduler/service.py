@@ -36,7 +36,7 @@ from hetmesh import config, metrics, subjects, telemetry, wiring
 from hetmesh.bus import REQUEST_ID, Bus, EventBatcher, encode, headers_for
 from hetmesh.kvindex.index import PrefixIndex
 from hetmesh.placement import REFUSED, ClusterState, Decision, RequestInfo, aggregated, pool_full
-from hetmesh.placement.admission import retry_wait_s
+from hetmesh.placement.admission import hold_wait_s, retry_wait_s
 from hetmesh.placement.state import back_in_s, moving
 from hetmesh.planner.live import DemandWindow
 from hetmesh.protocol import (
@@ -236,17 +236,15 @@ class Scheduler:
 
     async def _hold(self, info: RequestInfo, decision: Decision) -> Decision | None:
         """SLO-aware admission's hold: place the refused request again after each `hold_s` the policy allows,
-        its wait counted in its TTFT, for at most half the gateway's submit timeout (it answers the client)."""
+        its wait counted in its TTFT, for at most HOLD_LIMIT of the gateway's submit timeout (engine time)."""
         scale = self.cfg.mesh.time_scale  # the policy's clock is the engines'
         t0, a0 = time.monotonic(), info.arrival
-        budget = self.cfg.gateway.submit_timeout_s / 2
+        limit = config.HOLD_LIMIT * self.cfg.gateway.submit_timeout_s * scale
         d: Decision | None = decision
-        while d is not None and d.mode == REFUSED and d.hold_s is not None:
-            wait = d.hold_s / scale
-            if time.monotonic() - t0 + wait > budget:
-                break
+        while d is not None and d.mode == REFUSED and (
+                hold := hold_wait_s(d, (time.monotonic() - t0) * scale, limit)) is not None:
             self.metrics.held.inc()
-            await asyncio.sleep(wait)
+            await asyncio.sleep(hold / scale)
             held = time.monotonic() - t0
             info = msgspec.structs.replace(info, arrival=a0 + held * scale, waited_s=held * scale)
             d = self.policy.place(info, self.state.views())
