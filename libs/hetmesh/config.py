@@ -53,7 +53,9 @@ class MeshConfig(Struct, kw_only=True, forbid_unknown_fields=True):
 class GatewayConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: int = 8000
-    submit_timeout_s: float = 5.0
+    # How long the gateway waits for the scheduler's answer. A request SLO-aware admission holds is answered
+    # within half of it (scheduler.admission_hold_s): 20 s lets a hold span a TTFT SLO of up to 10 s.
+    submit_timeout_s: float = 20.0
     # Admission: requests past this many in flight get 503 + Retry-After instead of a queue slot.
     max_inflight: int = 2048
     max_body_bytes: int = 4 << 20  # a bigger body gets 413 before it is read whole
