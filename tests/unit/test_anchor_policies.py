@@ -7,7 +7,15 @@ import pytest
 
 from hetmesh.config import ClusterConfig, ModelConfig, SchedulerConfig
 from hetmesh.placement import REFUSED, Decision, RequestInfo, WorkerView, make_policy
-from hetmesh.placement.admission import admit, hold_s, hold_wait_s, over_slo, retry_after_s, retry_wait_s
+from hetmesh.placement.admission import (
+    admit,
+    hold_s,
+    hold_wait_s,
+    over_slo,
+    quiet_s,
+    retry_after_s,
+    retry_wait_s,
+)
 from hetmesh.placement.dynamo import Dynamo, argmin, decode_cost, isl_bounding, kv_cost
 from hetmesh.placement.llmd import (
     LlmD,
@@ -138,6 +146,28 @@ def test_admission_rule_by_hand() -> None:
     assert retry_after_s(2.5, 2.0, 1.5, 1.0) == 1.0 and retry_after_s(1e6, 2.0, 1.5, 1.0) == 60.0
     # too long even when idle (3x its SLO): it waits only for what load adds, 13 - 1.5 * 3 * 2
     assert retry_after_s(13.0, 2.0, 1.5, 1.0, idle_over=3.0) == 4.0
+
+
+def test_a_request_too_long_for_its_slo_is_served_only_while_it_holds_up_no_one() -> None:
+    assert admit(3.0, 1.0, idle_over=3.0, arrivals=0.5) and not admit(3.0, 1.0, idle_over=3.0, arrivals=1.0)
+    assert admit(0.9, 1.0, idle_over=3.0, arrivals=50.0)  # within its SLO: the arrivals do not matter
+    assert quiet_s(3.0, 1.0, 3.0, math.e ** 2, 30.0) == pytest.approx(60.0)  # the rate decays below 1 in 2 windows
+    assert quiet_s(3.5, 1.0, 3.0, 10.0, 30.0) == 0.0 and quiet_s(3.0, 1.0, 3.0, 0.9, 30.0) == 0.0
+
+    ws = [WorkerView(worker_id="h-0", model="llama-3.1-70b", accelerator="nvidia-h100", vendor="nvidia", devices=8,
+                     role=Role.BOTH, queue_depth=0, running=0, max_batch=64, kv_blocks_total=0, kv_blocks_used=0,
+                     block_size=16)]
+    long = RequestInfo(request_id="long", model="llama-3.1-70b", prompt_len=32_000, max_tokens=1, arrival=100.0)
+    quiet = make_policy("cost", ttft_slo_s=1.0)  # a 32K prompt takes seconds: 1 s is out of reach even alone
+    d = quiet.place(long, ws)
+    assert d is not None and d.mode == "aggregated"  # nobody else comes: served, late
+    busy = make_policy("cost", ttft_slo_s=1.0)
+    for i in range(100):  # ten short requests a second, each prefilled long before the next
+        short = RequestInfo(request_id=f"s{i}", model="llama-3.1-70b", prompt_len=100, max_tokens=1,
+                            arrival=90.0 + 0.1 * i)
+        assert (s := busy.place(short, ws)) is not None and s.mode == "aggregated"
+    d = busy.place(long, ws)  # ~10/s x its seconds of prefill: it would hold up dozens
+    assert d is not None and d.mode == REFUSED and d.retry_after_s == 60.0  # 30 s x ln(dozens), capped
 
 
 def test_hold_rule_by_hand() -> None:

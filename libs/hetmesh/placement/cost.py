@@ -54,7 +54,7 @@ from hetmesh.costmodel import (
     server_model,
 )
 from hetmesh.costmodel.model import COEFFICIENTS, step_seconds_many, transfer_time
-from hetmesh.placement.admission import DEFAULT_HOLD_S, DEFAULT_MARGIN, admit, over_slo, refusal
+from hetmesh.placement.admission import DEFAULT_HOLD_S, DEFAULT_MARGIN, admit, over_slo, quiet_s, refusal
 from hetmesh.placement.fleet import Fleet
 from hetmesh.placement.guard import DecodeGuard
 from hetmesh.placement.state import Decision, RequestInfo, WorkerView
@@ -133,6 +133,7 @@ class CostPolicy:
         self._taus = self.window / 3.0 ** np.arange(SHARE_RUNGS)
         self._acc = np.zeros((len(self._taus), 16))
         self._last = np.zeros(16)
+        self._placed = np.zeros(16)  # prefills placed on each worker, decaying at the window (its arrival rate)
         self._first_start = np.full(16, math.inf)  # starts[slot][0], so only due queues are walked
         self._queued = np.zeros(16)  # len(starts[slot])
         self._starts: list[deque[float]] = []
@@ -166,6 +167,7 @@ class CostPolicy:
                 self._acc = np.concatenate([self._acc, np.zeros((len(self._taus), grow))], axis=1)
                 self._first_start = np.concatenate([self._first_start, np.full(grow, math.inf)])
                 self._queued = np.concatenate([self._queued, np.zeros(grow)])
+                self._placed = np.concatenate([self._placed, np.zeros(grow)])
                 self._guard.ensure(len(self._last))
         return s
 
@@ -317,11 +319,14 @@ class CostPolicy:
             # best that fits, else the best
             out = next((m for m in (miss | (harm >= n_out), miss) if not m.all()), np.zeros_like(miss))
             j = int(np.argmin(np.where(out, np.inf, over)))
-            # the idle reference only when it could refuse: what no wait would give
-            if over[j] > margin and not admit(float(over[j]), margin, idle := self._idle(pr, ip, n_out, ttft_slo,
-                                                                                       tpot_slo)):
-                return refusal(float(o_ttft[j]), float(o_tpot[j]) if n_out > 1 else 0.0, float(over[j]), margin,
-                               ttft_slo, idle, req.waited_s, self.admission_hold_s)
+            if over[j] > margin:  # the idle reference and the arrivals only when it could refuse
+                p = int(ip[j])
+                idle = self._idle(pr, ip, n_out, ttft_slo, tpot_slo)
+                busy = self._arrivals(pr.now, int(f.slots[p]), float(pr.pf[p]))
+                if not admit(float(over[j]), margin, idle, busy):
+                    return refusal(float(o_ttft[j]), float(o_tpot[j]) if n_out > 1 else 0.0, float(over[j]), margin,
+                                   ttft_slo, idle, req.waited_s, self.admission_hold_s,
+                                   quiet_s(float(over[j]), margin, idle, busy, self.window))
         if self.objective == "latency":
             order = np.lexsort((o_e2e, o_ttft, harm > 0, np.maximum(over, 1.0), miss))
         else:  # the cluster-seconds this request costs: its own time plus the delay it puts on others
@@ -362,9 +367,12 @@ class CostPolicy:
         over = over_slo(ttft + req.waited_s, tpot, n_out, ttft_slo, tpot_slo)
         if margin is None:
             margin = self.admission_margins.get(req.model, self.admission_margin)
-        if margin > 0 and over > margin and not admit(over, margin,
-                                                      idle := self._idle(pr, pr.pre, n_out, ttft_slo, tpot_slo)):
-            return refusal(ttft, tpot, over, margin, ttft_slo, idle, req.waited_s, self.admission_hold_s)
+        if margin > 0 and over > margin:
+            idle = self._idle(pr, pr.pre, n_out, ttft_slo, tpot_slo)
+            busy = self._arrivals(pr.now, int(self._fleet.slots[p]), float(pr.pf[p]))
+            if not admit(over, margin, idle, busy):
+                return refusal(ttft, tpot, over, margin, ttft_slo, idle, req.waited_s, self.admission_hold_s,
+                               quiet_s(over, margin, idle, busy, self.window))
         self._commit(int(self._fleet.slots[p]), float(pr.pf[p]), pr.now)
         return msgspec.structs.replace(decision, predicted_ttft_s=ttft, predicted_tpot_s=tpot)
 
@@ -397,6 +405,14 @@ class CostPolicy:
         decay = np.exp(-np.maximum(now - self._last[sl], 0.0) / tau)
         return np.minimum(self._acc[rung, sl] * decay / max(span, min(1.0, tau)), 0.95)
 
+    def _arrivals(self, now: float, slot: int, seconds: float) -> float:
+        """The prefills expected on a worker within `seconds`: the rate placed there, over the window (as the
+        share's)."""
+        tau = self.window
+        span = tau * (1.0 - math.exp(-max(now - self._t0, 1e-3) / tau))
+        decay = math.exp(-max(now - float(self._last[slot]), 0.0) / tau)
+        return float(self._placed[slot]) * decay / max(span, min(1.0, tau)) * seconds
+
     def _commit(self, slot: int, pf: float, now: float) -> None:
         start = max(float(self._busy_until[slot]), now)
         if not self._starts[slot]:
@@ -405,4 +421,5 @@ class CostPolicy:
         self._queued[slot] += 1
         self._busy_until[slot] = start + pf
         self._acc[:, slot] = self._acc[:, slot] * np.exp(-max(now - float(self._last[slot]), 0.0) / self._taus) + pf
+        self._placed[slot] = self._placed[slot] * math.exp(-max(now - float(self._last[slot]), 0.0) / self.window) + 1
         self._last[slot] = now
