@@ -63,6 +63,12 @@ class GatewayConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     scheduler_wait_s: float = 15.0
     retry_after_s: float = 1.0  # what Retry-After says when the mesh is overloaded
 
+    @property
+    def hold_limit_s(self) -> float:
+        """How long SLO-aware admission may hold a request in all (the live scheduler and the simulator alike):
+        half the submit timeout, so the client gets its 429 before the gateway stops waiting."""
+        return 0.5 * self.submit_timeout_s
+
 
 DRAIN_EXIT_S = 10.0  # after a worker's drain: handed-over requests' errors, the engine's close, the last flushes
 
@@ -124,11 +130,6 @@ class AuthConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     shared_limits: bool = True
 
 
-# A held request is answered within this share of the gateway's submit_timeout_s (the live scheduler and the
-# simulator alike): the client gets its 429 before the gateway stops waiting for the scheduler.
-HOLD_LIMIT = 0.5
-
-
 class SchedulerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     policy: str = "prefix_aware"  # round_robin | least_loaded | prefix_aware | cost
     objective: str = "throughput"  # cost policy: throughput | latency
@@ -146,7 +147,7 @@ class SchedulerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     # On by default (hetmesh.placement.admission.DEFAULT_MARGIN, the simulator's too).
     admission_margin: float = DEFAULT_MARGIN
     # Before it refuses, hold the request and place it again every this many seconds while its TTFT SLO is still
-    # within reach, for at most HOLD_LIMIT of the gateway's submit_timeout_s; 0: refuse at once.
+    # within reach, for at most the gateway's hold_limit_s (half its submit_timeout_s); 0: refuse at once.
     admission_hold_s: float = DEFAULT_HOLD_S
 
 

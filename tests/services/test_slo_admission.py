@@ -118,10 +118,10 @@ async def test_refused_with_429_and_retry_after_unless_the_model_turns_it_off(bu
 
 
 async def test_a_refusal_for_tpot_is_held_and_placed_when_the_batch_drains(bus: Bus) -> None:
-    """A full batch and a queue 3x as deep: every token of a new decode waits four rounds for a slot (TPOT over
-    its 0.1 s SLO; 0.03 s alone), the prompt is short (TTFT well within): the scheduler holds the request and places it again; once the
-    worker reports the queue drained it is placed, within the one submit. Still full: refused when the hold
-    could no longer meet its TTFT SLO (2 s), with the 429 of a refusal."""
+    """A full batch and a queue 3x as deep: every token of a new decode waits four rounds for a slot (TPOT
+    over its 0.1 s SLO; 0.03 s alone), the prompt is short (TTFT well within): the scheduler holds the
+    request and places it again; once the worker reports the queue drained it is placed, within the one
+    submit. Still full: refused when the hold could no longer meet its TTFT SLO (2 s), with the 429."""
     busy = True
 
     async def beats() -> None:

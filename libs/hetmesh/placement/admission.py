@@ -108,6 +108,7 @@ def refusal(ttft_s: float, tpot_s: float, best_over: float, margin: float, ttft_
     retry_after_s before the scheduler's floor, at least `quiet` for a request refused for the requests it would
     hold up, and how long it may be held instead)."""
     return Decision(mode=REFUSED, decode_worker="", predicted_ttft_s=ttft_s, predicted_tpot_s=tpot_s,
-                    retry_after_s=max(retry_after_s(ttft_s, ttft_slo_s, margin, 0.0, idle_over), min(quiet, MAX_RETRY_AFTER_S)),
+                    retry_after_s=max(retry_after_s(ttft_s, ttft_slo_s, margin, 0.0, idle_over),
+                                      min(quiet, MAX_RETRY_AFTER_S)),
                     hold_s=hold_s(ttft_s, waited_s, recheck_s, margin, ttft_slo_s, idle_over),
                     reason=f"admission: best placement {best_over:.2f}x its SLO > margin {margin:g}")

@@ -401,17 +401,18 @@ class CostPolicy:
         """Each worker's prefill share (seconds of prefill placed per second) at time constant taus[rung]: an
         exponentially decaying sum over the span it has seen (shorter than tau in the first seconds)."""
         tau = float(self._taus[rung])
-        span = tau * (1.0 - math.exp(-max(now - self._t0, 1e-3) / tau))
         decay = np.exp(-np.maximum(now - self._last[sl], 0.0) / tau)
-        return np.minimum(self._acc[rung, sl] * decay / max(span, min(1.0, tau)), 0.95)
+        return np.minimum(self._acc[rung, sl] * decay / self._span(now, tau), 0.95)
 
     def _arrivals(self, now: float, slot: int, seconds: float) -> float:
         """The prefills expected on a worker within `seconds`: the rate placed there, over the window (as the
         share's)."""
-        tau = self.window
-        span = tau * (1.0 - math.exp(-max(now - self._t0, 1e-3) / tau))
-        decay = math.exp(-max(now - float(self._last[slot]), 0.0) / tau)
-        return float(self._placed[slot]) * decay / max(span, min(1.0, tau)) * seconds
+        decay = math.exp(-max(now - float(self._last[slot]), 0.0) / self.window)
+        return float(self._placed[slot]) * decay / self._span(now, self.window) * seconds
+
+    def _span(self, now: float, tau: float) -> float:
+        """The seconds a sum decaying at `tau` has seen since the first placement (at least a second, or tau)."""
+        return max(tau * (1.0 - math.exp(-max(now - self._t0, 1e-3) / tau)), min(1.0, tau))
 
     def _commit(self, slot: int, pf: float, now: float) -> None:
         start = max(float(self._busy_until[slot]), now)
@@ -420,6 +421,7 @@ class CostPolicy:
         self._starts[slot].append(start)
         self._queued[slot] += 1
         self._busy_until[slot] = start + pf
-        self._acc[:, slot] = self._acc[:, slot] * np.exp(-max(now - float(self._last[slot]), 0.0) / self._taus) + pf
-        self._placed[slot] = self._placed[slot] * math.exp(-max(now - float(self._last[slot]), 0.0) / self.window) + 1
+        decay = np.exp(-max(now - float(self._last[slot]), 0.0) / self._taus)  # decay[0]: at the window
+        self._acc[:, slot] = self._acc[:, slot] * decay + pf
+        self._placed[slot] = self._placed[slot] * decay[0] + 1
         self._last[slot] = now

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from hetmesh.config import HOLD_LIMIT, ClusterConfig, GatewayConfig, SchedulerConfig
+from hetmesh.config import ClusterConfig, GatewayConfig, SchedulerConfig
 from hetmesh.costmodel import Efficiency
 from hetmesh.costmodel.model import DEFAULT_LINK_LATENCY_S
 from hetmesh.protocol import Role
@@ -67,4 +67,4 @@ class SimConfig:
     retry_floor_s: float = SchedulerConfig().retry_after_s
     # A refusal the policy holds (Decision.hold_s) is placed again while the request has waited at most this
     # long in all, as the live scheduler does (hetmesh.placement.admission.hold_wait_s).
-    hold_limit_s: float = HOLD_LIMIT * GatewayConfig().submit_timeout_s
+    hold_limit_s: float = GatewayConfig().hold_limit_s

@@ -236,10 +236,10 @@ class Scheduler:
 
     async def _hold(self, info: RequestInfo, decision: Decision) -> Decision | None:
         """SLO-aware admission's hold: place the refused request again after each `hold_s` the policy allows,
-        its wait counted in its TTFT, for at most HOLD_LIMIT of the gateway's submit timeout (engine time)."""
+        its wait counted in its TTFT, for at most the gateway's hold_limit_s (in engine time)."""
         scale = self.cfg.mesh.time_scale  # the policy's clock is the engines'
         t0, a0 = time.monotonic(), info.arrival
-        limit = config.HOLD_LIMIT * self.cfg.gateway.submit_timeout_s * scale
+        limit = self.cfg.gateway.hold_limit_s * scale
         d: Decision | None = decision
         while d is not None and d.mode == REFUSED and (
                 hold := hold_wait_s(d, (time.monotonic() - t0) * scale, limit)) is not None:
