@@ -11,8 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from hetmesh.engines.base import EngineOutput, EngineRequest
+from hetmesh.engines.vllm_detok import PrimedDecodeStream
 from hetmesh.engines.vllm_engine import VllmConfig, VllmEngine
 from hetmesh.kvindex.blocks import block_hashes
 from hetmesh.protocol import Phase, SamplingParams
@@ -199,3 +202,41 @@ async def test_abort_frees_the_engines_blocks(engines: tuple[VllmEngine, VllmEng
     s = a.stats()
     assert s.kv_blocks_used == 0 and s.running == 0, s
     assert a.stats().aborted >= 1
+
+
+def _stepped(tok: Tokenizer, prompt: list[int], out: list[int]) -> str:
+    """The text of `out` after `prompt`, as an undisturbed stream detokenizes it: every token stepped."""
+    s = DecodeStream(skip_special_tokens=True)
+    for t in prompt:
+        s.step(tok, t)
+    return "".join(x for t in out if (x := s.step(tok, t)) is not None)
+
+
+def test_primed_detokenizer_equals_stepping_at_every_cut(tiny_model: Path) -> None:
+    """A continuation's prompt may end anywhere in a character (a migration, a decode worker's prompt + first
+    token): at every cut of a byte-heavy text, the primed stream gives what stepping every token gives."""
+    tok = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+    ids = tok.encode("the mesh 日本語 héllo 🎉 serves ok 日本 ").ids
+    unfinished = 0
+    for cut in range(1, len(ids)):
+        primed = PrimedDecodeStream(ids=ids[:cut], skip_special_tokens=True)
+        got = "".join(x for t in ids[cut:] if (x := primed.step(tok, t)) is not None)
+        assert got == _stepped(tok, ids[:cut], ids[cut:]), cut
+        unfinished += tok.decode(ids[:cut]).endswith("\ufffd")
+    assert unfinished >= 5  # the cases that matter were there: cuts inside a character
+
+
+async def test_completion_after_a_prompt_ending_mid_character(engines: tuple[VllmEngine, VllmEngine],
+                                                              prompts: list[list[int]], tiny_model: Path) -> None:
+    """Through vLLM itself: the text of a completion whose prompt ends in half a character is the stepped
+    text (the character's end and what follows), not the prompt echoed back."""
+    a, _ = engines
+    tok = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+    half = tok.encode("日本").ids[:4]  # 日 and the first byte of 本
+    assert tok.decode(half).endswith("\ufffd")
+    prompt = prompts[0] + half
+    await a.submit(_req("mid-char", prompt))
+    outs = [o async for o in a.stream("mid-char")]
+    ids = [t for o in outs for t in o.token_ids]
+    assert len(ids) == MAX_TOKENS
+    assert "".join(o.text for o in outs) == _stepped(tok, prompt, ids)

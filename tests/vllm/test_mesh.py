@@ -319,7 +319,8 @@ async def test_greedy_stream_survives_its_worker_sigkilled(mesh: Mesh, events: E
     the same logits, bit for bit, as the k decode steps did (benchmarks/vllm_migration_numerics.py:
     0 of 30 continuations differ, in fp32 and in bf16, largest logprob difference 0). Where the two paths
     round differently (other kernels, other hardware) greedy can flip at a near-tie and go on
-    differently, still token for token what vLLM generates for prompt + k. Greedy only: vLLM cannot
+    differently, still token for token what vLLM generates for prompt + k (checked; the text then checked up to
+    the move). Greedy only: vLLM cannot
     start a seeded sampler at a position of its random stream. Last in this file: it leaves one of the
     two aggregated workers dead."""
     import json
@@ -346,7 +347,7 @@ async def test_greedy_stream_survives_its_worker_sigkilled(mesh: Mesh, events: E
 
     await nc.subscribe("hetmesh.resp.>", cb=on_chunk)
     try:
-        _, want, _, _ = await _complete(aclient, "tiny-agg", prompt, max_tokens=n)
+        want_id, want, _, _ = await _complete(aclient, "tiny-agg", prompt, max_tokens=n)
         body = {"model": "tiny-agg", "prompt": prompt, "max_tokens": n, "stream": True, "ignore_eos": True,
                 "temperature": 0, "stream_options": {"include_usage": True}}
         chunks: list[dict] = []
@@ -378,6 +379,9 @@ async def test_greedy_stream_survives_its_worker_sigkilled(mesh: Mesh, events: E
 
         before, after = ids_of(0)[:k], ids_of(1)
         assert len(before) == k and len(after) == n - k
+        undisturbed = [t for subj, cs in on_bus.items() if subj.endswith(f".{_rid(want_id)}-0")
+                       for c in sorted(cs, key=lambda c: c.index) for t in c.token_ids]
+        assert before == undisturbed[:k]  # before the move: the undisturbed run's tokens
         # What vLLM itself continues the prompt plus those k tokens with (greedy, the same worker's engine).
         cont = await aclient.completions.create(model="tiny-agg", prompt=[*prompt_ids, *before], max_tokens=n - k,
                                                 temperature=0, extra_body={"ignore_eos": True})
@@ -388,6 +392,8 @@ async def test_greedy_stream_survives_its_worker_sigkilled(mesh: Mesh, events: E
         assert text.endswith(cont.choices[0].text)
         head = text[:len(text) - len(cont.choices[0].text)]
         assert want.startswith(head)  # before the move: the undisturbed run's text
-        assert text == want  # and after it too: the two paths' numerics agree (see above)
+        flip = next((i for i, (a, b) in enumerate(zip(after, undisturbed[k:], strict=True)) if a != b), None)
+        if flip is None:  # the same tokens after the move too: then the same text, the join included (a prompt
+            assert text == want  # + k tokens may end mid-character: hetmesh.engines.vllm_detok)
     finally:
         await nc.close()

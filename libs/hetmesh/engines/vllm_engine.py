@@ -17,8 +17,9 @@
   consumer: vLLM computes only the first token's position and continues the same completion.
 
 This module holds the engine itself: its lifecycle and the requests it tracks. Its parts lie beside it:
-vllm_args (VllmConfig; vLLM's engine and sampling arguments), vllm_outputs (logprobs, stats and KV events
-in the mesh's terms) and vllm_spool (the spool folder's KV files and the P/D hand-over's parameters).
+vllm_args (VllmConfig; vLLM's engine and sampling arguments), vllm_detok (its detokenizer's priming),
+vllm_outputs (logprobs, stats and KV events in the mesh's terms) and vllm_spool (the spool folder's KV files
+and the P/D hand-over's parameters).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from hetmesh.engines.base import EngineError, EngineOutput, EngineRequest, Engin
 from hetmesh.kvstream import KvSink
 from hetmesh.protocol import Phase
 
+from . import vllm_detok
 from .vllm_args import VllmConfig, check_tp_pairings, engine_args, sampling_params
 from .vllm_outputs import KvEventMapper, StepStats, stat_logger, token_logprobs
 from .vllm_spool import KvSpool, consumer_params, frame
@@ -90,6 +92,7 @@ class VllmEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         check_tp_pairings(self.config)
+        vllm_detok.install()  # continuations (migrations, a decode worker's prompt + first token) end mid-character
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.kv_cache_gib))
         if self.config.kv_connector != "nixl":
