@@ -7,7 +7,8 @@ then returns the whole prompt's text. In the mesh a migrated stream's prompt end
 far and a decode worker's with the prefill's first token, so the client would get the prompt again in
 its completion (and a stop string in the prompt would end the request at once). Measured on the tests'
 tiny model: 86 of 598 cut points of one greedy run; with this primer, 0 (each compared with stepping
-every token from the start, which is what the undisturbed stream did).
+every token from the start, which is what the undisturbed stream did). Reported upstream as
+vllm-project/vllm#48853 (open; its proposed fix, #48854, falls back to the slow detokenizer for such prompts).
 
 The primer prefills natively up to the last point whose text ends cleanly and steps the rest. vLLM looks
 `tokenizers.decoders.DecodeStream` up on the module at each request so that shims like this one apply;
