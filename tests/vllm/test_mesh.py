@@ -317,7 +317,7 @@ async def test_greedy_stream_survives_its_worker_sigkilled(mesh: Mesh, events: E
     tokens. No token is lost or repeated, and the client's text is the two joined: exactly the
     undisturbed run's text, because here (fp32, the CPU) vLLM's one prefill over prompt + k tokens gives
     the same logits, bit for bit, as the k decode steps did (benchmarks/vllm_migration_numerics.py:
-    0 of 30 continuations differ, in fp32 and in bf16, largest logprob difference 0). Where the two paths
+    0 of 378 continuations differ, in fp32 and in bf16, largest logprob difference 0 in fp32). Where the two paths
     round differently (other kernels, other hardware) greedy can flip at a near-tie and go on
     differently, still token for token what vLLM generates for prompt + k (checked; the text then checked up to
     the move). Greedy only: vLLM cannot
