@@ -76,6 +76,7 @@ class InferenceRequest(Struct, kw_only=True):
     # earlier attempt's worker died or drained); the worker goes on after them, numbering its chunks from
     # `continued`, with sampling.max_tokens already reduced by them and the sampler's stream advanced past them.
     continued: int = 0
+    priority: int = 0  # vLLM's request priority: the engine's queue serves lower values first
 
 
 class Placement(Struct, frozen=True, kw_only=True):

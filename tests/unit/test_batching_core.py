@@ -30,22 +30,22 @@ def _check(core: Core) -> None:
 
 
 _seq = st.tuples(st.sampled_from([Kind.FULL, Kind.FULL, Kind.PREFILL, Kind.DECODE]), st.integers(1, 120),
-                 st.integers(1, 40), st.integers(0, 3), st.integers(0, 2))
+                 st.integers(1, 40), st.integers(0, 3), st.integers(0, 2), st.sampled_from([0, 0, 0, -1, 1, 2]))
 
 
 @settings(max_examples=80, deadline=None)
 @given(seqs=st.lists(_seq, min_size=1, max_size=16), kv_blocks=st.integers(24, 80),
        order=st.sampled_from(["fcfs", "shortest"]), aborts=st.sets(st.integers(0, 15), max_size=3),
        arrive_every=st.integers(0, 5))
-def test_memory_is_conserved_and_every_sequence_ends(seqs: list[tuple[Kind, int, int, int, int]], kv_blocks: int,
+def test_memory_is_conserved_and_every_sequence_ends(seqs: list[tuple[Kind, int, int, int, int, int]], kv_blocks: int,
                                                      order: str, aborts: set[int], arrive_every: int) -> None:
     core = Core(Settings(max_batch=6, kv_blocks=kv_blocks, block_size=8, step_tokens=64, prefill_order=order))
     prefixes = [[1000 + j for j in range(4)], [2000 + j for j in range(4)], [3000 + j for j in range(4)]]
     todo = []
-    for i, (kind, prompt, out, shared, first) in enumerate(seqs):
+    for i, (kind, prompt, out, shared, first, priority) in enumerate(seqs):
         hashes = (prefixes[shared % 3][: shared] if shared else []) + [10_000 * (i + 1) + j for j in range(20)]
         n_first = 1 + first if kind == Kind.DECODE else 0
-        todo.append(Seq(i, kind, prompt, hashes, max(out, n_first) if kind != Kind.PREFILL else 1, n_first))
+        todo.append(Seq(i, kind, prompt, hashes, max(out, n_first) if kind != Kind.PREFILL else 1, n_first, priority))
     done: dict[int, Seq] = {}
     steps = 0
     while (todo or core.seqs) and steps < 5000:
@@ -108,3 +108,34 @@ def test_a_run_of_quiet_steps_is_the_steps_one_by_one(seqs: list[tuple[int, int,
         return ended, (st_.steps, st_.tokens_generated, st_.prompt_tokens_computed, st_.preempted, core.tick)
 
     assert run(True) == run(False)
+
+
+def _run(core: Core) -> tuple[list[str], list[str]]:
+    """Step the core to the end: the order sequences were first admitted in, and those preempted."""
+    admitted, preempted = [], []
+    while core.seqs:
+        step = core.schedule()
+        admitted += [s.rid for s in step.admitted]
+        preempted += [s.rid for s in core.seqs.values() if s.state == State.WAITING and s.admitted]
+        core.update(step)
+    return admitted, sorted(set(preempted))
+
+
+def test_priority_orders_the_queue_as_vllms_priority_scheduling() -> None:
+    """vLLM's request priority: lower first, arrival order among equals; 0 is the default."""
+    core = Core(Settings(max_batch=1, kv_blocks=64, block_size=8, step_tokens=64))
+    for rid, priority in (("a", 0), ("b", 1), ("c", -1), ("d", 0), ("e", -1)):
+        core.add(Seq(rid, Kind.FULL, 10, [], 3, priority=priority))
+    assert _run(core)[0] == ["c", "e", "a", "d", "b"]
+
+
+def test_preemption_takes_the_highest_priority_value_then_the_newest() -> None:
+    """Two decodes outgrow 6 blocks: the newer is preempted, unless the older one has the higher priority value."""
+    for x_priority, victim in ((0, "y"), (1, "x")):
+        core = Core(Settings(max_batch=4, kv_blocks=6, block_size=8, step_tokens=64))
+        core.add(Seq("x", Kind.FULL, 8, [], 30, priority=x_priority))
+        core.update(step := core.schedule())  # x runs before y arrives
+        assert [s.rid for s in step.admitted] == ["x"]
+        core.add(Seq("y", Kind.FULL, 8, [], 30))
+        admitted, preempted = _run(core)
+        assert admitted == ["y"] and preempted == [victim]

@@ -43,10 +43,10 @@ async def engines(tiny_model: Path) -> AsyncIterator[tuple[VllmEngine, VllmEngin
 
 
 def _req(rid: str, prompt: list[int], phase: Phase = Phase.FULL, first: list[int] | None = None,
-         max_tokens: int = MAX_TOKENS, handover: dict | None = None) -> EngineRequest:
+         max_tokens: int = MAX_TOKENS, handover: dict | None = None, priority: int = 0) -> EngineRequest:
     return EngineRequest(request_id=rid, prompt_tokens=prompt, block_hashes=block_hashes(MODEL, prompt, BLOCK),
                          sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                         phase=phase, first_token_ids=first or [], kv_transfer_params=handover)
+                         phase=phase, first_token_ids=first or [], kv_transfer_params=handover, priority=priority)
 
 
 async def _run(engine: VllmEngine, req: EngineRequest) -> tuple[list[int], EngineOutput]:
@@ -99,6 +99,16 @@ async def test_aggregated_equals_vllm_alone(engines: tuple[VllmEngine, VllmEngin
         assert ids == reference[i]["token_ids"]
         assert last.finish_reason == "length" and last.completion_tokens == MAX_TOKENS
         assert last.prompt_tokens == len(p)
+
+
+async def test_request_priority_reaches_vllms_priority_scheduler(engines: tuple[VllmEngine, VllmEngine],
+                                                                  prompts: list[list[int]], reference: list[dict]) -> None:
+    """vLLM refuses a priority other than 0 unless it schedules by priority: the engine runs it so, and the
+    requests of other priorities are served alike (greedy: the same tokens)."""
+    a, _ = engines
+    for i, priority in ((0, -3), (1, 7)):
+        ids, _ = await _run(a, _req(f"prio-{i}", prompts[i], priority=priority))
+        assert ids == reference[i]["token_ids"]
 
 
 async def test_disaggregated_equals_vllm_alone_and_decode_loads_the_prompt(

@@ -59,6 +59,12 @@ class Core:
         self._resumed: deque[Seq] = deque()  # preempted: first in line
         self._fifo: deque[Seq] = deque()
         self._short: list[tuple[int, int, Seq]] = []  # prefill_order "shortest"
+        # vLLM's priority scheduling: a sequence with a priority other than 0 waits in this heap by (priority,
+        # arrival), ahead of the priority-0 queues if below 0, behind them if above; a preempted one comes back
+        # here by its arrival. Preemption then takes the running sequence of the highest priority value (the
+        # newest among equals), as vLLM's does.
+        self._prio: list[tuple[int, int, Seq]] = []
+        self._prioritised = False  # any sequence with a priority other than 0 ever added
         self.n_waiting = 0
         # step -> [(ver, seq)]: decodes that need their first new block at that step / reach max_new in it
         # (stale when the seq's ver moved on). Every step is scheduled once in order, so buckets beat a heap.
@@ -98,7 +104,12 @@ class Core:
             seq.hashes = seq.hashes[:full]
         self.seqs[seq.rid] = seq
         self.n_waiting += 1
-        if self.s.prefill_order == "shortest":
+        if seq.priority:
+            self._prioritised = True
+            self._arrivals += 1
+            seq.order = self._arrivals
+            heappush(self._prio, (seq.priority, seq.order, seq))
+        elif self.s.prefill_order == "shortest":
             hit = self.cache.hit(seq.hashes) if self.s.prefix_caching else 0
             seq.uncached = seq.prompt_len - hit * self._hash_tokens
             self._arrivals += 1
@@ -254,9 +265,14 @@ class Core:
 
     # ------------------------------------------------------------------ internals
     def _head(self) -> Seq | None:
+        p = self._prio
+        while p and p[0][2].state != _WAITING:
+            heappop(p)  # aborted while queued
+        if p and p[0][0] < 0:
+            return p[0][2]
         q = self._resumed
         while q and q[0].state != _WAITING:
-            q.popleft()  # aborted while queued
+            q.popleft()
         if q:
             return q[0]
         q = self._fifo
@@ -267,11 +283,15 @@ class Core:
         h = self._short
         while h and h[0][2].state != _WAITING:
             heappop(h)
-        return h[0][2] if h else None
+        if h:
+            return h[0][2]
+        return p[0][2] if p else None
 
     def _pop_head(self, s: Seq) -> None:
         self.n_waiting -= 1
-        if self._resumed and self._resumed[0] is s:
+        if self._prio and self._prio[0][2] is s:
+            heappop(self._prio)
+        elif self._resumed and self._resumed[0] is s:
             self._resumed.popleft()
         elif self._fifo and self._fifo[0] is s:
             self._fifo.popleft()
@@ -386,7 +406,8 @@ class Core:
             if s.state != _DECODING:
                 continue  # preempted by an older one's growth
             while not cache.reserve(1):
-                victim = next(reversed(self.running.values()))
+                victim = (max(self.running.values(), key=lambda v: (v.priority, v.adm)) if self._prioritised
+                          else next(reversed(self.running.values())))
                 self._preempt(victim)
                 if victim is s:
                     break
@@ -399,7 +420,10 @@ class Core:
         s.computed = 0
         s.state = _WAITING
         self.n_waiting += 1
-        self._resumed.appendleft(s)
+        if s.priority:
+            heappush(self._prio, (s.priority, s.order, s))
+        else:
+            self._resumed.appendleft(s)
         self.stats.preempted += 1
 
     def _store_prompt(self, s: Seq) -> None:

@@ -69,12 +69,14 @@ class Seq:
     are read through `Core.generated` (they advance with the step counter)."""
 
     __slots__ = ("active", "adm", "admitted", "admitted_at", "cached_tokens", "capacity", "computed", "d0", "f", "g0",
-                 "generated", "hashes", "kind", "max_new", "n_first", "npinned", "private", "prompt_len", "rid", "state",
-                 "target", "uncached", "ver")
+                 "generated", "hashes", "kind", "max_new", "n_first", "npinned", "order", "priority", "private", "prompt_len",
+                 "rid", "state", "target", "uncached", "ver")
 
     def __init__(self, rid: Hashable, kind: Kind, prompt_len: int, hashes: Sequence[int], max_new: int,
-                 n_first: int = 0) -> None:
+                 n_first: int = 0, priority: int = 0) -> None:
         self.rid = rid
+        self.priority = priority  # vLLM's request priority: lower is served first; 0 for most
+        self.order = 0  # arrival number among the queued with a priority other than 0
         self.kind = kind
         self.prompt_len = prompt_len
         self.hashes = hashes  # hashes of the prompt's full hash blocks, in order

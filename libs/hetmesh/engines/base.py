@@ -36,6 +36,7 @@ class EngineRequest(Struct, kw_only=True):
     continued: int = 0
     # DECODE: the prefill output's kv_transfer_params (vLLM's hand-over), for the engine's KV connector.
     kv_transfer_params: dict[str, Any] | None = None
+    priority: int = 0  # protocol.InferenceRequest.priority: the engine's queue serves lower values first
 
 
 class EngineOutput(Struct, kw_only=True):

@@ -156,7 +156,7 @@ class SimEngine:
         max_new = 1 if kind == Kind.PREFILL else sampling.max_tokens
         if comp.finish_reason is not None:
             max_new = len(first)  # the first tokens already ended it: it finishes on admission
-        seq = Seq(rid, kind, len(request.prompt_tokens), request.block_hashes, max_new, len(first))
+        seq = Seq(rid, kind, len(request.prompt_tokens), request.block_hashes, max_new, len(first), request.priority)
         try:
             self.core.add(seq)
         except ValueError as exc:

@@ -71,6 +71,7 @@ def engine_args(c: VllmConfig, spool: Path) -> Any:
         model=c.model_dir, tokenizer=c.model_dir, dtype=c.dtype, max_model_len=c.max_model_len,
         block_size=c.block_size, max_num_seqs=c.max_batch, max_num_batched_tokens=c.step_tokens,
         enable_prefix_caching=True,
+        scheduling_policy="priority",  # the request's priority (InferenceRequest.priority); all 0 is first-come
         enforce_eager=c.enforce_eager, tensor_parallel_size=c.tensor_parallel_size,
         gpu_memory_utilization=c.gpu_memory_utilization, seed=c.seed, disable_log_stats=True,
         kv_transfer_config=kv_transfer,

@@ -164,7 +164,8 @@ class VllmEngine:
         from vllm.inputs import TokensPrompt
 
         try:
-            collector = await self.llm.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
+            collector = await self.llm.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params,
+                                                   priority=request.priority)
         except ValueError as exc:  # vLLM's own validation (e.g. token ids out of vocabulary)
             raise EngineError(str(exc)) from exc
         self._tracks[rid] = _Track(request, collector, path)

@@ -84,7 +84,7 @@ class Call:
         self.req = InferenceRequest(
             request_id=rid, model=model.name, prompt_tokens=prep.prompt_tokens,
             block_hashes=block_hashes(model.name, prep.prompt_tokens, model.block_size),
-            sampling=prep.sampling, reply_subject="", arrival_ts=time.time())
+            sampling=prep.sampling, reply_subject="", arrival_ts=time.time(), priority=prep.priority)
         self.box = Inbox()
         self.key = ""
         mesh = gw.cfg.mesh

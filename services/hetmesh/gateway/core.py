@@ -51,6 +51,7 @@ class Prepared:
     echo: str = ""  # completions' echo: the prompt's text comes first
     tools: ToolMode | None = None
     counts_prompt: bool = True  # its prompt counts in the usage (n > 1 counts each prompt once)
+    priority: int = 0  # vLLM's request priority (lower first in the engine's queue)
     extra: list[Prepared] = field(default_factory=list)  # the other choices (n > 1, a list of prompts)
 
 

@@ -160,7 +160,8 @@ def _fan_out(body: ChatCompletionRequest | CompletionRequest, prompts: list[tupl
             sp = _sampling(body, mt, logprobs, structured, choice_seed(body.seed, j, base_seed))  # per prompt, like vLLM
             if not skip_special_tokens:
                 sp = msgspec.structs.replace(sp, skip_special_tokens=False)
-            out.append(Prepared(tokens, sp, stream, usage, index=i, echo=echo, tools=tools, counts_prompt=j == 0))
+            out.append(Prepared(tokens, sp, stream, usage, index=i, echo=echo, tools=tools, counts_prompt=j == 0,
+                                priority=body.priority))
     first = out[0]
     first.extra = out[1:]
     return first

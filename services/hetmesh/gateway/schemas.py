@@ -122,6 +122,7 @@ class _Common(_Body):
     repetition_penalty: Annotated[Num, Field(gt=0.0, le=2.0)] | None = None
     min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
     stop_token_ids: list[StrictInt] | None = None
+    priority: StrictInt = 0  # vLLM's request priority: lower is served first in the engine's queue
 
     def stops(self) -> list[str]:
         if self.stop is None:

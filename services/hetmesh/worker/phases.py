@@ -56,7 +56,7 @@ class Phases:
         r = item.request
         return EngineRequest(request_id=r.request_id, prompt_tokens=r.prompt_tokens, block_hashes=r.block_hashes,
                              sampling=r.sampling, phase=item.phase, first_token_ids=first or [],
-                             continued=r.continued, kv_transfer_params=kv_transfer_params)
+                             continued=r.continued, kv_transfer_params=kv_transfer_params, priority=r.priority)
 
     async def submit(self, item: WorkItem, er: EngineRequest) -> bool:
         try:
