@@ -33,7 +33,7 @@ _seq = st.tuples(st.sampled_from([Kind.FULL, Kind.FULL, Kind.PREFILL, Kind.DECOD
                  st.integers(1, 40), st.integers(0, 3), st.integers(0, 2), st.sampled_from([0, 0, 0, -1, 1, 2]))
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(seqs=st.lists(_seq, min_size=1, max_size=16), kv_blocks=st.integers(24, 80),
        order=st.sampled_from(["fcfs", "shortest"]), aborts=st.sets(st.integers(0, 15), max_size=3),
        arrive_every=st.integers(0, 5))

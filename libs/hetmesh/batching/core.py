@@ -399,9 +399,11 @@ class Core:
             cache.private += n
             self._crossed = t
             return
-        # Short of memory: block by block, oldest first; preemption takes the newest (maybe the grower).
+        # Short of memory: block by block, the last to be preempted first; preemption takes the newest (of the
+        # highest priority value), maybe the grower, never one served before it in this loop (its block is taken).
         self._crossed = t - 1
-        growers = sorted((s for s in self.decoding.values() if s.active and s.f % bs == r), key=lambda s: s.adm)
+        growers = sorted((s for s in self.decoding.values() if s.active and s.f % bs == r),
+                         key=lambda s: (s.priority, s.adm))
         for s in growers:
             if s.state != _DECODING:
                 continue  # preempted by an older one's growth
