@@ -45,7 +45,7 @@ def one_slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 
 
 async def _served_order(client: openai.AsyncOpenAI, priorities: dict[str, int]) -> list[str]:
-    """A long request takes the slot; then the others arrive in the dict's order, 0.3 s apart, and queue."""
+    """A long request takes the slot (~4 s here); then the others arrive in the dict's order, 0.3 s apart, and queue."""
     done: list[str] = []
 
     async def one(name: str, priority: int, max_tokens: int) -> None:
@@ -53,7 +53,7 @@ async def _served_order(client: openai.AsyncOpenAI, priorities: dict[str, int]) 
                                         extra_body={"ignore_eos": True, "priority": priority})
         done.append(name)
 
-    stream = await client.completions.create(model="one-slot", prompt="the long one", max_tokens=400, stream=True,
+    stream = await client.completions.create(model="one-slot", prompt="the long one", max_tokens=120, stream=True,
                                              extra_body={"ignore_eos": True})
     first = await anext(aiter(stream))  # it runs: the slot is taken
     assert first.choices
