@@ -319,14 +319,9 @@ class CostPolicy:
             # best that fits, else the best
             out = next((m for m in (miss | (harm >= n_out), miss) if not m.all()), np.zeros_like(miss))
             j = int(np.argmin(np.where(out, np.inf, over)))
-            if over[j] > margin:  # the idle reference and the arrivals only when it could refuse
-                p = int(ip[j])
-                idle = self._idle(pr, ip, n_out, ttft_slo, tpot_slo)
-                busy = self._arrivals(pr.now, int(f.slots[p]), float(pr.pf[p]))
-                if not admit(float(over[j]), margin, idle, busy):
-                    return refusal(float(o_ttft[j]), float(o_tpot[j]) if n_out > 1 else 0.0, float(over[j]), margin,
-                                   ttft_slo, idle, req.waited_s, self.admission_hold_s,
-                                   quiet_s(float(over[j]), margin, idle, busy, self.window))
+            if over[j] > margin and (no := self._refusal(req, pr, ip, int(ip[j]), float(over[j]), float(o_ttft[j]),
+                                                         float(o_tpot[j]) if n_out > 1 else 0.0, margin)):
+                return no
         if self.objective == "latency":
             order = np.lexsort((o_e2e, o_ttft, harm > 0, np.maximum(over, 1.0), miss))
         else:  # the cluster-seconds this request costs: its own time plus the delay it puts on others
@@ -367,14 +362,24 @@ class CostPolicy:
         over = over_slo(ttft + req.waited_s, tpot, n_out, ttft_slo, tpot_slo)
         if margin is None:
             margin = self.admission_margins.get(req.model, self.admission_margin)
-        if margin > 0 and over > margin:
-            idle = self._idle(pr, pr.pre, n_out, ttft_slo, tpot_slo)
-            busy = self._arrivals(pr.now, int(self._fleet.slots[p]), float(pr.pf[p]))
-            if not admit(over, margin, idle, busy):
-                return refusal(ttft, tpot, over, margin, ttft_slo, idle, req.waited_s, self.admission_hold_s,
-                               quiet_s(over, margin, idle, busy, self.window))
+        if margin > 0 and over > margin and (no := self._refusal(req, pr, pr.pre, p, over, ttft, tpot, margin)):
+            return no
         self._commit(int(self._fleet.slots[p]), float(pr.pf[p]), pr.now)
         return msgspec.structs.replace(decision, predicted_ttft_s=ttft, predicted_tpot_s=tpot)
+
+    def _refusal(self, req: RequestInfo, pr: _Priced, prefills: np.ndarray, p: int, over: float, ttft: float,
+                 tpot: float, margin: float) -> Decision | None:
+        """Admission's rule for a placement over `margin` (prefill worker p; its predictions): None if the idle
+        exception admits it, else the refusal. The idle reference (over `prefills`) and the arrivals at p are
+        worked out only here, when it could refuse."""
+        n_out = max(req.max_tokens, 1)
+        ttft_slo, tpot_slo = self._slo(req.model)
+        idle = self._idle(pr, prefills, n_out, ttft_slo, tpot_slo)
+        busy = self._arrivals(pr.now, int(self._fleet.slots[p]), float(pr.pf[p]))
+        if admit(over, margin, idle, busy):
+            return None
+        return refusal(ttft, tpot, over, margin, ttft_slo, idle, req.waited_s, self.admission_hold_s,
+                       quiet_s(over, margin, idle, busy, self.window))
 
     def _guarded(self, pr: _Priced, slot_p: int, slot_d: int, p: int, d: int, n_out: int, start: float,
                  tpot_slo: float) -> None:
