@@ -79,8 +79,8 @@ def one(model: str, dtype: str, prompts_path: str, tokens: int, ks: list[int], c
         conts = run([[*prompts[i], *ids[:k]] for k in ks], [tokens - k for k in ks])
         for k, (cids, clps, ctext) in zip(ks, conts, strict=True):
             ctx = [*prompts[i], *ids[:k]]
-            head = _stepped(tok, prompts[i], ids[:k])  # what the stream had sent before the move
-            want = _stepped(tok, prompts[i], ids[:k] + cids)  # an undisturbed detokenizer, the same tokens
+            head = vllm_detok.stepped_text(tok, prompts[i], ids[:k])  # what the stream had sent before the move
+            want = vllm_detok.stepped_text(tok, prompts[i], ids[:k] + cids)  # an undisturbed detokenizer, the same tokens
             native = _DecodeStream(ids=ctx, skip_special_tokens=True)
             native_text = "".join(x for t in cids if (x := native.step(tok, t)) is not None)
             tail = ids[k:]
@@ -95,14 +95,6 @@ def one(model: str, dtype: str, prompts_path: str, tokens: int, ks: list[int], c
                           "mid_character": tok.decode(ctx).endswith("\ufffd"), "text_joins": head + ctext == want,
                           "native_text_joins": head + native_text == want})
     return {"dtype": dtype, "cases": cases}
-
-
-def _stepped(tok: Any, prompt: list[int], out: list[int]) -> str:
-    """The text of `out` after `prompt` as a stream detokenizes it from the start: every token stepped."""
-    s = _DecodeStream(skip_special_tokens=True)
-    for t in prompt:
-        s.step(tok, t)
-    return "".join(x for t in out if (x := s.step(tok, t)) is not None)
 
 
 def _margin(step: dict[int, float]) -> float:

@@ -12,10 +12,9 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from tokenizers import Tokenizer
-from tokenizers.decoders import DecodeStream
 
 from hetmesh.engines.base import EngineOutput, EngineRequest
-from hetmesh.engines.vllm_detok import PrimedDecodeStream
+from hetmesh.engines.vllm_detok import PrimedDecodeStream, stepped_text
 from hetmesh.engines.vllm_engine import VllmConfig, VllmEngine
 from hetmesh.kvindex.blocks import block_hashes
 from hetmesh.protocol import Phase, SamplingParams
@@ -214,14 +213,6 @@ async def test_abort_frees_the_engines_blocks(engines: tuple[VllmEngine, VllmEng
     assert a.stats().aborted >= 1
 
 
-def _stepped(tok: Tokenizer, prompt: list[int], out: list[int]) -> str:
-    """The text of `out` after `prompt`, as an undisturbed stream detokenizes it: every token stepped."""
-    s = DecodeStream(skip_special_tokens=True)
-    for t in prompt:
-        s.step(tok, t)
-    return "".join(x for t in out if (x := s.step(tok, t)) is not None)
-
-
 def test_primed_detokenizer_equals_stepping_at_every_cut(tiny_model: Path) -> None:
     """A continuation's prompt may end anywhere in a character (a migration, a decode worker's prompt + first
     token): at every cut of a byte-heavy text, the primed stream gives what stepping every token gives."""
@@ -231,7 +222,7 @@ def test_primed_detokenizer_equals_stepping_at_every_cut(tiny_model: Path) -> No
     for cut in range(1, len(ids)):
         primed = PrimedDecodeStream(ids=ids[:cut], skip_special_tokens=True)
         got = "".join(x for t in ids[cut:] if (x := primed.step(tok, t)) is not None)
-        assert got == _stepped(tok, ids[:cut], ids[cut:]), cut
+        assert got == stepped_text(tok, ids[:cut], ids[cut:]), cut
         unfinished += tok.decode(ids[:cut]).endswith("\ufffd")
     assert unfinished >= 5  # the cases that matter were there: cuts inside a character
 
@@ -249,4 +240,4 @@ async def test_completion_after_a_prompt_ending_mid_character(engines: tuple[Vll
     outs = [o async for o in a.stream("mid-char")]
     ids = [t for o in outs for t in o.token_ids]
     assert len(ids) == MAX_TOKENS
-    assert "".join(o.text for o in outs) == _stepped(tok, prompt, ids)
+    assert "".join(o.text for o in outs) == stepped_text(tok, prompt, ids)

@@ -57,5 +57,14 @@ class PrimedDecodeStream:
         return self._stream.step(tokenizer, token_id)
 
 
+def stepped_text(tokenizer: Any, prompt: list[int], out: list[int]) -> str:
+    """The text of `out` after `prompt` as a stream that stepped every token from the start sends it: what the
+    primer must reproduce (tests, benchmarks/vllm_migration_numerics.py)."""
+    s = _NATIVE(skip_special_tokens=True)
+    for t in prompt:
+        s.step(tokenizer, t)
+    return "".join(x for t in out if (x := s.step(tokenizer, t)) is not None)
+
+
 def install() -> None:
     tokenizers.decoders.DecodeStream = PrimedDecodeStream  # type: ignore[misc]
