@@ -18,7 +18,7 @@ from typing import Any
 
 from hetmesh.costmodel import accelerators
 from hetmesh.costmodel.economics import device_usd_per_hour
-from hetmesh.planner import ModelDemand, ServerGroup, demand_from_trace
+from hetmesh.planner import ModelDemand, ServerGroup, demand_from_trace, length_buckets
 from hetmesh.planner.buy import calibrate, cheapest, reprice, restrict
 from hetmesh.planner.plan import options
 from hetmesh.protocol import Role
@@ -32,6 +32,7 @@ SWEPT = "amd-mi300x"  # the kind that is the best value at its assumed price
 SWEEP_USD = (4.5,)  # $/device-h simulated besides the assumed price (the steady state sweeps CLOSED_FORM_USD)
 CLOSED_FORM_USD = tuple(x / 2 for x in range(4, 17))  # $2 to $8 per device-hour, steady state only
 ATTAINMENT = 0.9
+BUCKETS = (1, 2, 3, 4)  # prompt x output length quantile buckets per model, each way, for the bucketed bound
 PRUNE = 2.0  # a single kind this many times dearer than the best one in the steady state is not simulated
 
 
@@ -205,5 +206,13 @@ def part_value(n: int, scale: float, long_n: int) -> dict[str, Any]:
                                  round(d.prefix_hit, 2)) for d in demands],
                     "catalog": value(catalog, demands, PURCHASE),
                     "nvidia_only": {k: v for k, v in value(NVIDIA, demands, NVIDIA).items() if k != "table"},
-                    "price_sweep": _bound_sweep(demands)}
+                    "price_sweep": _bound_sweep(demands),
+                    "length_buckets": [_bucketed(tr, demands, b) for b in BUCKETS]}
     return out
+
+
+def _bucketed(tr: Trace, demands: Sequence[ModelDemand], n: int) -> dict[str, Any]:
+    v = value(PURCHASE, [b for d in demands for b in length_buckets(tr, d, n)], PURCHASE)
+    return {"buckets_per_model": n * n, "best_single_kind": v["best_single_kind"],
+            "best_single_usd_h": round(v["best_single_usd_h"], 1), "specialised_usd_h": round(v["specialised_usd_h"], 1),
+            "saving_bound": round(v["saving_bound"], 3)}

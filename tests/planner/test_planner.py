@@ -18,6 +18,7 @@ from hetmesh.planner import (
     demand_from_trace,
     demand_trace,
     evaluate,
+    length_buckets,
     moves,
     options,
     plan,
@@ -168,6 +169,24 @@ def test_demand_from_a_trace_window() -> None:
     tr = demand_trace([_demand(2.0), ModelDemand(name="q", spec="qwen3-32b", rate=1.0, input_mean=64,
                                                   output_mean=8)], 50.0)
     assert {r.model for r in tr.requests} == {"m", "q"}
+
+
+def test_length_buckets_split_the_rate_and_keep_the_means() -> None:
+    # prompts 100..1000 (short outputs for short prompts), a second model's requests ignored
+    reqs = [TraceRequest(float(i), 100 * (i % 10 + 1), 4 if i % 10 < 5 else 40, (), "m") for i in range(40)]
+    reqs.append(TraceRequest(40.0, 99_999, 1, (), "other"))
+    tr = Trace(reqs)
+    d = demand_from_trace(tr, name="m", spec="llama-3.1-70b")
+    assert length_buckets(tr, d, 1) == [msgspec.structs.replace(d, name="m[0,0]")]
+    got = length_buckets(tr, d, 2)
+    # the prompt and output medians cut the same requests: two shapes, not four
+    assert [b.name for b in got] == ["m[0,0]", "m[1,1]"]
+    assert sum(b.rate for b in got) == pytest.approx(d.rate)
+    assert sum(b.rate * b.input_mean for b in got) / d.rate == pytest.approx(d.input_mean)
+    assert (got[0].input_mean, got[0].output_mean, got[1].input_mean, got[1].output_mean) == (300, 4, 800, 40)
+    assert all(b.ttft_slo_s == d.ttft_slo_s and b.spec == d.spec for b in got)
+    with pytest.raises(ValueError, match="no requests"):
+        length_buckets(tr, msgspec.structs.replace(d, name="absent"), 2)
 
 
 def test_cheapest_purchase_meets_the_slos() -> None:

@@ -7,7 +7,7 @@ which chips to buy, from the cost model, checked by the simulator.
              [ModelDemand(name="r1", spec="deepseek-r1", rate=0.5, input_mean=2048, output_mean=256)])
 """
 
-from hetmesh.planner.inputs import ModelDemand, ServerGroup, demand_from_trace
+from hetmesh.planner.inputs import ModelDemand, ServerGroup, demand_from_trace, length_buckets
 from hetmesh.planner.plan import (
            Assignment,
            CandidateResult,
@@ -21,4 +21,4 @@ from hetmesh.planner.plan import (
 )
 
 __all__ = ["Assignment", "CandidateResult", "ModelDemand", "Move", "Plan", "ServerGroup", "demand_from_trace",
-           "demand_trace", "evaluate", "moves", "options", "plan"]
+           "demand_trace", "evaluate", "length_buckets", "moves", "options", "plan"]

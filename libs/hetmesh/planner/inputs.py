@@ -78,3 +78,29 @@ def demand_from_trace(trace: Trace, *, name: str, spec: str, ttft_slo_s: float =
                        output_mean=sum(r.output_len for r in reqs) / len(reqs),
                        prefix_hit=hit / total if total else 0.0, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s,
                        priority=priority, dtype=dtype, peak_rate=max(peak, len(reqs) / span))
+
+
+def length_buckets(trace: Trace, demand: ModelDemand, n: int) -> list[ModelDemand]:
+    """Mélange's request-size buckets: `demand`'s requests in `trace` split at their prompt- and
+    output-length quantiles into up to n x n shapes, each with its share of the rate and its own mean
+    lengths (same model and SLOs; names "model[i,j]"). Priced at the mean request, a kind's cost misses
+    what the long tail costs it; bucketed, a kind can be cheapest for some shapes of a model only."""
+    reqs = [r for r in trace.requests if (r.model or demand.name) == demand.name]
+    if not reqs:
+        raise ValueError(f"no requests for model {demand.name!r} in the trace")
+    ins = np.array([r.input_len for r in reqs], dtype=float)
+    outs = np.array([r.output_len for r in reqs], dtype=float)
+    cuts = np.linspace(0.0, 1.0, n + 1)[1:-1]
+    bi = np.searchsorted(np.quantile(ins, cuts), ins, side="right")
+    bo = np.searchsorted(np.quantile(outs, cuts), outs, side="right")
+    out = []
+    for i in range(n):
+        for j in range(n):
+            sel = (bi == i) & (bo == j)
+            if sel.any():
+                share = float(sel.mean())
+                out.append(msgspec.structs.replace(demand, name=f"{demand.name}[{i},{j}]", rate=demand.rate * share,
+                                                   peak_rate=demand.peak_rate * share,
+                                                   input_mean=float(ins[sel].mean()),
+                                                   output_mean=float(outs[sel].mean())))
+    return out
