@@ -241,6 +241,9 @@ class Heartbeat(Struct, kw_only=True):
     # move is over; the first heartbeat after it says the new model, and neither moving field.
     moving_model: str = ""
     ready_in_s: float = 0.0  # moving: about how long until it serves again (wall seconds; 0: not moving)
+    # This run of the worker process (new at every start): a worker back under the same id faster than the
+    # heartbeat timeout holds none of what its last run held, and only this tells the scheduler so.
+    instance: str = ""
 
 
 class KvEvent(Struct, kw_only=True):

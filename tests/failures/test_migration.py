@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import httpx
+import msgspec
 import nats
 import pytest
 
@@ -74,6 +75,55 @@ async def test_aggregated_stream_survives_its_worker_sigkilled_mid_decode(mesh: 
 
 async def test_disaggregated_stream_survives_its_decode_worker_sigkilled(mesh: Mesh, events: EventLog) -> None:
     await sigkill_mid_decode(mesh, events, "pd", "a disaggregated stream whose decode worker dies ")
+
+
+async def test_a_worker_back_before_its_heartbeats_expire_still_loses_its_streams(mesh: Mesh,
+                                                                                  events: EventLog) -> None:
+    """A worker SIGKILLed and back under the same id within the heartbeat timeout (a supervisor or a
+    container restart policy; the soak's restarts take ~1.5 s against a 2 s timeout) never goes silent long
+    enough to expire, but the new run holds none of the old one's streams: its heartbeats name another
+    `instance`, the scheduler counts the old run lost, and the stream moves on at once. So that the restart
+    always beats the timeout here, the new run's heartbeats are bridged from the moment the old run dies
+    (its last heartbeat with a new instance, every heartbeat interval) until the real process, started
+    after the stream, sends its own."""
+    nc = await nats.connect(mesh.nats_url)
+    beats: dict[str, Heartbeat] = {}
+
+    async def on_beat(m: Any) -> None:
+        hb = decode(m.data, Heartbeat)
+        beats[hb.worker_id] = hb
+
+    await nc.subscribe(subjects.HEARTBEAT_ALL, cb=on_beat)
+    victims: list[str] = []
+    bridges: list[asyncio.Task[None]] = []
+
+    async def bridge(last: Heartbeat) -> None:
+        while beats[last.worker_id].instance in (last.instance, "next-run"):
+            await nc.publish(subjects.heartbeat(last.worker_id),
+                             encode(msgspec.structs.replace(last, instance="next-run", ts=time.time())))
+            await asyncio.sleep(mesh.cfg.mesh.heartbeat_interval_s)
+
+    async def restart_at_3(sse: Sse) -> bool:
+        if len(sse.chunks) == 3:
+            victims.append(await victim_of(events, sse))
+            mesh.kill(f"worker:{victims[0]}")
+            assert beats[victims[0]].instance
+            bridges.append(asyncio.create_task(bridge(beats[victims[0]])))
+        return True
+
+    prompt = "a stream whose worker comes straight back "
+    try:
+        sse = await stream(mesh, "agg", prompt, N, restart_at_3)
+        assert not sse.errors, sse.errors
+        assert sse.done and sse.text == expected_text(prompt, N)
+        moved = await events.wait_for(sse.request_id, "migrated", timeout_s=5)  # not a redelivery to the new run
+        assert moved.detail["lost_worker"] == victims[0] and moved.detail["reason"] == "worker_lost"
+    finally:
+        if victims:
+            await asyncio.to_thread(respawn, mesh, f"worker:{victims[0]}")
+        for t in bridges:
+            await asyncio.wait_for(t, 10)
+        await nc.close()
 
 
 async def test_sigterm_drain_hands_an_unfinished_stream_over_and_exits_0(mesh: Mesh, events: EventLog) -> None:

@@ -1,3 +1,5 @@
+import msgspec
+
 from hetmesh.placement import ClusterState, LeastLoaded, PrefixAware, RequestInfo, RoundRobin, make_policy
 from hetmesh.protocol import Heartbeat, Role
 
@@ -66,6 +68,19 @@ def test_expire_drops_silent_workers() -> None:
     s.observe(hb("b"), now=0.8)
     assert s.expire(now=1.5) == ["a"]
     assert [v.worker_id for v in s.views()] == ["b"]
+
+
+def test_a_heartbeat_from_another_run_of_a_known_worker_is_a_restart() -> None:
+    s = ClusterState(heartbeat_timeout_s=1.0)
+    first = msgspec.structs.replace(hb("a"), instance="run-1")
+    assert s.observe(first, now=0.0) == "joined"
+    assert s.observe(first, now=0.5) == ""
+    assert s.observe(msgspec.structs.replace(first, instance="run-2"), now=0.9) == "restarted"
+    assert s.observe(msgspec.structs.replace(first, instance="run-2"), now=1.2) == ""
+    # a worker that names no run (an older build) is never taken for restarted
+    assert s.observe(hb("b"), now=0.0) == "joined"
+    assert s.observe(msgspec.structs.replace(hb("b"), instance="run-1"), now=0.1) == ""
+    assert s.expire(now=2.0) == ["b"]  # its silence still expires it
 
 
 def test_unknown_policy_is_a_clear_error() -> None:

@@ -91,12 +91,16 @@ class ClusterState:
         self._workers: dict[str, _Entry] = {}
         self._views: list[WorkerView] | None = None
 
-    def observe(self, hb: Heartbeat, now: float) -> bool:
-        """Fold a heartbeat in; True when the worker is new."""
-        new = hb.worker_id not in self._workers
+    def observe(self, hb: Heartbeat, now: float) -> str:
+        """Fold a heartbeat in: "joined" for a worker not known, "restarted" for a known one whose heartbeat
+        names another run of its process (`Heartbeat.instance`: it came back faster than the heartbeat
+        timeout and holds nothing the last run held), else ""."""
+        old = self._workers.get(hb.worker_id)
         self._workers[hb.worker_id] = _Entry(hb, now)
         self._views = None
-        return new
+        if old is None:
+            return "joined"
+        return "restarted" if old.hb.instance and hb.instance and old.hb.instance != hb.instance else ""
 
     def assigned(self, decision: Decision) -> None:
         for w in decision.workers:

@@ -158,8 +158,11 @@ class Scheduler:
             self.draining.add(hb.worker_id)
         elif self.draining:
             self.draining.discard(hb.worker_id)
-        if self.state.observe(hb, time.monotonic()):
-            log.info("worker %s joined (%s x%d, %s)", hb.worker_id, hb.accelerator, hb.devices, hb.role)
+        seen = self.state.observe(hb, time.monotonic())
+        if seen == "restarted":  # back before its silence expired: the last run's requests are lost all the same
+            await self.worker_lost(hb.worker_id)
+        if seen:
+            log.info("worker %s %s (%s x%d, %s)", hb.worker_id, seen, hb.accelerator, hb.devices, hb.role)
             await self._event("", "worker_joined", worker_id=hb.worker_id, accelerator=hb.accelerator)
 
     async def _on_reconnect(self) -> None:

@@ -70,6 +70,7 @@ class Worker:
                  engine: Engine | None = None) -> None:
         self.cfg = cfg
         self.worker_id = worker_id
+        self.instance = os.urandom(6).hex()  # this run's, in every heartbeat (Heartbeat.instance)
         self.group = cfg.group_of(worker_id)
         self.role = Role(role or self.group.role)
         self.model = cfg.model(self.group.model)
@@ -423,7 +424,7 @@ class Worker:
             kv_endpoint=self.kv_port.endpoint if self.kv_port is not None else "", parallel=g.parallel,
             step_tokens=g.step_tokens, draining=self.book.draining,
             moving_to=self.switch.moving_to.value if self.switch.moving_to is not None else "",
-            moving_model=self.switch.moving_model, ready_in_s=self.switch.ready_in_s()))
+            moving_model=self.switch.moving_model, ready_in_s=self.switch.ready_in_s(), instance=self.instance))
 
     async def _heartbeat_loop(self) -> None:
         while True:
