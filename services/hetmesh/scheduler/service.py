@@ -366,6 +366,9 @@ class Scheduler:
     async def _dispatch(self, req: InferenceRequest, d: Decision, placement: Placement,
                         headers: dict[str, str] | None) -> None:
         self.state.assigned(d)
+        # A new attempt replaces the last one: its workers no longer hold the request (were one of them lost or
+        # back as a new run, it must not send this attempt a WorkerLost)
+        self._forget(req.request_id)
         workers = set(d.workers)
         self.inflight[req.request_id] = _InFlight(req.reply_subject, workers)
         for w in workers:
