@@ -247,6 +247,14 @@ class WorkerGroup(Struct, kw_only=True, forbid_unknown_fields=True):
     def vendor(self) -> str:
         return self.accelerator.split("-", 1)[0]
 
+    def layout_problem(self) -> str:
+        """Why this group's engine cannot run its parallel layout ("" when it can): the vllm engine runs
+        tensor parallel over the devices only (vLLM's expert and data parallel are not wired here)."""
+        if self.engine == "vllm" and self.parallel != "tp" and self.devices > 1:
+            return (f"worker group {self.name!r}: engine vllm runs parallel = \"tp\" over its {self.devices} devices "
+                    f"only, not {self.parallel!r}")
+        return ""
+
     def worker_ids(self) -> list[str]:
         return [f"{self.name}-{i}" for i in range(self.count)]
 
@@ -338,6 +346,8 @@ class ClusterConfig(Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ValueError(f"worker group {g.name!r}: step_tokens must be >= max_batch")
             if g.parallel not in ("tp", "ep", "dp") or g.prefill_order not in ("fcfs", "shortest"):
                 raise ValueError(f"worker group {g.name!r}: parallel is tp | ep | dp, prefill_order fcfs | shortest")
+            if why := g.layout_problem():
+                raise ValueError(why)
         if self.scheduler.options:  # checked here so every service refuses the file, not just the scheduler
             from hetmesh.placement.policies import check_options  # imports the protocol, not this module
 

@@ -114,6 +114,7 @@ class WorkerStatus(Struct, kw_only=True):
     draining: bool = False
     moving_to: str = ""  # the role it is switching to (the planner's RoleSwitch or ModelSwitch); empty: not moving
     moving_model: str = ""  # the model it is switching to (ModelSwitch: drain, reload); empty: it keeps its model
+    parallel: str = "tp"  # its layout over its devices now (tp | ep | dp; a ModelSwitch may change it)
 
 
 class SchedulerStatus(Struct, kw_only=True):
@@ -386,8 +387,9 @@ class RoleSwitch(Struct, frozen=True, kw_only=True, tag="role_switch"):
 
 
 class ModelSwitch(Struct, frozen=True, kw_only=True, tag="model_switch"):
-    """Planner -> one worker on `hetmesh.worker.command.<worker_id>`: serve `model` in `role` from now on. The
-    worker drains (finishes or hands over what it holds), releases its engine, loads the model's, rejoins."""
+    """Planner -> one worker on `hetmesh.worker.command.<worker_id>`: serve `model` in `role` (and `parallel`, the
+    layout over its devices) from now on. The worker drains (finishes or hands over what it holds), releases
+    its engine, loads the model's in that layout, rejoins. A layout change of the same model is a reload too."""
 
     worker_id: str
     model: str
@@ -395,6 +397,7 @@ class ModelSwitch(Struct, frozen=True, kw_only=True, tag="model_switch"):
     planner: str  # the instance that holds the lease
     reason: str = ""
     seconds: float = 0.0  # the planner's estimate of the move (drain + weights / storage bandwidth)
+    parallel: str = ""  # tp | ep | dp after the move; empty: keep the worker's
 
 
 WorkerCommand = RoleSwitch | ModelSwitch  # the body of every `hetmesh.worker.command.<worker_id>` message

@@ -54,9 +54,9 @@ async def switch(nc: Any, worker_id: str, role: Role) -> None:
                                                                           planner="test")))
 
 
-async def move(nc: Any, worker_id: str, model: str, role: Role) -> None:
+async def move(nc: Any, worker_id: str, model: str, role: Role, parallel: str = "") -> None:
     await nc.publish(subjects.worker_command(worker_id), encode(ModelSwitch(
-        worker_id=worker_id, model=model, role=role, planner="test")))
+        worker_id=worker_id, model=model, role=role, planner="test", parallel=parallel)))
 
 
 async def settled(nc: Any, ok: Callable[[dict[str, WorkerStatus]], bool], timeout_s: float) -> SchedulerStatus:
@@ -86,11 +86,13 @@ async def bus(mesh: Mesh) -> AsyncIterator[Any]:
     yield nc
     # back to the cluster file's layout, whatever a test or a planner did
     want = {wid: (g.model, g.role) for g in mesh.cfg.workers for wid in g.worker_ids()}
+    layout = {wid: g.parallel for g in mesh.cfg.workers for wid in g.worker_ids()}
     st = await settled(nc, lambda got: not any(w.moving_to for w in got.values()), 60)  # moves under way end first
     for w in st.details:
-        if (w.model, w.role) != want[w.worker_id]:
-            await move(nc, w.worker_id, *want[w.worker_id])
-    await layout_settles(nc, want, 60)
+        if (w.model, w.role, w.parallel) != (*want[w.worker_id], layout[w.worker_id]):
+            await move(nc, w.worker_id, *want[w.worker_id], layout[w.worker_id])
+    await settled(nc, lambda got: all(w in got and (got[w].model, got[w].role, got[w].parallel) == (*mr, layout[w])
+                                      and not got[w].moving_to for w, mr in want.items()), 60)
     await nc.close()
 
 
@@ -216,6 +218,32 @@ async def test_model_switch_under_load(mesh: Mesh, events: EventLog, bus: Any) -
     assert [(e.detail["worker_id"], e.detail["from_model"], e.detail["to_model"]) for e in mine] == [
         ("h100-0", "agg", "pd"), ("h100-1", "agg", "pd"), ("h100-0", "pd", "agg")]
     assert all(float(e.detail["load_seconds"]) > 0 for e in mine)
+
+
+async def test_layout_switch_reloads_in_the_new_layout(mesh: Mesh, events: EventLog, bus: Any) -> None:
+    """A ModelSwitch with the worker's own model and another parallel layout reloads it in that layout (the
+    planner sends one for a multi-device worker whose plan changes tp / ep / dp): its heartbeats say the new
+    layout, the scheduler prices it so, and it serves on. A layout that is none of tp, ep, dp is refused."""
+    since = time.time()
+    await move(bus, "h100-0", "agg", Role.BOTH, "zz")
+    refused = await until_event(events, "model_switch_refused", since)
+    assert "parallel 'zz'" in str(refused.detail["reason"]) and refused.detail["worker_id"] == "h100-0"
+    await move(bus, "h100-0", "agg", Role.BOTH, "dp")
+    await settled(bus, lambda got: got["h100-0"].parallel == "dp" and not got["h100-0"].moving_to, 30)
+    done = await until_event(events, "model_switched", since)
+    assert (done.detail["from_parallel"], done.detail["to_parallel"], done.detail["to_model"]) == ("tp", "dp", "agg")
+    prompts = [f"served in the new layout {i}" for i in range(4)]
+    for got, p in zip(await asyncio.gather(*(stream(mesh, "agg", p, 8) for p in prompts)), prompts, strict=True):
+        check(got, p, 8)
+
+
+async def until_event(events: EventLog, kind: str, since: float, timeout_s: float = 20) -> Any:
+    async with asyncio.timeout(timeout_s):
+        while True:
+            for e in events.events:
+                if e.kind == kind and e.ts >= since:
+                    return e
+            await asyncio.sleep(0.05)
 
 
 async def refused_while(mesh: Mesh, nc: Any, model: str, moving: Callable[[dict[str, WorkerStatus]], bool],

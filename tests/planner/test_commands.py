@@ -1,6 +1,6 @@
 """The live planner's commands (pure): one plan over the whole fleet moves a worker to the model with the
 traffic (a ModelSwitch priced as drain + weights / storage bandwidth); role moves stay RoleSwitches; a
-layout change a worker cannot make live is not sent."""
+multi-device worker's layout change is a ModelSwitch too; a stop is not sent."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def test_fleet_plan_moves_a_worker_to_the_busy_model_priced_with_the_reload(cfg:
     assert seen == [(["h-0", "h-1", "g-0"], ["a", "b"])]
     (p,) = plans.values()
     cmds = commands(p)
-    to_b = [(w, m, mv) for w, _r, m, mv in cmds if m == "b"]
+    to_b = [(c.worker_id, c.model, c.move) for c in cmds if c.model == "b"]
     assert to_b and all(w.startswith("h-") for w, _m, _mv in to_b)
     load_s = server_model("nvidia-h100", "llama-3.1-8b").weights_bytes() / 5e9
     assert all(mv.change == "reload" and mv.seconds >= load_s for _w, _m, mv in to_b)
@@ -91,18 +91,23 @@ def _plan(moves: list[Move], after: list[Assignment]) -> Plan:
     return Plan(assignments=after, moves=moves, chosen="x", predicted={}, candidates=[], served={}, headroom=0.0)
 
 
-def test_commands_role_and_model_moves_but_no_layout_change_or_stop() -> None:
+def test_commands_role_model_and_layout_moves_but_no_stop() -> None:
     after = [Assignment("w1-0", "w1", "nvidia-h100", 1, "a", Role.PREFILL, "tp"),
              Assignment("w2-0", "w2", "nvidia-h100", 1, "b", Role.DECODE, "tp"),
-             Assignment("w3-0", "w3", "nvidia-h200", 8, "b", Role.BOTH, "ep"),  # 8 devices, tp -> ep: not live
+             Assignment("w3-0", "w3", "nvidia-h200", 8, "b", Role.BOTH, "ep"),  # 8 devices, a/tp -> b/ep
              Assignment("w4-0", "w4", "nvidia-h200", 8, "b", Role.BOTH, "tp"),
-             Assignment("w5-0", "w5", "nvidia-h100", 1, "", Role.BOTH, "tp")]
+             Assignment("w5-0", "w5", "nvidia-h100", 1, "", Role.BOTH, "tp"),
+             Assignment("w6-0", "w6", "nvidia-h200", 8, "a", Role.PREFILL, "dp"),  # same model, tp -> dp
+             Assignment("w7-0", "w7", "nvidia-h100", 1, "a", Role.DECODE, "dp")]  # one device: a role switch
     moves = [Move("w1-0", "role", "a/both/tp", "a/prefill/tp", 3.0),
              Move("w2-0", "reload", "a/both/tp", "b/decode/tp", 9.0),
              Move("w3-0", "reload", "a/both/tp", "b/both/ep", 40.0),
              Move("w4-0", "reload", "a/both/tp", "b/both/tp", 40.0),
-             Move("w5-0", "stop", "a/both/tp", "idle", 3.0)]
-    got = [(w, r, m, mv.change) for w, r, m, mv in commands(_plan(moves, after))]
-    assert got == [("w1", Role.PREFILL, "", "role"), ("w2", Role.DECODE, "b", "reload"),
-                   ("w4", Role.BOTH, "b", "reload")]
-    assert [w for w, *_ in model_moves(_plan(moves, after))] == ["w2", "w4"]
+             Move("w5-0", "stop", "a/both/tp", "idle", 3.0),
+             Move("w6-0", "reload", "a/prefill/tp", "a/prefill/dp", 30.0),
+             Move("w7-0", "reload", "a/both/tp", "a/decode/dp", 3.0)]
+    got = [(c.worker_id, c.role, c.model, c.parallel, c.move.change) for c in commands(_plan(moves, after))]
+    assert got == [("w1", Role.PREFILL, "", "", "role"), ("w7", Role.DECODE, "", "", "role"),
+                   ("w2", Role.DECODE, "b", "tp", "reload"), ("w3", Role.BOTH, "b", "ep", "reload"),
+                   ("w4", Role.BOTH, "b", "tp", "reload"), ("w6", Role.PREFILL, "a", "dp", "reload")]
+    assert [c.worker_id for c in model_moves(_plan(moves, after))] == ["w2", "w3", "w4", "w6"]

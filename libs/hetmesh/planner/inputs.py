@@ -16,7 +16,8 @@ BURST_WINDOW_S = 30.0  # bursts shorter than this are what queues absorb; longer
 
 
 class ServerGroup(msgspec.Struct, frozen=True, kw_only=True):
-    """`count` identical servers. `model` / `role` / `parallel`: what they run now ("" model: nothing)."""
+    """`count` identical servers. `model` / `role` / `parallel`: what they run now ("" model: nothing).
+    `layouts`: the parallel layouts their engine can run (the vllm engine: tp only over several devices)."""
 
     name: str
     accelerator: str
@@ -27,6 +28,7 @@ class ServerGroup(msgspec.Struct, frozen=True, kw_only=True):
     parallel: str = "tp"
     max_batch: int = 64
     step_tokens: int = 8192
+    layouts: tuple[str, ...] = ("tp", "ep", "dp")
 
     def server_ids(self) -> list[str]:
         return [f"{self.name}-{i}" for i in range(self.count)]

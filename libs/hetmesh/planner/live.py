@@ -3,8 +3,8 @@ turned into planner input, and which of a plan's moves to send now.
 
 The planner service (services/hetmesh/planner_service) is the shell: it feeds these with the scheduler's
 status and demand reports, runs `hetmesh.planner.plan` per model (role moves: `RoleSwitch`) or over the
-whole fleet (`planner.scope = fleet`, hetmesh.planner.commands: model moves too, `ModelSwitch`). A change
-of a multi-device worker's parallel layout, or a stop, is reported, not made.
+whole fleet (`planner.scope = fleet`, hetmesh.planner.commands: model moves too, `ModelSwitch`). A
+multi-device worker's change of parallel layout is a `ModelSwitch` (a reload); a stop is reported, not made.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import msgspec
 
 from hetmesh.config import ClusterConfig
+from hetmesh.costmodel.model import PARALLEL
 from hetmesh.planner.forecast import forecast_value
 from hetmesh.planner.inputs import ModelDemand, ServerGroup
 from hetmesh.planner.plan import Move, Plan
@@ -141,7 +142,9 @@ def fleet(workers: Iterable[WorkerStatus], cfg: ClusterConfig, model: str) -> li
         except KeyError:  # a worker of another cluster file: the planner cannot price what it does not know
             continue
         out.append(ServerGroup(name=w.worker_id, accelerator=w.accelerator, devices=w.devices, count=1, model=model,
-                               role=w.role, parallel=g.parallel, max_batch=g.max_batch, step_tokens=g.step_tokens))
+                               role=w.role, parallel=w.parallel, max_batch=g.max_batch, step_tokens=g.step_tokens,
+                               layouts=tuple(p for p in PARALLEL
+                                             if not msgspec.structs.replace(g, parallel=p).layout_problem())))
     return out
 
 
@@ -163,7 +166,8 @@ def demand(stats: ModelDemandStats, cfg: ClusterConfig) -> ModelDemand | None:
 
 def role_moves(p: Plan) -> list[tuple[str, Role, Move]]:
     """(worker id, new role, move) for each role switch of the plan. A layout change on one device (tp, ep
-    and dp are the same there) is a role switch too; other reloads and stops are not made live."""
+    and dp are the same there) is a role switch too; other reloads are model switches
+    (hetmesh.planner.commands), stops are not made live."""
     new = {a.server: a for a in p.assignments}
     out = []
     for mv in p.moves:

@@ -81,7 +81,7 @@ def options(groups: Sequence[ServerGroup], demands: Sequence[ModelDemand],
         usd = device_usd_per_hour(g.accelerator, prices) * g.devices
         for d in demands:
             seen: set[str] = set()
-            for par in PARALLEL:
+            for par in (p for p in PARALLEL if p in g.layouts):
                 cm = server_model(g.accelerator, d.spec, devices=g.devices, parallel=par, dtype=d.dtype,
                                   efficiencies=efficiencies)
                 if cm.parallel in seen:  # ep on a dense model is tp

@@ -8,8 +8,8 @@ event. With `planner.scope = "fleet"` it makes one plan over every model with tr
 workers may move between models (hetmesh.planner.commands). In `act` mode it also sends the commands
 (`RoleSwitch`, `ModelSwitch`), at most `max_moving_share` of the fleet moving at once and none it moved
 within the last `horizon_s` (the move was priced to hold that long; no flapping); the workers drain,
-switch and reload on their own (hetmesh.worker.switch). A change of a multi-device worker's parallel
-layout, or a stop, is reported, not made.
+switch and reload on their own (hetmesh.worker.switch); a multi-device worker's change of parallel
+layout is a `ModelSwitch` too (a reload). A stop is reported, not made.
 
 One planner acts at a time: the leader holds a lease, the key "leader" of the JetStream KV bucket
 `hetmesh_planner`, whose TTL is `planner.lease_ttl_s`. It creates the key (only if absent) and renews
@@ -206,15 +206,16 @@ class PlannerService:
                 return None
             if self.mode == "act" and moves:
                 moving = sum(bool(w.moving_to) for w in workers)
-                to_model = {wid: model for wid, _r, model, _mv in moves}
+                by_worker = {c.worker_id: c for c in moves}
                 now = time.monotonic()
-                for wid, role, mv in to_send([(w, r, mv) for w, r, _m, mv in moves], len(workers), moving,
+                for wid, role, mv in to_send([(c.worker_id, c.role, c.move) for c in moves], len(workers), moving,
                                              pc.max_moving_share, self.moved_at, now,
                                              pc.horizon_s / self.cfg.mesh.time_scale):  # engine s -> wall s
                     self.moved_at[wid] = now
+                    c = by_worker[wid]
                     await self.bus.publish(subjects.worker_command(wid), ModelSwitch(
-                        worker_id=wid, model=to_model[wid], role=role, planner=self.instance, reason="planner",
-                        seconds=mv.seconds) if to_model[wid] else RoleSwitch(
+                        worker_id=wid, model=c.model, role=role, planner=self.instance, reason="planner",
+                        seconds=mv.seconds, parallel=c.parallel) if c.model else RoleSwitch(
                         worker_id=wid, role=role, planner=self.instance, reason="planner"))
                     sent.append(wid)
             pred = sum(p.predicted.get("goodput_tok_s", 0.0) for p in plans.values())
@@ -225,8 +226,8 @@ class PlannerService:
                 chosen=",".join(f"{m}:{p.chosen}" for m, p in sorted(plans.items())),
                 current={w.worker_id: f"{w.model}/{w.role.value}" for w in workers},
                 proposed={a.server[:-2]: f"{a.model}/{a.role.value}" for p in plans.values() for a in p.assignments},
-                moves=[ProposedMove(worker_id=wid, change=mv.change, before=mv.before, after=mv.after,
-                                    seconds=mv.seconds) for wid, _r, _m, mv in moves],
+                moves=[ProposedMove(worker_id=c.worker_id, change=c.move.change, before=c.move.before,
+                                    after=c.move.after, seconds=c.move.seconds) for c in moves],
                 sent=sent, predicted_goodput_tok_s=pred, current_goodput_tok_s=cur)
             span.set_attribute("hetmesh.moves", len(moves))
             span.set_attribute("hetmesh.sent", len(sent))

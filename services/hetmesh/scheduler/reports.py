@@ -60,7 +60,7 @@ def status(state: ClusterState, instance: str, policy: str, in_flight: int, now:
             kv_blocks_used=v.kv_blocks_used, kv_blocks_total=v.kv_blocks_total,
             heartbeat_age_s=max(now - hb.ts, 0.0), tokens_generated=hb.tokens_generated,
             kv_endpoint=hb.kv_endpoint, draining=hb.draining, moving_to=hb.moving_to,
-            moving_model=hb.moving_model))
+            moving_model=hb.moving_model, parallel=hb.parallel))
     return SchedulerStatus(instance=instance, policy=policy, workers=[d.worker_id for d in details],
                            details=details, in_flight=in_flight)
 

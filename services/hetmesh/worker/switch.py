@@ -4,7 +4,8 @@
   role's work subjects.
 - `ModelSwitch` reloads: drain (finish within worker.drain_timeout_s, hand the rest over: the gateway
   migrates those streams to another worker of the model), release the engine, build and start the new
-  model's engine, rejoin in the new role. The sim engine loads nothing; it waits as long as the
+  model's engine (in the command's parallel layout: tp, ep or dp over the worker's devices; a layout
+  change of the same model reloads the same way), rejoin in the new role. The sim engine loads nothing; it waits as long as the
   weights would take to load (weights bytes / worker.storage_bytes_per_s, the same figure the planner
   prices the move with), so a move costs the live mesh what the planner counted.
 
@@ -29,6 +30,7 @@ from nats.aio.msg import Msg
 
 from hetmesh import engines, wiring
 from hetmesh.config import WorkerGroup
+from hetmesh.costmodel.model import PARALLEL
 from hetmesh.protocol import ModelSwitch, Role, WorkerCommand
 
 from .kv import CacheMirror
@@ -63,25 +65,32 @@ class Switch:
     async def on_command(self, cmd: WorkerCommand, _m: Msg) -> None:
         w = self.w
         model = cmd.model if isinstance(cmd, ModelSwitch) else w.group.model
+        parallel = (cmd.parallel if isinstance(cmd, ModelSwitch) else "") or w.group.parallel
         if cmd.worker_id != w.worker_id:
             log.warning("ignoring a command for %s sent to %s", cmd.worker_id, w.worker_id)
             return
-        kind = "model_switch" if model != w.group.model else "role_switch"
+        reload = model != w.group.model or parallel != w.group.parallel
+        kind = "model_switch" if reload else "role_switch"
         if self.busy:
             w.out.event("", f"{kind}_refused", to_role=cmd.role.value, to_model=model, planner=cmd.planner,
                         reason=f"already moving to {self.moving_model or w.group.model}/{self.moving_to}")
             return
         if w.book.draining:  # shutting down
             return
-        if model != w.group.model:
+        if reload:
             try:
                 w.cfg.model(model)
             except KeyError:
                 w.out.event("", "model_switch_refused", to_role=cmd.role.value, to_model=model, planner=cmd.planner,
                             reason="the cluster file has no such model")
                 return
+            if parallel not in PARALLEL:
+                w.out.event("", "model_switch_refused", to_role=cmd.role.value, to_model=model, planner=cmd.planner,
+                            reason=f"parallel {parallel!r} is not one of {', '.join(PARALLEL)}")
+                return
             self.task = asyncio.create_task(self.switch_model(model, cmd.role, cmd.planner, cmd.reason,
-                                                              cmd.seconds if isinstance(cmd, ModelSwitch) else 0.0))
+                                                              cmd.seconds if isinstance(cmd, ModelSwitch) else 0.0,
+                                                              parallel))
         elif cmd.role != w.role:
             self.task = asyncio.create_task(self.switch_role(cmd.role, cmd.planner, cmd.reason))
 
@@ -123,16 +132,18 @@ class Switch:
         log.info("worker %s: role %s -> %s in %.2fs", w.worker_id, old, w.role, time.monotonic() - t0)
 
     async def switch_model(self, model: str, role: Role, planner: str = "", reason: str = "",
-                           expected_s: float = 0.0) -> None:
-        """Serve `model` in `role` from now on: drain, release the engine, load the model's, rejoin.
-        `expected_s`: the planner's estimate of the move (engine seconds), in the events beside the real one."""
+                           expected_s: float = 0.0, parallel: str = "") -> None:
+        """Serve `model` in `role` (and `parallel`, "" to keep the layout) from now on: drain, release the
+        engine, load the model's, rejoin. `expected_s`: the planner's estimate of the move (engine seconds),
+        in the events beside the real one."""
         w = self.w
         old_group, old_role, t0 = w.group, w.role, time.monotonic()
-        new_group = msgspec.structs.replace(old_group, model=model)
+        new_group = msgspec.structs.replace(old_group, model=model, parallel=parallel or old_group.parallel)
         load_s = self._load_s(new_group)  # expected, wall seconds
         self.moving_to, self.moving_model, self.ready_at = role, model, t0 + self._drain_bound_s() + load_s
         w.out.event("", "model_switching", from_model=old_group.model, to_model=model, from_role=old_role.value,
-                    to_role=role.value, planner=planner, reason=reason, expected_seconds=expected_s)
+                    to_role=role.value, from_parallel=old_group.parallel, to_parallel=new_group.parallel,
+                    planner=planner, reason=reason, expected_seconds=expected_s)
         handed, loaded_s, error = -1, 0.0, ""
         try:
             handed = await w._drain_work()  # as SIGTERM's; lets go of the old subjects
@@ -153,7 +164,8 @@ class Switch:
             error = error or repr(exc)[:300]
         await self._rejoin()
         w.out.event("", "model_switch_failed" if error else "model_switched", from_model=old_group.model,
-                    to_model=w.group.model, from_role=old_role.value, to_role=w.role.value, handed_over=handed,
+                    to_model=w.group.model, from_role=old_role.value, to_role=w.role.value,
+                    from_parallel=old_group.parallel, to_parallel=w.group.parallel, handed_over=handed,
                     load_seconds=round(loaded_s, 3), seconds=round(time.monotonic() - t0, 3), planner=planner,
                     error=error or None)
         log.info("worker %s: %s/%s -> %s/%s in %.2fs (load %.2fs)", w.worker_id, old_group.model, old_role,
