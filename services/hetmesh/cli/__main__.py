@@ -62,7 +62,7 @@ def table(status: SchedulerStatus) -> Table:
     for w in status.details:
         kv = f"{w.kv_blocks_used}/{w.kv_blocks_total}" if w.kv_blocks_total else "-"
         use = f"{100 * w.kv_blocks_used / w.kv_blocks_total:.1f}%" if w.kv_blocks_total else "-"
-        accel = w.accelerator if w.devices == 1 else f"{w.devices}x {w.accelerator}"
+        accel = w.accelerator if w.devices == 1 else f"{w.devices}x {w.accelerator} ({w.parallel})"
         # moving: `both -> prefill` (a RoleSwitch), and `agg -> pd` in the model column too (a ModelSwitch)
         role = f"{w.role.value} -> {w.moving_to}" if w.moving_to else w.role.value + (" (draining)" if w.draining else "")
         model = f"{w.model} -> {w.moving_model}" if w.moving_model else w.model
