@@ -29,7 +29,7 @@ class MeshConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     time_scale: float = 1.0  # simulated engines run this many times faster than real time
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 2.0
-    stall_timeout_s: float = 60.0  # gateway: no message for this long ends the request with an error
+    stall_timeout_s: float = 60.0  # gateway: no message for this long: a stream with tokens migrates, else a 504
     max_attempts: int = 2  # gateway resubmits a request whose worker died before it streamed
     # ... and moves a request that has tokens to another worker at most this many times (then: an error)
     migration_limit: int = 3

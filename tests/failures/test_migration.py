@@ -9,6 +9,7 @@ The mesh is conftest.py's. Each test leaves it whole for the next.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 from typing import Any
@@ -124,6 +125,60 @@ async def test_a_worker_back_before_its_heartbeats_expire_still_loses_its_stream
         for t in bridges:
             await asyncio.wait_for(t, 10)
         await nc.close()
+
+
+async def test_a_stream_whose_worker_stops_under_a_live_heartbeat_moves_on_at_the_stall_timeout(
+        mesh: Mesh, events: EventLog) -> None:
+    """The gray failure: a worker's engine stops (here the whole process, SIGSTOP) while its heartbeats go on
+    (here bridged: its last heartbeat, sent again every interval), so no one counts it lost. Tokens came,
+    then none for the gateway's stall timeout: the stream migrates to another worker and ends with the
+    undisturbed text. The stopped worker is let go on after (SIGCONT): its late chunks go to the old
+    attempt's reply subject, which nobody reads."""
+    nc = await nats.connect(mesh.nats_url)
+    beats: dict[str, Heartbeat] = {}
+    stopped: list[str] = []  # while stopped (the bridge runs)
+    victims: list[str] = []
+
+    async def on_beat(m: Any) -> None:
+        hb = decode(m.data, Heartbeat)
+        if hb.worker_id not in stopped:
+            beats[hb.worker_id] = hb
+
+    async def bridge(last: Heartbeat) -> None:
+        while stopped:
+            await nc.publish(subjects.heartbeat(last.worker_id),
+                             encode(msgspec.structs.replace(last, ts=time.time())))
+            await asyncio.sleep(mesh.cfg.mesh.heartbeat_interval_s)
+
+    await nc.subscribe(subjects.HEARTBEAT_ALL, cb=on_beat)
+    bridges: list[asyncio.Task[None]] = []
+
+    async def stop_at_3(sse: Sse) -> bool:
+        if len(sse.chunks) == 3:
+            victim = await victim_of(events, sse)
+            victims.append(victim)
+            stopped.append(victim)
+            bridges.append(asyncio.create_task(bridge(beats[victim])))
+            os.killpg(mesh.services[f"worker:{victim}"].proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
+        return True
+
+    prompt = "a stream whose worker freezes "
+    try:
+        sse = await stream(mesh, "agg", prompt, N, stop_at_3)
+    finally:
+        for v in stopped:
+            os.killpg(mesh.services[f"worker:{v}"].proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
+        stopped.clear()
+        for t in bridges:
+            await asyncio.wait_for(t, 10)
+        await nc.close()
+    assert not sse.errors, sse.errors
+    assert sse.done and sse.text == expected_text(prompt, N)
+    moved = await events.wait_for(sse.request_id, "migrated", timeout_s=5)
+    assert moved.detail["reason"] == "stalled" and int(str(moved.detail["from_index"])) >= 3
+    resumed = await events.wait_for(sse.request_id, "migration_resumed", timeout_s=5)
+    assert resumed.detail["worker_id"] not in (None, victims[0])
+    assert moved.detail["lost_worker"] is None  # nobody saw it lost: the placement's workers were excluded
 
 
 async def test_sigterm_drain_hands_an_unfinished_stream_over_and_exits_0(mesh: Mesh, events: EventLog) -> None:

@@ -51,13 +51,13 @@ def feed(s: ReplyStream, *msgs: TokenChunk | RequestError | WorkerLost | object)
     return [s.receive(m) for m in msgs]  # type: ignore[arg-type]
 
 
-def clocks(s: ReplyStream, now: float) -> list[SendResume | PollClient | Fail | Wait]:
-    """Every action the clocks ask for at `now`, ending with the Wait (or a Fail), as Call.pull runs them."""
-    out: list[SendResume | PollClient | Fail | Wait] = []
+def clocks(s: ReplyStream, now: float) -> list[SendResume | PollClient | Fail | Retry | Wait]:
+    """Every action the clocks ask for at `now`, ending with the Wait (or a Fail or Retry), as Call.pull runs them."""
+    out: list[SendResume | PollClient | Fail | Retry | Wait] = []
     while True:
         act = s.tick(now)
         out.append(act)
-        if isinstance(act, Wait | Fail):
+        if isinstance(act, Wait | Fail | Retry):
             return out
 
 
@@ -315,6 +315,25 @@ def test_stall_timeout_ends_the_request_and_cancels_it() -> None:
     assert (act.error.code, act.error.status) == ("timeout", 504)
     assert act.error.message == "no response from the mesh for 5s"
     assert s.cancelled  # its own Cancel makes a later abort no news
+
+
+def test_a_stream_that_stops_after_tokens_moves_on_elsewhere_at_the_stall_timeout() -> None:
+    # Tokens came, then none for the stall timeout (a wedged engine under a live heartbeat): a migration
+    # away from the placement's workers, within the migration limit; then the 504 as before.
+    s = ReplyStream(max_attempts=3, stall_timeout_s=5.0, now=0.0, migration_limit=1)
+    s.receive(chunk(0, "ab"))
+    s.drained(0.0)
+    s.sent()
+    s.progress(0.0)
+    act = clocks(s, 5.0)[-1]
+    assert act == Retry(1, None, (ord("a"), ord("b")), "stalled", exclude_placed=True)
+    assert s.migrations == 1 and not s.cancelled
+    s.progress(5.1)  # placed again
+    s.receive(chunk(2, "c"))
+    s.drained(6.0)
+    s.progress(6.0)
+    last = clocks(s, 11.0)[-1]
+    assert isinstance(last, Fail) and last.cancel == "stalled" and last.error.code == "timeout"
 
 
 def test_progress_restarts_the_stall_clock() -> None:

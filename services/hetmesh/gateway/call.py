@@ -164,8 +164,10 @@ class Call:
         req = self.req
         req.attempt = act.attempt
         lost = act.lost_worker
-        if lost and lost not in req.exclude_workers:
-            req.exclude_workers.append(lost)
+        gone = [lost] if lost else []
+        if act.exclude_placed and self.placement is not None:
+            gone += [w for w in (self.placement.decode_worker, self.placement.prefill_worker) if w]
+        req.exclude_workers.extend(w for w in dict.fromkeys(gone) if w not in req.exclude_workers)
         gen = act.generated
         if gen:
             # Migration: the prompt plus the tokens so far (the new worker's prefix cache and the index find the
@@ -225,6 +227,12 @@ class Call:
                 elif tick is POLL_CLIENT:
                     if await self.request.is_disconnected():
                         raise ClientGone
+                elif type(tick) is Retry:
+                    err = await self.retry(tick)
+                    if err is not None:
+                        return err
+                    s.progress(loop.time())
+                    break
                 else:
                     assert type(tick) is Fail
                     if tick.cancel is not None:

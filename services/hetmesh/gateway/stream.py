@@ -70,7 +70,8 @@ class Retry:
     attempt: int
     lost_worker: str | None
     generated: tuple[int, ...] = ()
-    reason: str = ""  # worker_lost | retryable code of the worker's error | bus_gap
+    reason: str = ""  # worker_lost | retryable code of the worker's error | bus_gap | stalled
+    exclude_placed: bool = False  # stalled: the last placement's workers are excluded too (none was lost)
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +210,7 @@ class ReplyStream:
             self.ready = []
         return ready
 
-    def tick(self, now: float) -> SendResume | PollClient | Fail | Wait:
+    def tick(self, now: float) -> SendResume | PollClient | Fail | Retry | Wait:
         """What the clocks ask for at `now`; call again after carrying it out, until it says Wait."""
         if now >= self.resume_at:
             self.resumes += 1
@@ -220,6 +221,12 @@ class ReplyStream:
             self.poll_client_at = now + DISCONNECT_POLL_S
             return POLL_CLIENT
         if now >= self.stall_at:
+            if self.reasm.next_index and self.can_retry():
+                # Tokens flowed, then none for the stall timeout: a decode step takes far less, so its worker
+                # has stopped (an engine wedged under a live heartbeat, or a loss no scheduler saw). The stream
+                # moves on elsewhere; the old attempt's reply subject is dead, so a late chunk from it is no news.
+                # (A first token slower than the timeout may be a long prefill: that still fails below.)
+                return self._retry(None, "stalled", exclude_placed=True)
             # A worker may still be generating for nobody: it gets a Cancel, and its abort is no news.
             self.cancelled = True
             return Fail(ErrorInfo(message=f"no response from the mesh for {self.stall_s:g}s", type="server_error",
@@ -227,7 +234,7 @@ class ReplyStream:
         return Wait(min(self.stall_at, self.poll_client_at, self.resume_at))
 
     # --- internals -------------------------------------------------------------------------------
-    def _retry(self, lost_worker: str | None, reason: str, counted: bool = True) -> Retry:
+    def _retry(self, lost_worker: str | None, reason: str, counted: bool = True, exclude_placed: bool = False) -> Retry:
         """The next attempt goes on after the tokens in order so far (the old worker's out-of-order ones are
         dropped): with the sim engine, or greedy sampling, the new worker continues with the same text."""
         self.reasm.pending.clear()
@@ -239,7 +246,7 @@ class ReplyStream:
         self.attempt += 1
         self.resume_at = math.inf  # the new attempt's stream starts afresh
         self.resume_every = RESUME_EVERY_S
-        return Retry(self.attempt, lost_worker, tuple(self.tokens), reason)
+        return Retry(self.attempt, lost_worker, tuple(self.tokens), reason, exclude_placed)
 
     def _lost_info(self, msg: WorkerLost | RequestError) -> ErrorInfo:
         if self.reasm.next_index:
