@@ -345,6 +345,18 @@ def test_progress_restarts_the_stall_clock() -> None:
     assert isinstance(clocks(s, 9.0)[-1], Fail)
 
 
+def test_chunks_back_to_back_still_poll_the_client_every_interval() -> None:
+    # A fast engine leaves the driver no wait for the clocks: it asks poll_due as it hands chunks out, on the
+    # same interval the clocks keep (and a poll it made is not made again by the clocks).
+    s = ReplyStream(max_attempts=2, stall_timeout_s=STALL_S, now=10.0)
+    assert not s.poll_due(10.0) and not s.poll_due(10.0 + DISCONNECT_POLL_S / 2)
+    assert s.poll_due(10.0 + DISCONNECT_POLL_S)
+    assert not s.poll_due(10.0 + DISCONNECT_POLL_S * 1.5)
+    (wait,) = clocks(s, 10.0 + DISCONNECT_POLL_S * 1.5)
+    assert isinstance(wait, Wait) and math.isclose(wait.until, 10.0 + 2 * DISCONNECT_POLL_S)
+    assert s.poll_due(10.0 + 2 * DISCONNECT_POLL_S)
+
+
 def test_the_client_is_polled_every_interval_and_waits_wake_for_the_earliest_clock() -> None:
     s = ReplyStream(max_attempts=2, stall_timeout_s=STALL_S, now=10.0)
     assert clocks(s, 10.0) == [Wait(10.0 + DISCONNECT_POLL_S)]

@@ -210,6 +210,8 @@ class Call:
                 s.progress(loop.time())
             ready = s.drained(loop.time())
             if ready:
+                if s.poll_due(loop.time()) and await self.request.is_disconnected():
+                    raise ClientGone
                 if self.migrated_at is not None:
                     self._migration_resumed()
                 self.last_token_at = time.perf_counter()

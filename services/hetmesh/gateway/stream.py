@@ -210,6 +210,15 @@ class ReplyStream:
             self.ready = []
         return ready
 
+    def poll_due(self, now: float) -> bool:
+        """Whether to ask the server now if the client is still there (every DISCONNECT_POLL_S). The clocks ask
+        between messages; chunks that arrive back to back leave the driver no wait, so it asks itself as it
+        hands them out (an ASGI server's send to a gone client returns quietly: nothing else would tell)."""
+        if now < self.poll_client_at:
+            return False
+        self.poll_client_at = now + DISCONNECT_POLL_S
+        return True
+
     def tick(self, now: float) -> SendResume | PollClient | Fail | Retry | Wait:
         """What the clocks ask for at `now`; call again after carrying it out, until it says Wait."""
         if now >= self.resume_at:
@@ -217,8 +226,7 @@ class ReplyStream:
             self.resume_at = now + self.resume_every
             self.resume_every = min(2 * self.resume_every, RESUME_MAX_S)
             return SendResume(self.reasm.next_index)
-        if now >= self.poll_client_at:
-            self.poll_client_at = now + DISCONNECT_POLL_S
+        if self.poll_due(now):
             return POLL_CLIENT
         if now >= self.stall_at:
             if self.reasm.next_index and self.can_retry():
