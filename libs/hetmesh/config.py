@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 from msgspec import Struct, field
 
+from hetmesh.costmodel.model import PARALLEL
 from hetmesh.placement.admission import DEFAULT_HOLD_S, DEFAULT_MARGIN
 from hetmesh.protocol import Role
 
@@ -247,12 +248,17 @@ class WorkerGroup(Struct, kw_only=True, forbid_unknown_fields=True):
     def vendor(self) -> str:
         return self.accelerator.split("-", 1)[0]
 
+    def layouts(self) -> tuple[str, ...]:
+        """The parallel layouts this group's engine can run over its devices: the vllm engine runs tensor
+        parallel only over several (vLLM's expert and data parallel are not wired here)."""
+        return ("tp",) if self.engine == "vllm" and self.devices > 1 else PARALLEL
+
     def layout_problem(self) -> str:
-        """Why this group's engine cannot run its parallel layout ("" when it can): the vllm engine runs
-        tensor parallel over the devices only (vLLM's expert and data parallel are not wired here)."""
-        if self.engine == "vllm" and self.parallel != "tp" and self.devices > 1:
-            return (f"worker group {self.name!r}: engine vllm runs parallel = \"tp\" over its {self.devices} devices "
-                    f"only, not {self.parallel!r}")
+        """Why this group's engine cannot run its parallel layout ("" when it can)."""
+        if self.parallel not in self.layouts():
+            can = " | ".join(f'"{p}"' for p in self.layouts())
+            return (f"worker group {self.name!r}: engine {self.engine} runs parallel = {can} over its {self.devices} "
+                    f"devices, not {self.parallel!r}")
         return ""
 
     def worker_ids(self) -> list[str]:
@@ -344,7 +350,7 @@ class ClusterConfig(Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ValueError(f"worker group {g.name!r}: count >= 0, devices >= 1, max_batch >= 1")
             if g.step_tokens < g.max_batch:
                 raise ValueError(f"worker group {g.name!r}: step_tokens must be >= max_batch")
-            if g.parallel not in ("tp", "ep", "dp") or g.prefill_order not in ("fcfs", "shortest"):
+            if g.parallel not in PARALLEL or g.prefill_order not in ("fcfs", "shortest"):
                 raise ValueError(f"worker group {g.name!r}: parallel is tp | ep | dp, prefill_order fcfs | shortest")
             if why := g.layout_problem():
                 raise ValueError(why)

@@ -12,6 +12,7 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -45,6 +46,27 @@ async def worker_event(events: EventLog, kind: str, worker_id: str, since: float
 async def victim_of(events: EventLog, sse: Sse) -> str:
     placed = await events.wait_for(sse.request_id, "placed", timeout_s=10)
     return str(placed.detail["decode_worker"])
+
+
+async def heartbeats(nc: Any) -> dict[str, Heartbeat]:
+    """Every worker's last heartbeat on the bus, kept up to date from now on."""
+    beats: dict[str, Heartbeat] = {}
+
+    async def on_beat(m: Any) -> None:
+        hb = decode(m.data, Heartbeat)
+        beats[hb.worker_id] = hb
+
+    await nc.subscribe(subjects.HEARTBEAT_ALL, cb=on_beat)
+    return beats
+
+
+async def bridge(mesh: Mesh, nc: Any, last: Heartbeat, going: Callable[[], bool], **change: Any) -> None:
+    """Keep a worker's heartbeats going for it: `last` again (with `change`, a fresh ts) every heartbeat
+    interval while `going()`."""
+    while going():
+        await nc.publish(subjects.heartbeat(last.worker_id),
+                         encode(msgspec.structs.replace(last, ts=time.time(), **change)))
+        await asyncio.sleep(mesh.cfg.mesh.heartbeat_interval_s)
 
 
 async def sigkill_mid_decode(mesh: Mesh, events: EventLog, model: str, prompt: str) -> None:
@@ -88,28 +110,20 @@ async def test_a_worker_back_before_its_heartbeats_expire_still_loses_its_stream
     (its last heartbeat with a new instance, every heartbeat interval) until the real process, started
     after the stream, sends its own."""
     nc = await nats.connect(mesh.nats_url)
-    beats: dict[str, Heartbeat] = {}
-
-    async def on_beat(m: Any) -> None:
-        hb = decode(m.data, Heartbeat)
-        beats[hb.worker_id] = hb
-
-    await nc.subscribe(subjects.HEARTBEAT_ALL, cb=on_beat)
+    beats = await heartbeats(nc)
     victims: list[str] = []
     bridges: list[asyncio.Task[None]] = []
-
-    async def bridge(last: Heartbeat) -> None:
-        while beats[last.worker_id].instance in (last.instance, "next-run"):
-            await nc.publish(subjects.heartbeat(last.worker_id),
-                             encode(msgspec.structs.replace(last, instance="next-run", ts=time.time())))
-            await asyncio.sleep(mesh.cfg.mesh.heartbeat_interval_s)
 
     async def restart_at_3(sse: Sse) -> bool:
         if len(sse.chunks) == 3:
             victims.append(await victim_of(events, sse))
             mesh.kill(f"worker:{victims[0]}")
-            assert beats[victims[0]].instance
-            bridges.append(asyncio.create_task(bridge(beats[victims[0]])))
+            last = beats[victims[0]]
+            assert last.instance
+            # until the real new run heartbeats (a third instance)
+            bridges.append(asyncio.create_task(bridge(
+                mesh, nc, last, lambda: beats[last.worker_id].instance in (last.instance, "next-run"),
+                instance="next-run")))
         return True
 
     prompt = "a stream whose worker comes straight back "
@@ -135,22 +149,9 @@ async def test_a_stream_whose_worker_stops_under_a_live_heartbeat_moves_on_at_th
     undisturbed text. The stopped worker is let go on after (SIGCONT): its late chunks go to the old
     attempt's reply subject, which nobody reads."""
     nc = await nats.connect(mesh.nats_url)
-    beats: dict[str, Heartbeat] = {}
+    beats = await heartbeats(nc)
     stopped: list[str] = []  # while stopped (the bridge runs)
     victims: list[str] = []
-
-    async def on_beat(m: Any) -> None:
-        hb = decode(m.data, Heartbeat)
-        if hb.worker_id not in stopped:
-            beats[hb.worker_id] = hb
-
-    async def bridge(last: Heartbeat) -> None:
-        while stopped:
-            await nc.publish(subjects.heartbeat(last.worker_id),
-                             encode(msgspec.structs.replace(last, ts=time.time())))
-            await asyncio.sleep(mesh.cfg.mesh.heartbeat_interval_s)
-
-    await nc.subscribe(subjects.HEARTBEAT_ALL, cb=on_beat)
     bridges: list[asyncio.Task[None]] = []
 
     async def stop_at_3(sse: Sse) -> bool:
@@ -158,7 +159,7 @@ async def test_a_stream_whose_worker_stops_under_a_live_heartbeat_moves_on_at_th
             victim = await victim_of(events, sse)
             victims.append(victim)
             stopped.append(victim)
-            bridges.append(asyncio.create_task(bridge(beats[victim])))
+            bridges.append(asyncio.create_task(bridge(mesh, nc, beats[victim], lambda: bool(stopped))))
             os.killpg(mesh.services[f"worker:{victim}"].proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
         return True
 
@@ -243,19 +244,14 @@ async def test_an_item_reaching_a_draining_worker_is_handed_over_at_once(mesh: M
     prompt, n = "placed on a worker that is draining ", 12
     nc = await nats.connect(mesh.nats_url)
     submitted: asyncio.Future[InferenceRequest] = asyncio.get_running_loop().create_future()
-    beats: dict[str, Heartbeat] = {}
+    beats = await heartbeats(nc)
 
     async def on_submit(m: Any) -> None:
         r = decode(m.data, InferenceRequest)
         if r.attempt == 0 and r.prompt_tokens == TOK.encode(prompt) and not submitted.done():
             submitted.set_result(r)
 
-    async def on_beat(m: Any) -> None:
-        hb = decode(m.data, Heartbeat)
-        beats[hb.worker_id] = hb
-
     await nc.subscribe(subjects.SUBMIT, cb=on_submit)
-    await nc.subscribe(subjects.HEARTBEAT_ALL, cb=on_beat)
     victims: list[str] = []
     drains: list[asyncio.Task[None]] = []
     sent = asyncio.Event()

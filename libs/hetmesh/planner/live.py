@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import msgspec
 
 from hetmesh.config import ClusterConfig
-from hetmesh.costmodel.model import PARALLEL
 from hetmesh.planner.forecast import forecast_value
 from hetmesh.planner.inputs import ModelDemand, ServerGroup
 from hetmesh.planner.plan import Move, Plan
@@ -143,8 +142,7 @@ def fleet(workers: Iterable[WorkerStatus], cfg: ClusterConfig, model: str) -> li
             continue
         out.append(ServerGroup(name=w.worker_id, accelerator=w.accelerator, devices=w.devices, count=1, model=model,
                                role=w.role, parallel=w.parallel, max_batch=g.max_batch, step_tokens=g.step_tokens,
-                               layouts=tuple(p for p in PARALLEL
-                                             if not msgspec.structs.replace(g, parallel=p).layout_problem())))
+                               layouts=g.layouts()))
     return out
 
 

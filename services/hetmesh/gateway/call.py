@@ -164,10 +164,12 @@ class Call:
         req = self.req
         req.attempt = act.attempt
         lost = act.lost_worker
-        gone = [lost] if lost else []
+        gone = [lost]
         if act.exclude_placed and self.placement is not None:
-            gone += [w for w in (self.placement.decode_worker, self.placement.prefill_worker) if w]
-        req.exclude_workers.extend(w for w in dict.fromkeys(gone) if w not in req.exclude_workers)
+            gone += [self.placement.decode_worker, self.placement.prefill_worker]
+        for w in gone:
+            if w and w not in req.exclude_workers:
+                req.exclude_workers.append(w)
         gen = act.generated
         if gen:
             # Migration: the prompt plus the tokens so far (the new worker's prefix cache and the index find the
@@ -184,7 +186,10 @@ class Call:
                           from_index=len(gen), migrations=self.stream.migrations)
         else:
             self.gw.event(self.rid, "retried", attempt=act.attempt, lost_worker=lost, reason=act.reason)
-        return await self.submit()
+        err = await self.submit()
+        if err is None:  # placed: the stall clock starts again
+            self.stream.progress(asyncio.get_running_loop().time())
+        return err
 
     async def pull(self) -> list[TokenChunk] | ErrorInfo:
         """The next chunks in completion order (never empty), or the error that ends the request.
@@ -207,7 +212,6 @@ class Call:
                 err = await self.retry(act)
                 if err is not None:
                     return err
-                s.progress(loop.time())
             ready = s.drained(loop.time())
             if ready:
                 if s.poll_due(loop.time()) and await self.request.is_disconnected():
@@ -233,7 +237,6 @@ class Call:
                     err = await self.retry(tick)
                     if err is not None:
                         return err
-                    s.progress(loop.time())
                     break
                 else:
                     assert type(tick) is Fail
