@@ -115,6 +115,7 @@ class WorkerStatus(Struct, kw_only=True):
     moving_to: str = ""  # the role it is switching to (the planner's RoleSwitch or ModelSwitch); empty: not moving
     moving_model: str = ""  # the model it is switching to (ModelSwitch: drain, reload); empty: it keeps its model
     parallel: str = "tp"  # its layout over its devices now (tp | ep | dp; a ModelSwitch may change it)
+    wedged: bool = False  # running requests, heartbeats on, no token in or out for mesh.wedge_timeout_s: placed on no more
 
 
 class SchedulerStatus(Struct, kw_only=True):

@@ -35,6 +35,7 @@ time_scale = 0.05
 heartbeat_interval_s = 0.2
 heartbeat_timeout_s = 1.0
 stall_timeout_s = 30.0
+wedge_timeout_s = 10.0  # a busy engine's counters stand still this long: wedged (an 8K-token prefill step on an H100 is ~5.5 s here)
 max_attempts = 3
 migration_limit = 3
 
@@ -173,7 +174,7 @@ async def stream(mesh: Mesh, model: str, prompt: str, max_tokens: int,
     got = Sse()
     async with httpx.AsyncClient(base_url=mesh.url, timeout=90) as http:
         async with http.stream("POST", "/v1/completions", json=body) as resp:
-            assert resp.status_code == 200
+            assert resp.status_code == 200, (resp.status_code, await resp.aread())
             async for line in resp.aiter_lines():
                 if line == "data: [DONE]":
                     got.done = True

@@ -43,6 +43,10 @@ async def worker_event(events: EventLog, kind: str, worker_id: str, since: float
             await asyncio.sleep(0.02)
 
 
+async def scheduler_status(nc: Any) -> SchedulerStatus:
+    return decode((await nc.request(subjects.SCHED_STATUS, b"", timeout=2)).data, SchedulerStatus)
+
+
 async def victim_of(events: EventLog, sse: Sse) -> str:
     placed = await events.wait_for(sse.request_id, "placed", timeout_s=10)
     return str(placed.detail["decode_worker"])
@@ -60,12 +64,16 @@ async def heartbeats(nc: Any) -> dict[str, Heartbeat]:
     return beats
 
 
-async def bridge(mesh: Mesh, nc: Any, last: Heartbeat, going: Callable[[], bool], **change: Any) -> None:
+async def bridge(mesh: Mesh, nc: Any, last: Heartbeat, going: Callable[[], bool], moving: bool = False,
+                 **change: Any) -> None:
     """Keep a worker's heartbeats going for it: `last` again (with `change`, a fresh ts) every heartbeat
-    interval while `going()`."""
+    interval while `going()`; `moving`: with one more token generated each time (an engine the scheduler
+    sees working), else its counters stand still (an engine wedged)."""
+    n = 0
     while going():
-        await nc.publish(subjects.heartbeat(last.worker_id),
-                         encode(msgspec.structs.replace(last, ts=time.time(), **change)))
+        n += moving
+        await nc.publish(subjects.heartbeat(last.worker_id), encode(msgspec.structs.replace(
+            last, ts=time.time(), tokens_generated=last.tokens_generated + n, **change)))
         await asyncio.sleep(mesh.cfg.mesh.heartbeat_interval_s)
 
 
@@ -143,11 +151,12 @@ async def test_a_worker_back_before_its_heartbeats_expire_still_loses_its_stream
 
 async def test_a_stream_whose_worker_stops_under_a_live_heartbeat_moves_on_at_the_stall_timeout(
         mesh: Mesh, events: EventLog) -> None:
-    """The gray failure: a worker's engine stops (here the whole process, SIGSTOP) while its heartbeats go on
-    (here bridged: its last heartbeat, sent again every interval), so no one counts it lost. Tokens came,
-    then none for the gateway's stall timeout: the stream migrates to another worker and ends with the
-    undisturbed text. The stopped worker is let go on after (SIGCONT): its late chunks go to the old
-    attempt's reply subject, which nobody reads."""
+    """The grayest failure: a worker's stream stops (here the whole process, SIGSTOP) while its heartbeats go
+    on and say it works (here bridged: its last heartbeat with one more token each interval), so neither the
+    heartbeat timeout nor the scheduler's wedge rule counts it lost. Tokens came, then none for the gateway's
+    stall timeout: the stream migrates to another worker and ends with the undisturbed text. The stopped
+    worker is let go on after (SIGCONT): its late chunks go to the old attempt's reply subject, which nobody
+    reads."""
     nc = await nats.connect(mesh.nats_url)
     beats = await heartbeats(nc)
     stopped: list[str] = []  # while stopped (the bridge runs)
@@ -159,7 +168,7 @@ async def test_a_stream_whose_worker_stops_under_a_live_heartbeat_moves_on_at_th
             victim = await victim_of(events, sse)
             victims.append(victim)
             stopped.append(victim)
-            bridges.append(asyncio.create_task(bridge(mesh, nc, beats[victim], lambda: bool(stopped))))
+            bridges.append(asyncio.create_task(bridge(mesh, nc, beats[victim], lambda: bool(stopped), moving=True)))
             os.killpg(mesh.services[f"worker:{victim}"].proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
         return True
 
@@ -180,6 +189,53 @@ async def test_a_stream_whose_worker_stops_under_a_live_heartbeat_moves_on_at_th
     resumed = await events.wait_for(sse.request_id, "migration_resumed", timeout_s=5)
     assert resumed.detail["worker_id"] not in (None, victims[0])
     assert moved.detail["lost_worker"] is None  # nobody saw it lost: the placement's workers were excluded
+
+
+async def test_a_wedged_worker_loses_its_requests_before_their_first_token(mesh: Mesh, events: EventLog) -> None:
+    """A worker's engine stops mid-prefill (SIGSTOP, just after the placement) while its heartbeats go on and
+    say so (bridged: running, counters still). After mesh.wedge_timeout_s the scheduler counts it wedged: the
+    request, which has no token yet and would have waited for the gateway's stall timeout and a 504, is
+    submitted again elsewhere and streams the undisturbed text; `hetmesh status` marks the worker, and it is
+    placed on again once its engine moves (SIGCONT)."""
+    nc = await nats.connect(mesh.nats_url)
+    beats = await heartbeats(nc)
+    stopped: list[str] = []
+    prompt = "a prefill that never ends " * 200  # 5,200 tokens: a prefill of ~3 s on an H100 at this time scale
+    async with asyncio.timeout(5):
+        while True:
+            if {"h100-0", "h100-1"} <= beats.keys():
+                break
+            await asyncio.sleep(0.05)
+    since = time.time()
+    task = asyncio.create_task(stream(mesh, "agg", prompt, 4))
+    try:
+        victim = str((await first_placed(events, since)).detail["decode_worker"])
+        os.killpg(mesh.services[f"worker:{victim}"].proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
+        stopped.append(victim)
+        busy = msgspec.structs.replace(beats[victim], running=1)  # it had taken the request by now, or will
+        bridged = asyncio.create_task(bridge(mesh, nc, busy, lambda: bool(stopped)))
+        sse = await asyncio.wait_for(task, 60)
+        assert not sse.errors, sse.errors
+        assert sse.done and sse.text == expected_text(prompt, 4)
+        retried = await events.wait_for(sse.request_id, "retried", timeout_s=5)
+        assert retried.detail["lost_worker"] == victim and retried.detail["reason"] == "worker_lost"
+        lost = next(e for e in events.events if e.kind == "worker_lost" and e.detail.get("worker_id") == victim
+                    and e.ts >= since)
+        assert lost.detail["why"] == "wedged" and lost.detail["requests"] == 1
+        st = await scheduler_status(nc)
+        assert {w.worker_id: w.wedged for w in st.details}[victim]
+    finally:
+        for v in stopped:
+            os.killpg(mesh.services[f"worker:{v}"].proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
+        stopped.clear()
+        if "bridged" in locals():
+            await asyncio.wait_for(bridged, 10)
+    async with asyncio.timeout(10):  # its engine moves again (the old attempt ends): placed on again
+        while True:
+            if not {w.worker_id: w.wedged for w in (await scheduler_status(nc)).details}.get(victim, True):
+                break
+            await asyncio.sleep(0.1)
+    await nc.close()
 
 
 async def test_sigterm_drain_hands_an_unfinished_stream_over_and_exits_0(mesh: Mesh, events: EventLog) -> None:
@@ -311,7 +367,7 @@ async def workers_hold_nothing(mesh: Mesh) -> None:
     try:
         async with asyncio.timeout(15):
             while True:
-                st = decode((await nc.request(subjects.SCHED_STATUS, b"", timeout=2)).data, SchedulerStatus)
+                st = await scheduler_status(nc)
                 busy = [(w.worker_id, w.queue_depth, w.running, w.kv_blocks_used) for w in st.details
                         if w.queue_depth or w.running or w.kv_blocks_used]
                 urls = mesh.metrics_urls()

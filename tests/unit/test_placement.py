@@ -83,6 +83,46 @@ def test_a_heartbeat_from_another_run_of_a_known_worker_is_a_restart() -> None:
     assert s.expire(now=2.0) == ["b"]  # its silence still expires it
 
 
+def test_a_busy_worker_whose_counters_stand_still_is_wedged_until_it_moves() -> None:
+    s = ClusterState(heartbeat_timeout_s=1.0, wedge_timeout_s=10.0)
+    r = msgspec.structs.replace
+    busy = r(hb("a", running=2), tokens_generated=5)
+    s.observe(busy, now=0.0)
+    s.observe(r(hb("idle"), tokens_generated=5), now=0.0)
+    for t in (4.0, 9.0):  # heartbeats on, two running, not a token more
+        s.observe(busy, now=t)
+        s.observe(r(hb("idle"), tokens_generated=5), now=t)  # nothing running: still is fine
+    assert s.wedged(now=9.5) == []
+    s.observe(r(busy, tokens_generated=6), now=10.0)  # one token: the clock starts again
+    s.observe(r(busy, tokens_generated=6), now=19.0)
+    assert s.wedged(now=20.0) == []
+    assert s.wedged(now=20.5) == ["a"]
+    assert s.wedged(now=30.0) == []  # reported once
+    assert s.is_wedged("a") and [v.worker_id for v in s.views()] == ["idle"]
+    assert {v.worker_id for v in s.every_view()} == {"a", "idle"}
+    s.observe(r(busy, tokens_generated=6), now=31.0)  # still stuck: stays out
+    assert [v.worker_id for v in s.views()] == ["idle"]
+    s.observe(r(busy, prompt_tokens_computed=100, tokens_generated=6), now=32.0)  # a prefill chunk: it moves
+    assert not s.is_wedged("a") and {v.worker_id for v in s.views()} == {"a", "idle"}
+    off = ClusterState(heartbeat_timeout_s=1.0)  # wedge_timeout_s 0: off
+    off.observe(busy, now=0.0)
+    off.observe(busy, now=100.0)
+    assert off.wedged(now=200.0) == []
+
+
+def test_a_restart_or_a_bus_outage_resets_the_wedge_clock() -> None:
+    s = ClusterState(heartbeat_timeout_s=1.0, wedge_timeout_s=10.0)
+    busy = msgspec.structs.replace(hb("a", running=1), instance="run-1")
+    s.observe(busy, now=0.0)
+    s.observe(busy, now=11.0)
+    assert s.wedged(now=11.0) == ["a"]
+    assert s.observe(msgspec.structs.replace(busy, instance="run-2"), now=12.0) == "restarted"
+    assert not s.is_wedged("a")
+    s.touch_all(25.0)  # the scheduler's own outage: the heartbeats it missed may have shown progress
+    s.observe(msgspec.structs.replace(busy, instance="run-2"), now=24.0)
+    assert s.wedged(now=34.0) == []
+
+
 def test_unknown_policy_is_a_clear_error() -> None:
     try:
         make_policy("fastest")

@@ -81,13 +81,22 @@ class _Entry(Struct):
     seen: float
     assigned_since: int = 0  # placed on it after hb was sent
     finished_since: int = 0  # left it after hb was sent
+    progress_at: float = 0.0  # when its engine was last seen working (counters moved) or idle (nothing running)
+    wedged: bool = False
+
+
+def _progress(hb: Heartbeat) -> tuple[int, int, int, int]:
+    """What an engine that works moves every step: tokens out, prompt tokens in (computed or cached), aborts."""
+    return hb.tokens_generated, hb.prompt_tokens_computed, hb.prompt_tokens_cached, hb.aborted
 
 
 class ClusterState:
-    """Workers known from heartbeats; `expire(now)` removes the silent ones and returns them."""
+    """Workers known from heartbeats; `expire(now)` removes the silent ones and returns them, `wedged(now)`
+    marks the stuck ones (heartbeats on, engine still) and returns them."""
 
-    def __init__(self, heartbeat_timeout_s: float) -> None:
+    def __init__(self, heartbeat_timeout_s: float, wedge_timeout_s: float = 0.0) -> None:
         self.timeout_s = heartbeat_timeout_s
+        self.wedge_timeout_s = wedge_timeout_s
         self._workers: dict[str, _Entry] = {}
         self._views: list[WorkerView] | None = None
 
@@ -96,11 +105,34 @@ class ClusterState:
         names another run of its process (`Heartbeat.instance`: it came back faster than the heartbeat
         timeout and holds nothing the last run held), else ""."""
         old = self._workers.get(hb.worker_id)
-        self._workers[hb.worker_id] = _Entry(hb, now)
+        e = self._workers[hb.worker_id] = _Entry(hb, now, progress_at=now)
         self._views = None
         if old is None:
             return "joined"
-        return "restarted" if old.hb.instance and hb.instance and old.hb.instance != hb.instance else ""
+        if old.hb.instance and hb.instance and old.hb.instance != hb.instance:
+            return "restarted"
+        if hb.running > 0 and _progress(hb) == _progress(old.hb):  # busy and still: the clock runs on
+            e.progress_at, e.wedged = old.progress_at, old.wedged
+        return ""
+
+    def wedged(self, now: float) -> list[str]:
+        """Workers newly found wedged: running requests, yet no token in or out for wedge_timeout_s while their
+        heartbeats go on (an engine hung under a live heartbeat loop). They leave the placement view until their
+        engine moves again or their process restarts; the caller treats their requests as lost. Off at 0."""
+        if self.wedge_timeout_s <= 0:
+            return []
+        out = []
+        for w, e in self._workers.items():
+            if not e.wedged and e.hb.running > 0 and now - e.progress_at > self.wedge_timeout_s:
+                e.wedged = True
+                out.append(w)
+        if out:
+            self._views = None
+        return out
+
+    def is_wedged(self, worker_id: str) -> bool:
+        e = self._workers.get(worker_id)
+        return e is not None and e.wedged
 
     def assigned(self, decision: Decision) -> None:
         for w in decision.workers:
@@ -127,6 +159,7 @@ class ClusterState:
         it missed say nothing about the workers."""
         for e in self._workers.values():
             e.seen = max(e.seen, seen)
+            e.progress_at = max(e.progress_at, seen)
 
     def expire(self, now: float) -> list[str]:
         dead = [w for w, e in self._workers.items() if now - e.seen > self.timeout_s]
@@ -151,9 +184,14 @@ class ClusterState:
         return [e.hb for e in self._workers.values()]
 
     def views(self) -> list[WorkerView]:
+        """The workers placement may use (not wedged)."""
         if self._views is None:
-            self._views = [self._view(e) for e in self._workers.values()]
+            self._views = [self._view(e) for e in self._workers.values() if not e.wedged]
         return self._views
+
+    def every_view(self) -> list[WorkerView]:
+        """Every worker known, wedged ones too (for status)."""
+        return [self._view(e) for e in self._workers.values()]
 
     @staticmethod
     def _view(e: _Entry) -> WorkerView:

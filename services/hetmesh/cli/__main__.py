@@ -65,6 +65,7 @@ def table(status: SchedulerStatus) -> Table:
         accel = w.accelerator if w.devices == 1 else f"{w.devices}x {w.accelerator} ({w.parallel})"
         # moving: `both -> prefill` (a RoleSwitch), and `agg -> pd` in the model column too (a ModelSwitch)
         role = f"{w.role.value} -> {w.moving_to}" if w.moving_to else w.role.value + (" (draining)" if w.draining else "")
+        role += " (wedged)" if w.wedged else ""
         model = f"{w.model} -> {w.moving_model}" if w.moving_model else w.model
         t.add_row(w.worker_id, model, accel, role, w.engine, str(w.queue_depth),
                   f"{w.running}/{w.max_batch}", kv, use, w.kv_endpoint or "-", str(w.tokens_generated),

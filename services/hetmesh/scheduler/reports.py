@@ -51,7 +51,7 @@ def metric_rows(state: ClusterState, prices: Mapping[str, float], in_flight: int
 def status(state: ClusterState, instance: str, policy: str, in_flight: int, now: float) -> SchedulerStatus:
     """The answer on the status subject: every worker in the view (`now`: wall time, for heartbeat ages)."""
     details = []
-    for v in sorted(state.views(), key=lambda v: v.worker_id):
+    for v in sorted(state.every_view(), key=lambda v: v.worker_id):
         hb = state.heartbeat(v.worker_id)
         assert hb is not None
         details.append(WorkerStatus(
@@ -60,7 +60,7 @@ def status(state: ClusterState, instance: str, policy: str, in_flight: int, now:
             kv_blocks_used=v.kv_blocks_used, kv_blocks_total=v.kv_blocks_total,
             heartbeat_age_s=max(now - hb.ts, 0.0), tokens_generated=hb.tokens_generated,
             kv_endpoint=hb.kv_endpoint, draining=hb.draining, moving_to=hb.moving_to,
-            moving_model=hb.moving_model, parallel=hb.parallel))
+            moving_model=hb.moving_model, parallel=hb.parallel, wedged=state.is_wedged(v.worker_id)))
     return SchedulerStatus(instance=instance, policy=policy, workers=[d.worker_id for d in details],
                            details=details, in_flight=in_flight)
 

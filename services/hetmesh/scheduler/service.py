@@ -79,7 +79,7 @@ class Scheduler:
     def __init__(self, cfg: config.ClusterConfig, instance: str) -> None:
         self.cfg = cfg
         self.instance = instance
-        self.state = ClusterState(cfg.mesh.heartbeat_timeout_s)
+        self.state = ClusterState(cfg.mesh.heartbeat_timeout_s, cfg.mesh.wedge_timeout_s)
         sc = cfg.scheduler
         self.policy = wiring.policy(cfg)
         self.uses_prefix = sc.policy in PREFIX_POLICIES
@@ -160,7 +160,7 @@ class Scheduler:
             self.draining.discard(hb.worker_id)
         seen = self.state.observe(hb, time.monotonic())
         if seen == "restarted":  # back before its silence expired: the last run's requests are lost all the same
-            await self.worker_lost(hb.worker_id)
+            await self.worker_lost(hb.worker_id, seen)
         if seen:
             log.info("worker %s %s (%s x%d, %s)", hb.worker_id, seen, hb.accelerator, hb.devices, hb.role)
             await self._event("", "worker_joined", worker_id=hb.worker_id, accelerator=hb.accelerator)
@@ -182,15 +182,21 @@ class Scheduler:
                 was_down = False
                 await self._on_reconnect()
                 continue
-            for worker_id in self.state.expire(time.monotonic()):
+            now = time.monotonic()
+            for worker_id in self.state.expire(now):
                 await self.worker_lost(worker_id)
+            for worker_id in self.state.wedged(now):
+                await self.worker_lost(worker_id, "wedged")
 
-    async def worker_lost(self, worker_id: str) -> None:
+    async def worker_lost(self, worker_id: str, why: str = "silent") -> None:
+        """Every request `worker_id` held gets a WorkerLost (its gateway migrates or resubmits it). `why`:
+        silent (heartbeats stopped), restarted (a new run of its process), wedged (heartbeats on, engine still:
+        it stays in the view, placed on no more until it moves)."""
         held = self.by_worker.pop(worker_id, set())
         self.draining.discard(worker_id)
-        log.warning("worker %s lost; %d requests affected", worker_id, len(held))
+        log.warning("worker %s lost (%s); %d requests affected", worker_id, why, len(held))
         self.metrics.workers_lost.inc()
-        await self._event("", "worker_lost", worker_id=worker_id, requests=len(held))
+        await self._event("", "worker_lost", worker_id=worker_id, requests=len(held), why=why)
         for rid in held:
             fl = self.inflight.pop(rid, None)
             if fl is None:
