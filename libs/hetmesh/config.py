@@ -32,8 +32,9 @@ class MeshConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     heartbeat_timeout_s: float = 2.0
     stall_timeout_s: float = 60.0  # gateway: no message for this long: a stream with tokens migrates, else a 504
     # scheduler: a worker that runs requests but has not taken or made a token for this long while its heartbeats
-    # go on is wedged: its requests migrate (first tokens too) and it gets no more until it moves; 0: off
-    wedge_timeout_s: float = 20.0
+    # go on is wedged: its requests migrate (first tokens too) and it gets no more until it moves; 0: off;
+    # unset: a third of stall_timeout_s (20 s). Keep it above the longest engine step.
+    wedge_timeout_s: float | None = None
     max_attempts: int = 2  # gateway resubmits a request whose worker died before it streamed
     # ... and moves a request that has tokens to another worker at most this many times (then: an error)
     migration_limit: int = 3
@@ -52,6 +53,11 @@ class MeshConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     redis_tls_ca_file: str = ""
     redis_tls_cert_file: str = ""
     redis_tls_key_file: str = ""
+
+    @property
+    def wedge_s(self) -> float:
+        """The scheduler's wedge timeout (0: off)."""
+        return self.stall_timeout_s / 3 if self.wedge_timeout_s is None else self.wedge_timeout_s
 
 
 class GatewayConfig(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -325,7 +331,7 @@ class ClusterConfig(Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ValueError(f"auth key {k.name!r}: sha256 must be 64 hex digits (the key's SHA-256)")
         if self.scheduler.admission_margin < 0 or self.scheduler.admission_hold_s < 0:
             raise ValueError("scheduler.admission_margin and scheduler.admission_hold_s must be >= 0 (0: off)")
-        if not 0 <= self.mesh.wedge_timeout_s < self.mesh.stall_timeout_s:
+        if self.mesh.wedge_timeout_s is not None and not 0 <= self.mesh.wedge_timeout_s < self.mesh.stall_timeout_s:
             raise ValueError(f"mesh.wedge_timeout_s must be >= 0 (0: off) and below mesh.stall_timeout_s "
                              f"({self.mesh.stall_timeout_s:g}), or the gateway gives up on a stream first")
         if self.mesh.migration_limit < 0 or self.worker.drain_timeout_s < 0:

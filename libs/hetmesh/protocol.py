@@ -184,7 +184,16 @@ class WorkerLost(Struct, tag="lost", kw_only=True):
     worker_id: str
 
 
-ResponseEvent = TokenChunk | RequestError | WorkerLost
+class Working(Struct, tag="working", kw_only=True):
+    """Worker -> gateway, every quarter of mesh.stall_timeout_s while it holds a request that has no token from
+    it yet (queued, prefilling, waiting for its KV) and its engine moves: a prefill longer than the stall
+    timeout is not taken for a stall. An engine that stops moving stops these too."""
+
+    request_id: str
+    worker_id: str
+
+
+ResponseEvent = TokenChunk | RequestError | WorkerLost | Working
 
 
 class Cancel(Struct, kw_only=True):

@@ -123,7 +123,7 @@ TABLE: tuple[SubjectRow, ...] = (
                "that worker", "WorkItem", "push delivery; worker acks once its engine took the item"),
     SubjectRow(f"{PREFIX}.workq.work_<role>_<vendor>_<accelerator>", f"stream {WORK_STREAM} (durable consumer)",
                "the pool (queue group = deliver group)", "WorkItem", "one shared consumer per pool"),
-    SubjectRow(f"{PREFIX}.resp.<gateway>.<request_id>-<attempt>", "workers, scheduler", "gateway", "TokenChunk | RequestError | WorkerLost", "per-request stream"),
+    SubjectRow(f"{PREFIX}.resp.<gateway>.<request_id>-<attempt>", "workers, scheduler", "gateway", "TokenChunk | RequestError | WorkerLost | Working", "per-request stream"),
     SubjectRow(CANCEL, "gateway", "workers, scheduler, kv-transfer", "Cancel", "broadcast"),
     SubjectRow(RESUME, "gateway", "workers", "Resume", "broadcast: republish a stream's chunks after a bus gap"),
     SubjectRow(FINISHED, "workers", "scheduler", "FinishedBatch (JSON array of Finished)", "in-flight bookkeeping, batched"),

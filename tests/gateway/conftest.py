@@ -39,6 +39,7 @@ from hetmesh.protocol import (
     TokenChunk,
     Usage,
     WorkerLost,
+    Working,
 )
 
 MAX_CONTEXT = 256
@@ -88,7 +89,7 @@ def text_for(n: int) -> str:
 
 class FakePeer:
     """Scheduler + worker stand-in. Scenario keywords in the prompt text:
-    lost-once, error-retry-once, partial-lost, shuffle, reject, noreply, silent, slow, fatal."""
+    lost-once, error-retry-once, partial-lost, shuffle, reject, noreply, silent, working, slow, fatal."""
 
     def __init__(self, nats_url: str, scheduler: bool = True) -> None:
         self.nats_url = nats_url
@@ -181,6 +182,10 @@ class FakePeer:
         await asyncio.sleep(0.01)
         if "silent" in prompt:
             return
+        if "working" in prompt:  # a prefill twice the stall timeout that says it is at it every 0.4 s
+            for _ in range(8):
+                await self.bus.publish(rs, Working(request_id=rid, worker_id="fake-0"))
+                await asyncio.sleep(0.4)
         if "fatal" in prompt:
             await self.bus.publish(rs, RequestError(request_id=rid, error=ErrorInfo(
                 message="engine exploded", type="server_error", code="engine_error", status=500)))

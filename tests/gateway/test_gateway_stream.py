@@ -200,6 +200,18 @@ def test_stall_ends_with_error_and_cancel(gateway: GatewayProc, peer: FakePeer) 
     assert isinstance(c, Cancel) and c.reason == "stalled"
 
 
+def test_a_first_token_later_than_the_stall_timeout_is_awaited_while_the_worker_says_it_works(
+        gateway: GatewayProc, peer: FakePeer) -> None:
+    """3.2 s of `Working` (a long prefill) against a 1.5 s stall timeout, then the tokens: the whole text, no 504
+    (the same request silent gets the 504 above)."""
+    r = httpx.post(gateway.url + "/v1/completions", json={"model": "tiny", "prompt": "working", "max_tokens": 5},
+                   timeout=20)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == text_for(5)
+    rid = [s for s in peer.submits if bytes(s.prompt_tokens) == b"working"][-1].request_id
+    assert not any(c.request_id == rid for c in peer.cancels)
+
+
 async def test_stream_disconnect_cancels(gateway: GatewayProc, peer: FakePeer) -> None:
     body = {"model": "tiny", "prompt": "slow story", "max_tokens": 200, "stream": True}
     cid = None

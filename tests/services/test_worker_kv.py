@@ -263,7 +263,8 @@ def chunks_of(t: Tap, item: WorkItem) -> list[Any]:
 
 
 def final(t: Tap, item: WorkItem) -> TokenChunk | RequestError | None:
-    return next((c for c in chunks_of(t, item) if isinstance(c, RequestError) or c.finish_reason), None)
+    return next((c for c in chunks_of(t, item) if isinstance(c, RequestError)
+                 or (isinstance(c, TokenChunk) and c.finish_reason)), None)
 
 
 def text_of(t: Tap, item: WorkItem) -> tuple[list[int], str]:

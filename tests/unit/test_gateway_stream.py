@@ -25,7 +25,7 @@ from hetmesh.gateway.stream import (
     SendResume,
     Wait,
 )
-from hetmesh.protocol import ErrorInfo, RequestError, TokenChunk, Usage, WorkerLost
+from hetmesh.protocol import ErrorInfo, RequestError, TokenChunk, Usage, WorkerLost, Working
 
 STALL_S = 60.0
 
@@ -334,6 +334,13 @@ def test_a_stream_that_stops_after_tokens_moves_on_elsewhere_at_the_stall_timeou
     s.progress(6.0)
     last = clocks(s, 11.0)[-1]
     assert isinstance(last, Fail) and last.cancel == "stalled" and last.error.code == "timeout"
+
+
+def test_working_is_no_token_and_no_action() -> None:
+    # A worker at a long prefill: the driver restarts the stall clock for it (any message), nothing else happens.
+    s = ReplyStream(max_attempts=2, stall_timeout_s=5.0, now=0.0)
+    assert s.receive(Working(request_id="r", worker_id="w1")) is None
+    assert s.drained(0.0) == [] and s.next_index == 0 and s.tokens == [] and not s.done
 
 
 def test_progress_restarts_the_stall_clock() -> None:

@@ -9,6 +9,7 @@ a burst of requests to the one worker that looked idle.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Protocol
 
 from msgspec import Struct, field
 
@@ -85,9 +86,17 @@ class _Entry(Struct):
     wedged: bool = False
 
 
-def _progress(hb: Heartbeat) -> tuple[int, int, int, int]:
-    """What an engine that works moves every step: tokens out, prompt tokens in (computed or cached), aborts."""
-    return hb.tokens_generated, hb.prompt_tokens_computed, hb.prompt_tokens_cached, hb.aborted
+class _Counters(Protocol):
+    tokens_generated: int
+    prompt_tokens_computed: int
+    prompt_tokens_cached: int
+    aborted: int
+
+
+def progress(c: _Counters) -> tuple[int, int, int, int]:
+    """What an engine that works moves every step (a heartbeat's or the engine's own stats): tokens out, prompt
+    tokens in (computed or cached), aborts. Busy and unchanged for long: wedged."""
+    return c.tokens_generated, c.prompt_tokens_computed, c.prompt_tokens_cached, c.aborted
 
 
 class ClusterState:
@@ -111,7 +120,7 @@ class ClusterState:
             return "joined"
         if old.hb.instance and hb.instance and old.hb.instance != hb.instance:
             return "restarted"
-        if hb.running > 0 and _progress(hb) == _progress(old.hb):  # busy and still: the clock runs on
+        if hb.running > 0 and progress(hb) == progress(old.hb):  # busy and still: the clock runs on
             e.progress_at, e.wedged = old.progress_at, old.wedged
         return ""
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hetmesh.protocol import ErrorInfo, RequestError, TokenChunk, Usage, WorkerLost
+from hetmesh.protocol import ErrorInfo, RequestError, TokenChunk, Usage, WorkerLost, Working
 
 from .core import Reassembler, usage_of
 
@@ -54,7 +54,7 @@ class BusGap:
 
 BUS_GAP = BusGap()  # the one instance; the gateway puts it in every inbox on reconnect
 
-Message = TokenChunk | RequestError | WorkerLost | BusGap
+Message = TokenChunk | RequestError | WorkerLost | Working | BusGap
 
 
 # --- actions ---------------------------------------------------------------------------------
@@ -181,6 +181,8 @@ class ReplyStream:
             return None
         if type(msg) is RequestError and not msg.retryable:
             return Fail(msg.error)
+        if type(msg) is Working:  # a worker still at it: news enough for the stall clock (progress), no more
+            return None
         if msg is BUS_GAP:
             if self.delivered:
                 self.resume_at = -math.inf  # tokens went out: it cannot start over, so fill the hole at once
@@ -233,7 +235,7 @@ class ReplyStream:
                 # Tokens flowed, then none for the stall timeout: a decode step takes far less, so its worker
                 # has stopped (an engine wedged under a live heartbeat, or a loss no scheduler saw). The stream
                 # moves on elsewhere; the old attempt's reply subject is dead, so a late chunk from it is no news.
-                # (A first token slower than the timeout may be a long prefill: that still fails below.)
+                # (Before the first token a working worker says so every quarter of the timeout: `Working`.)
                 return self._retry(None, "stalled", exclude_placed=True)
             # A worker may still be generating for nobody: it gets a Cancel, and its abort is no news.
             self.cancelled = True

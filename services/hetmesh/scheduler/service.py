@@ -79,7 +79,7 @@ class Scheduler:
     def __init__(self, cfg: config.ClusterConfig, instance: str) -> None:
         self.cfg = cfg
         self.instance = instance
-        self.state = ClusterState(cfg.mesh.heartbeat_timeout_s, cfg.mesh.wedge_timeout_s)
+        self.state = ClusterState(cfg.mesh.heartbeat_timeout_s, cfg.mesh.wedge_s)
         sc = cfg.scheduler
         self.policy = wiring.policy(cfg)
         self.uses_prefix = sc.policy in PREFIX_POLICIES

@@ -31,6 +31,10 @@ class ReplayLog:
             _, old = self.streams.popitem(last=False)
             self.bytes -= sum(len(d) for _, _, d in old)
 
+    def __contains__(self, subject: str) -> bool:
+        """Whether this worker has published a chunk on `subject` (and still keeps it)."""
+        return subject in self.streams
+
     def since(self, subject: str, from_index: int) -> list[bytes]:
         """The chunks holding any token at or after `from_index`, and the finish marker if it is there."""
         return [d for i, n, d in self.streams.get(subject, ()) if i + n > from_index or i >= from_index]

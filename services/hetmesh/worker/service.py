@@ -33,6 +33,7 @@ from opentelemetry.context import Context
 from hetmesh import config, engines, kvstream, metrics, subjects, telemetry, wiring
 from hetmesh.bus import Bus, decode
 from hetmesh.engines.base import Engine, EngineError
+from hetmesh.placement.state import progress
 from hetmesh.protocol import (
     Cancel,
     Heartbeat,
@@ -44,6 +45,7 @@ from hetmesh.protocol import (
     Resume,
     Role,
     WorkerCommand,
+    Working,
     WorkItem,
 )
 from hetmesh.runtime import run_service
@@ -427,13 +429,32 @@ class Worker:
             moving_model=self.switch.moving_model, ready_in_s=self.switch.ready_in_s(), instance=self.instance))
 
     async def _heartbeat_loop(self) -> None:
+        mesh = self.cfg.mesh
+        every = max(round(mesh.stall_timeout_s / 4 / mesh.heartbeat_interval_s), 1)  # beats between `Working`s
+        beats, last = 0, (-1, -1, -1, -1)
         while True:
-            await asyncio.sleep(self.cfg.mesh.heartbeat_interval_s)
+            await asyncio.sleep(mesh.heartbeat_interval_s)
             try:
                 await self._heartbeat()
                 self._sweep()
+                beats += 1
+                if beats % every == 0:
+                    last = await self._still_working(last)
             except Exception:
                 log.exception("heartbeat failed")
+
+    async def _still_working(self, last: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+        """Tell the gateway of each request held here with no token from this worker yet that it is not
+        stalled, if the engine moved since the last time (or runs nothing: the request waits for its KV or a
+        slot). A wedged engine sends none, and the gateway's stall timeout ends its requests."""
+        s = self.engine.stats()
+        now = progress(s)
+        if now != last or s.running == 0:
+            for r in self.book.live():
+                subject = r.item.request.reply_subject
+                if not (r.cancelled or r.superseded) and subject not in self.replay:
+                    await self.out.send(subject, Working(request_id=r.request_id, worker_id=self.worker_id))
+        return now
 
     def _sweep(self) -> None:
         now = time.time()
