@@ -12,15 +12,17 @@ writes results/planner.json (parts not run keep their last results there).
   in ../shared/data, two models with their own SLOs); the cheapest purchase over all kinds that meets
   the SLOs against the cheapest single-kind purchase (target: >= 30% lower $/hour); the same with the
   assumed MI300X price swept, NVIDIA only, and chat + long context (Mooncake prompts).
-- timevarying (planner_timevarying.py): model ramp, model step and prefill:decode shift, re-planned
+- timevarying (planner_timevarying.py): model ramp, model step (two models of different sizes), model swap
+  (the same step between two 70B models) and prefill:decode shift, re-planned
   from several demand forecasts vs the best static layout and the per-window oracle (targets: >= 1.3x
   and within 10%).
-- timevarying_load: the model step and the model ramp with every rate x 0.5, 1, 1.5, 2: where
-  re-planning pays (the ceiling grows once each phase needs most of the fleet).
+- timevarying_load: the model cases with every rate x 0.5, 1, 1.5, 2: where re-planning pays (the ceiling
+  grows once each phase needs most of the fleet).
 - afd: the attention-FFN disaggregation what-if.
 
     .venv/bin/python benchmarks/planner.py [--parts time,optimality,value,heterogeneity,timevarying,timevarying_load,afd]
-    .venv/bin/python benchmarks/planner.py --parts timevarying --cases model-step
+    .venv/bin/python benchmarks/planner.py --parts timevarying --cases model-step   (other cases' results kept)
+    .venv/bin/python benchmarks/planner.py --parts timevarying_load --load-cases model-swap
 """
 
 from __future__ import annotations
@@ -132,6 +134,7 @@ def main() -> int:
     ap.add_argument("--long-requests", type=int, default=1000,
                     help="heterogeneity: conversation requests in the long-context mix (Mooncake over their span)")
     ap.add_argument("--cases", default=",".join(CASES), help="timevarying: which cases")
+    ap.add_argument("--load-cases", default="model-step,model-shift,model-swap", help="timevarying_load: which cases")
     ap.add_argument("--sub-s", type=float, default=60.0, help="timevarying: re-plan interval of last_subwindow, s")
     ap.add_argument("--out", default=str(ROOT / "results" / "planner.json"))
     a = ap.parse_args()
@@ -139,17 +142,20 @@ def main() -> int:
              "value": lambda: part_value(a.requests, a.scale, a.long_requests),
              "heterogeneity": lambda: part_heterogeneity(a.requests, a.scale, a.long_requests),
              "timevarying": lambda: part_timevarying(sub_s=a.sub_s, cases=a.cases.split(",")),
-             "timevarying_load": lambda: part_timevarying_load(sub_s=a.sub_s), "afd": part_afd}
+             "timevarying_load": lambda: part_timevarying_load(sub_s=a.sub_s, cases=a.load_cases.split(",")),
+             "afd": part_afd}
     chosen = a.parts.split(",")
     if unknown := [p for p in chosen if p not in parts]:
         ap.error(f"unknown part(s) {', '.join(unknown)}: choose from {', '.join(parts)}")
-    if bad := [c for c in a.cases.split(",") if c not in CASES]:
+    if bad := [c for c in a.cases.split(",") + a.load_cases.split(",") if c not in CASES]:
         ap.error(f"unknown case(s) {', '.join(bad)}: choose from {', '.join(CASES)}")
     out: dict[str, Any] = json.loads(Path(a.out).read_text()) if Path(a.out).exists() else {}
     out.update({"machine": f"{platform.machine()}, {os.cpu_count()} cores", "python": platform.python_version()})
     for part in chosen:
         t0 = time.perf_counter()
-        out[part] = parts[part]()
+        got = parts[part]()
+        # the time-varying parts are keyed by case: a run of some cases keeps the others' last results
+        out[part] = {**out.get(part, {}), **got} if part.startswith("timevarying") else got
         out[part]["wall_s"] = time.perf_counter() - t0
         t = Table(title=f"planner: {part}")
         t.add_column("key")

@@ -29,7 +29,7 @@ from hetmesh.planner import Assignment, ModelDemand, ServerGroup, demand_trace, 
 from hetmesh.planner.forecast import forecast_demand
 from hetmesh.planner.plan import Plan, current_layout, score
 
-CASES = ("model-shift", "model-step", "pd-shift")
+CASES = ("model-shift", "model-step", "model-swap", "pd-shift")
 MAX_REQUESTS = 600  # simulated requests per window (its first arrivals): a 2-core machine shared by many
 
 
@@ -46,6 +46,10 @@ def shift_case(case: str, windows: int, load: float = 1.0) -> tuple[list[ServerG
             b = max(80.0 * x, 4.0) if case == "model-shift" else (4.0 if i < windows / 2 else 80.0)
             out.append([ModelDemand(name="A", spec="llama-3.1-70b", rate=a * load, input_mean=2048, output_mean=256),
                         ModelDemand(name="B", spec="qwen3-32b", rate=b * load, input_mean=1024, output_mean=256)])
+        elif case == "model-swap":  # the step between two models of one size: each phase needs the fleet alike
+            a, b = (36.0, 1.8) if i < windows / 2 else (1.8, 36.0)
+            out.append([ModelDemand(name="A", spec="llama-3.1-70b", rate=a * load, input_mean=2048, output_mean=256),
+                        ModelDemand(name="B", spec="llama-2-70b", rate=b * load, input_mean=2048, output_mean=256)])
         else:  # the prefill:decode mix alternates between code-heavy and chat-heavy phases
             code = i % 2 == 0
             out.append([ModelDemand(name="A", spec="llama-3.1-70b", rate=(6.0 if code else 10.0) * load,
@@ -176,7 +180,7 @@ LOADS = (0.5, 1.0, 1.5, 2.0)
 
 
 def part_timevarying_load(windows: int = 6, window_s: float = 300.0, sub_s: float = 60.0,
-                          cases: Sequence[str] = ("model-step", "model-shift"),
+                          cases: Sequence[str] = ("model-step", "model-shift", "model-swap"),
                           loads: Sequence[float] = LOADS) -> dict[str, Any]:
     """The model cases with every rate times `load`: where the fleet has room, a static split of the
     servers between the models serves both phases and re-planning has little to win; once each phase
