@@ -77,6 +77,14 @@ def test_work_queue_names_and_config(tmp_path: Path) -> None:
                     ValueError, "duplicate_window_s")
 
 
+def test_the_wedge_timeout_defaults_to_a_third_of_the_stall_timeout_and_stays_below_it(tmp_path: Path) -> None:
+    assert config.MeshConfig().wedge_s == 20.0 and config.MeshConfig(stall_timeout_s=3.0).wedge_s == 1.0
+    assert config.MeshConfig(wedge_timeout_s=0.0).wedge_s == 0.0  # off
+    assert_rejected(tmp_path, "[mesh]\nstall_timeout_s = 10.0\nwedge_timeout_s = 10.0\n", ValueError,
+                    "wedge_timeout_s must be >= 0")
+    assert_rejected(tmp_path, "[mesh]\nwedge_timeout_s = -1.0\n", ValueError, "below mesh.stall_timeout_s")
+
+
 def test_item_ids_and_recent_ids() -> None:
     req = InferenceRequest(request_id="r1", model="m", prompt_tokens=[1], block_hashes=[], sampling=SamplingParams(max_tokens=1),
                            reply_subject="x", arrival_ts=0.0, attempt=2)
