@@ -95,7 +95,8 @@ class SchedulerMetrics:
         self.predicted = Histogram("hetmesh_scheduler_predicted_seconds",
                                    "The cost model's prediction for the chosen placement (engine time)",
                                    ["phase"], buckets=LATENCY_BUCKETS, registry=r)
-        self.workers_lost = Counter("hetmesh_scheduler_workers_lost", "Workers counted lost: heartbeats stopped, process restarted, or engine wedged",
+        self.workers_lost = Counter("hetmesh_scheduler_workers_lost",
+                                    "Workers counted lost: heartbeats stopped, process restarted, or engine wedged",
                                     registry=r)
 
 

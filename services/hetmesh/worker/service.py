@@ -32,7 +32,7 @@ from opentelemetry.context import Context
 
 from hetmesh import config, engines, kvstream, metrics, subjects, telemetry, wiring
 from hetmesh.bus import Bus, decode
-from hetmesh.engines.base import Engine, EngineError
+from hetmesh.engines.base import Engine, EngineError, EngineStats
 from hetmesh.placement.state import progress
 from hetmesh.protocol import (
     Cancel,
@@ -413,7 +413,8 @@ class Worker:
         self._landed(KvLanded.of(header, ok=False, error=why))
 
     # ------------------------------------------------------------------ heartbeats and KV events
-    async def _heartbeat(self) -> None:
+    async def _heartbeat(self) -> EngineStats:
+        """Publish this worker's heartbeat; the engine stats it was made from."""
         s = self.engine.stats()
         g = self.group
         await self.bus.publish(subjects.heartbeat(self.worker_id), Heartbeat(
@@ -427,6 +428,7 @@ class Worker:
             step_tokens=g.step_tokens, draining=self.book.draining,
             moving_to=self.switch.moving_to.value if self.switch.moving_to is not None else "",
             moving_model=self.switch.moving_model, ready_in_s=self.switch.ready_in_s(), instance=self.instance))
+        return s
 
     async def _heartbeat_loop(self) -> None:
         mesh = self.cfg.mesh
@@ -435,26 +437,26 @@ class Worker:
         while True:
             await asyncio.sleep(mesh.heartbeat_interval_s)
             try:
-                await self._heartbeat()
+                stats = await self._heartbeat()
                 self._sweep()
                 beats += 1
                 if beats % every == 0:
-                    last = await self._still_working(last)
+                    last = await self._still_working(stats, last)
             except Exception:
                 log.exception("heartbeat failed")
 
-    async def _still_working(self, last: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+    async def _still_working(self, s: EngineStats, last: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
         """Tell the gateway of each request held here with no token from this worker yet that it is not
         stalled, if the engine moved since the last time (or runs nothing: the request waits for its KV or a
-        slot). A wedged engine sends none, and the gateway's stall timeout ends its requests."""
-        s = self.engine.stats()
-        now = progress(s)
-        if now != last or s.running == 0:
+        slot). A wedged engine sends none, and the gateway's stall timeout ends its requests. `s`: the stats the
+        heartbeat just sent; `last`: the counters at the last round. Returns the counters now."""
+        counters = progress(s)
+        if counters != last or s.running == 0:
             for r in self.book.live():
                 subject = r.item.request.reply_subject
                 if not (r.cancelled or r.superseded) and subject not in self.replay:
                     await self.out.send(subject, Working(request_id=r.request_id, worker_id=self.worker_id))
-        return now
+        return counters
 
     def _sweep(self) -> None:
         now = time.time()
