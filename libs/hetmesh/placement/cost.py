@@ -6,6 +6,7 @@ take either phase) with the cost model:
 
     TTFT  = prefill backlog on P + prefill time on P (after P's prefix hit, with P's decode batch riding along)
     TPOT  = decode step time on D at its batch (running + queued + this one) / (1 - D's prefill share)
+            + with admission on, the wait for a slot when that batch is over full, spread over its output tokens
     e2e   = TTFT + KV transfer (disaggregated) + (output - 1) * TPOT
 
 The prefill backlog and each worker's prefill share are the policy's own bookkeeping of what
@@ -136,6 +137,7 @@ class CostPolicy:
         self._placed = np.zeros(16)  # prefills placed on each worker, decaying at the window (its arrival rate)
         self._first_start = np.full(16, math.inf)  # starts[slot][0], so only due queues are walked
         self._queued = np.zeros(16)  # len(starts[slot])
+        self._life = np.zeros(16)  # per worker: the mean seconds a decode placed there holds its slot
         self._starts: list[deque[float]] = []
         self._fleet = Fleet(self._cm_row, self._slot, lambda: self._coef)
         self._work = np.zeros((4, 0))  # step_seconds_many's prefill arguments, 5 steps per worker
@@ -167,6 +169,7 @@ class CostPolicy:
                 self._acc = np.concatenate([self._acc, np.zeros((len(self._taus), grow))], axis=1)
                 self._first_start = np.concatenate([self._first_start, np.full(grow, math.inf)])
                 self._queued = np.concatenate([self._queued, np.zeros(grow)])
+                self._life = np.concatenate([self._life, np.zeros(grow)])
                 self._placed = np.concatenate([self._placed, np.zeros(grow)])
                 self._guard.ensure(len(self._last))
         return s
@@ -253,6 +256,12 @@ class CostPolicy:
         slow = 1.0 - share
         # never slower than a step carrying a full chunk beside the batch: prefill cannot take more of a step
         tpot = np.minimum(step / slow, step + full_chunk)
+        if np.count_nonzero(waits) and self.admission_margins.get(req.model, self.admission_margin) > 0:
+            # Keeping SLOs: it also waits until b - max_batch slots free (the queue before it, then its own), one
+            # every life / max_batch seconds, and pays that wait in its own tokens: a short decode behind a
+            # full batch pays it in a few (the rounds above only price the load; with admission off, serving
+            # everything, the wait costs the cluster nothing and the rounds alone spread a saturated cluster).
+            tpot = tpot + np.maximum(b - max_batch, 0.0) * self._life[sl] / max_batch / max(req.max_tokens - 1, 1)
         ext_d = (bb - 1) * max(req.max_tokens - 1, 0) * marginal / slow
         # Sequences a prefill here would hold up: the running batch and the decodes queued (for their KV or
         # a slot), not the prefills this policy queued ahead of it.
@@ -389,6 +398,9 @@ class CostPolicy:
         self._commit(slot_p, float(pr.pf[p]), pr.now)
         if n_out > 1:
             life = (n_out - 1) * float(pr.plain[d])
+            # the slot's life, in the mean over the last max_batch or so decodes placed there
+            old, mb = float(self._life[slot_d]), max(float(self._fleet.num[d, 2]), 1.0)
+            self._life[slot_d] = life if old == 0.0 else old + (life - old) / mb
             queued = max(float(self._busy_until[slot_d]) - start, 0.0)  # prefill still queued on D by then
             slack = (n_out - 1) * tpot_slo - life - queued
             if slack < float(pr.full_chunk[d]):  # fragile: one prefill chunk beside it would break its SLO
