@@ -133,14 +133,18 @@ def main() -> int:
                     help="heterogeneity: the traces' arrivals this many times faster (a data-centre's load)")
     ap.add_argument("--long-requests", type=int, default=1000,
                     help="heterogeneity: conversation requests in the long-context mix (Mooncake over their span)")
+    ap.add_argument("--attainment", type=float, default=0.9,
+                    help="heterogeneity: the share of requests within both SLOs that meeting the SLOs asks for")
     ap.add_argument("--cases", default=",".join(CASES), help="timevarying: which cases")
     ap.add_argument("--load-cases", default="model-step,model-shift,model-swap", help="timevarying_load: which cases")
     ap.add_argument("--sub-s", type=float, default=60.0, help="timevarying: re-plan interval of last_subwindow, s")
     ap.add_argument("--out", default=str(ROOT / "results" / "planner.json"))
     a = ap.parse_args()
+    if not 0.0 < a.attainment <= 1.0:
+        ap.error(f"--attainment {a.attainment}: a share of requests, in (0, 1]")
     parts = {"time": part_time, "optimality": part_optimality,
              "value": lambda: part_value(a.requests, a.scale, a.long_requests),
-             "heterogeneity": lambda: part_heterogeneity(a.requests, a.scale, a.long_requests),
+             "heterogeneity": lambda: part_heterogeneity(a.requests, a.scale, a.long_requests, a.attainment),
              "timevarying": lambda: part_timevarying(sub_s=a.sub_s, cases=a.cases.split(",")),
              "timevarying_load": lambda: part_timevarying_load(sub_s=a.sub_s, cases=a.load_cases.split(",")),
              "afd": part_afd}

@@ -31,7 +31,7 @@ NVIDIA = [k for k in PURCHASE if k.startswith("nvidia-")]
 SWEPT = "amd-mi300x"  # the kind that is the best value at its assumed price
 SWEEP_USD = (4.5,)  # $/device-h simulated besides the assumed price (the steady state sweeps CLOSED_FORM_USD)
 CLOSED_FORM_USD = tuple(x / 2 for x in range(4, 17))  # $2 to $8 per device-hour, steady state only
-ATTAINMENT = 0.9
+ATTAINMENT = 0.9  # default share of requests within both SLOs that `meets the SLOs` asks for
 BUCKETS = (1, 2, 3, 4)  # prompt x output length quantile buckets per model, each way, for the bucketed bound
 PRUNE = 2.0  # a single kind this many times dearer than the best one in the steady state is not simulated
 
@@ -114,7 +114,8 @@ def value(kinds: Sequence[str], demands: Sequence[ModelDemand], purchase: Sequen
 
 
 def _compare(kinds: list[ServerGroup], opts: list, demands: Sequence[ModelDemand], tr: Trace, names: Sequence[str],
-             singles: dict[str, Any], prices: Mapping[str, float] | None = None) -> dict[str, Any]:
+             singles: dict[str, Any], prices: Mapping[str, float] | None = None,
+             attainment: float = ATTAINMENT) -> dict[str, Any]:
     """The cheapest purchase over the kinds `names` against the cheapest single kind of them. Single
     kinds are simulated once each (`singles` caches them across calls, at catalog prices; a single
     kind buys the fewest servers whatever its price), and only where the steady state puts that
@@ -123,12 +124,12 @@ def _compare(kinds: list[ServerGroup], opts: list, demands: Sequence[ModelDemand
     floor = min(steady.values())
     pruned = {k: round(v / floor, 2) for k, v in steady.items() if v > PRUNE * floor}
     ks, os_ = restrict(kinds, reprice(kinds, opts, prices), names)
-    m = cheapest(ks, demands, trace=tr, attainment=ATTAINMENT, prices=prices, opts=os_,
+    m = cheapest(ks, demands, trace=tr, attainment=attainment, prices=prices, opts=os_,
                  alone=[k for k in names if k not in pruned])
     for k in names:
         if k not in singles and k not in pruned:
             k1, o1 = restrict(kinds, opts, [k])
-            q = cheapest(k1, demands, trace=tr, attainment=ATTAINMENT, opts=o1) if o1 else None
+            q = cheapest(k1, demands, trace=tr, attainment=attainment, opts=o1) if o1 else None
             singles[k] = None if q is None or not q.meets else {"servers": q.servers, "slo_attainment": q.slo_attainment}
     priced = {k: sum(n * device_usd_per_hour(k, prices) * kinds[[g.name for g in kinds].index(k)].devices
                      for n in v["servers"].values())
@@ -156,35 +157,35 @@ def _log(t0: float, what: str) -> None:
     print(f"  heterogeneity: {what} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
 
 
-def part_heterogeneity(n: int, scale: float, long_n: int) -> dict[str, Any]:
+def part_heterogeneity(n: int, scale: float, long_n: int, attainment: float = ATTAINMENT) -> dict[str, Any]:
     t0 = time.perf_counter()
     tr, demands = mixed(n, scale)
     kinds = [ServerGroup(name=k, accelerator=k, count=48, max_batch=128) for k in PURCHASE]
-    opts = calibrate(kinds, demands, options(kinds, demands), tr, ATTAINMENT)  # measured once, for every catalog
+    opts = calibrate(kinds, demands, options(kinds, demands), tr, attainment)  # measured once, for every catalog
     _log(t0, "options measured")
     cache: dict[str, Any] = {}
-    base = _compare(kinds, opts, demands, tr, PURCHASE, cache)
+    base = _compare(kinds, opts, demands, tr, PURCHASE, cache, attainment=attainment)
     _log(t0, "catalog as priced")
     sweep = []
     for usd in SWEEP_USD:
-        got = _compare(kinds, opts, demands, tr, PURCHASE, cache, {SWEPT: usd})
+        got = _compare(kinds, opts, demands, tr, PURCHASE, cache, {SWEPT: usd}, attainment)
         sweep.append({"usd_per_gpu_h": usd, "mixed_usd_h": got["mixed"] and got["mixed"]["usd_per_hour"],
                       "mixed_servers": got["mixed"] and got["mixed"]["servers"],
                       "cheapest_single": got["cheapest_single"],
                       "single_usd_h": got["cheapest_single"] and got["singles_usd_per_hour"][got["cheapest_single"]],
                       "saving": got["saving"]})
     _log(t0, "price sweep")
-    nvidia = _compare(kinds, opts, demands, tr, NVIDIA, cache)
+    nvidia = _compare(kinds, opts, demands, tr, NVIDIA, cache, attainment=attainment)
     _log(t0, "nvidia-only")
     ltr, ldem = long_mixed(long_n, scale)
-    lopts = calibrate(kinds, ldem, options(kinds, ldem), ltr, ATTAINMENT)
+    lopts = calibrate(kinds, ldem, options(kinds, ldem), ltr, attainment)
     _log(t0, "long-context options measured")
     lcache: dict[str, Any] = {}
-    longc = _compare(kinds, lopts, ldem, ltr, PURCHASE, lcache)
+    longc = _compare(kinds, lopts, ldem, ltr, PURCHASE, lcache, attainment=attainment)
     _log(t0, "long-context")
-    longc_nv = _compare(kinds, lopts, ldem, ltr, NVIDIA, lcache)
+    longc_nv = _compare(kinds, lopts, ldem, ltr, NVIDIA, lcache, attainment=attainment)
     _log(t0, "long-context nvidia-only")
-    return {"requests": len(tr.requests), "rate_scale": scale, "attainment_target": ATTAINMENT,
+    return {"requests": len(tr.requests), "rate_scale": scale, "attainment_target": attainment,
             "demands": [(d.name, round(d.rate, 2), round(d.input_mean), round(d.output_mean)) for d in demands],
             **base, "swept_kind": SWEPT, "price_sweep": sweep,
             "saves_30pct_at_usd": next((s["usd_per_gpu_h"] for s in sweep if (s["saving"] or 0) >= 0.30), None),

@@ -260,15 +260,53 @@ def test_score_is_good_tokens_per_second_of_offered_arrivals_not_of_the_drain() 
     assert sm is not None and sm["offered_span_s"] == pytest.approx(tr.requests[-1].arrival - tr.requests[0].arrival)
 
 
-def test_a_server_is_swapped_only_for_a_cheaper_kind_in_its_own_role() -> None:
-    from hetmesh.planner.buy import _swaps
+def test_the_local_search_steps_drop_swap_for_a_cheaper_kind_in_the_role_or_move_layout() -> None:
+    from hetmesh.planner.buy import _steps
 
     kinds = [ServerGroup(name="a", accelerator="nvidia-h200", count=4), ServerGroup(name="b", accelerator="amd-mi300x", count=4)]
     opts = [Option(0, "m", Role.BOTH, "tp", 1.0, 38.0), Option(1, "m", Role.BOTH, "tp", 2.0, 24.0),
-            Option(1, "m", Role.BOTH, "dp", 2.5, 24.0), Option(1, "m", Role.DECODE, "tp", 3.0, 24.0)]
+            Option(1, "m", Role.BOTH, "dp", 2.5, 24.0), Option(1, "m", Role.DECODE, "tp", 3.0, 24.0),
+            Option(1, "n", Role.BOTH, "tp", 1.0, 24.0), Option(1, "n", Role.BOTH, "dp", 1.5, 24.0)]
     lay = [Assignment("a-0", "a", "nvidia-h200", 8, "m", Role.BOTH, "tp"),
-           Assignment("b-0", "b", "amd-mi300x", 8, "m", Role.DECODE, "tp")]
-    got = _swaps(lay, kinds, opts, {"nvidia-h200": 4.75, "amd-mi300x": 3.0})
-    # the H200 ($38/h) becomes the next free MI300X ($24/h) on its strongest `both` layout; the MI300X stays
-    assert [(saved, [(a.server, a.role, a.parallel) for a in alt]) for saved, alt in got] == [
-        (pytest.approx(14.0), [("b-1", Role.BOTH, "dp"), ("b-0", Role.DECODE, "tp")])]
+           Assignment("b-0", "b", "amd-mi300x", 8, "m", Role.DECODE, "tp"),
+           Assignment("b-1", "b", "amd-mi300x", 8, "n", Role.BOTH, "tp")]
+    got = _steps(lay, kinds, opts, {"nvidia-h200": 4.75, "amd-mi300x": 3.0})
+    # dearest first: drop the H200 ($38/h) or the MI300X of m (n's only server stays); the H200 becomes the
+    # next free MI300X on each of its `both` layouts, strongest first ($14/h less); n's MI300X moves to dp
+    # ($0); the decode MI300X has no cheaper kind and no other layout in its role
+    assert [(saved, [(a.server, a.model, a.role, a.parallel) for a in alt]) for saved, alt in got] == [
+        (pytest.approx(38.0), [("b-0", "m", Role.DECODE, "tp"), ("b-1", "n", Role.BOTH, "tp")]),
+        (pytest.approx(24.0), [("a-0", "m", Role.BOTH, "tp"), ("b-1", "n", Role.BOTH, "tp")]),
+        (pytest.approx(14.0), [("b-2", "m", Role.BOTH, "dp"), ("b-0", "m", Role.DECODE, "tp"), ("b-1", "n", Role.BOTH, "tp")]),
+        (pytest.approx(14.0), [("b-2", "m", Role.BOTH, "tp"), ("b-0", "m", Role.DECODE, "tp"), ("b-1", "n", Role.BOTH, "tp")]),
+        (0.0, [("a-0", "m", Role.BOTH, "tp"), ("b-0", "m", Role.DECODE, "tp"), ("b-1", "n", Role.BOTH, "dp")])]
+
+
+def test_the_local_search_takes_back_what_the_demand_does_not_need_and_simulates_each_shape_once() -> None:
+    from hetmesh.planner import buy
+
+    g = [ServerGroup(name="h200", accelerator="nvidia-h200", count=4),
+         ServerGroup(name="mi300x", accelerator="amd-mi300x", count=4)]
+    d = [_demand(8.0, ttft_slo_s=4.0, tpot_slo_s=0.1)]  # one server of either kind meets the SLOs for 61-64%, two for all
+    tr = demand_trace(d, 60.0)
+    opts = buy.options(g, d)
+    lay = [Assignment(f"h200-{i}", "h200", "nvidia-h200", 8, "m", Role.BOTH, "tp") for i in range(4)]
+    sm = buy.evaluate(lay, d, g, tr)
+    assert sm is not None and sm["slo_attainment"] >= 0.9
+    p = buy._purchase(g, lay, sm, 1.0, 0.9)
+    shapes: list[tuple] = []
+    simulate = buy.evaluate
+
+    def counted(lay: list[Assignment], *a: object) -> object:
+        shapes.append(buy._shape(lay))
+        return simulate(lay, *a)
+
+    buy.evaluate = counted  # type: ignore[assignment]
+    try:
+        got = buy.trim(p, g, d, tr, 0.9, opts=opts)
+    finally:
+        buy.evaluate = simulate  # type: ignore[assignment]
+    # two servers are enough, and of the cheaper kind ($24/h against $38/h): dropped one by one until one is
+    # too few, then swapped; the one-server shape that fell short is not simulated again
+    assert got.meets and got.servers == {"mi300x": 2} and got.usd_per_hour == pytest.approx(48.0)
+    assert len(shapes) == len(set(shapes)) and buy._shape(lay) not in shapes

@@ -95,27 +95,38 @@ def calibrate(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], opts
     return [o for o in out if max(o.capacity, o.prefill, o.decode) > 0]
 
 
-def _swaps(lay: Sequence[Assignment], kinds: Sequence[ServerGroup], opts: Sequence[Option],
+def _steps(lay: Sequence[Assignment], kinds: Sequence[ServerGroup], opts: Sequence[Option],
            prices: Mapping[str, float] | None) -> list[tuple[float, list[Assignment]]]:
-    """Each server of `lay` replaced by one of a cheaper kind running its model in its role (on that kind's
-    layout with the most capacity in the role), with the $/hour each saves, most first."""
+    """The local search's neighbourhood of `lay`, each with the $/hour it saves, most first: a server
+    dropped (not the last of its model); a server replaced by one of a cheaper kind running its model in
+    its role, on each of that kind's layouts for it (the strongest first); a server on another layout of
+    its own kind (saves nothing: taken only where it meets the SLOs better, which may make room for the
+    others)."""
     used = {a.server for a in lay}
-    best: dict[tuple[str, str, Role], Option] = {}  # (kind, model, role) -> its strongest option
+    layouts: dict[tuple[str, str, Role], list[Option]] = {}  # (kind, model, role) -> its options, strongest first
     for o in opts:
-        key = (kinds[o.group].name, o.model, o.role)
-        if key not in best or _strength(o) > _strength(best[key]):
-            best[key] = o
+        layouts.setdefault((kinds[o.group].name, o.model, o.role), []).append(o)
+    for v in layouts.values():
+        v.sort(key=lambda o: -_strength(o))
     free = {g.name: next((sid for sid in g.server_ids() if sid not in used), None) for g in kinds}
-    out = []
+    per_model: dict[str, int] = {}
+    for a in lay:
+        per_model[a.model] = per_model.get(a.model, 0) + 1
+    out: list[tuple[float, float, list[Assignment]]] = []  # (saving, strength, layout)
     for a in lay:
         usd = device_usd_per_hour(a.accelerator, prices) * a.devices
+        if per_model[a.model] > 1:
+            out.append((usd, 0.0, [b for b in lay if b.server != a.server]))
         for g in kinds:
-            o = best.get((g.name, a.model, a.role))
-            if o is None or free[g.name] is None or o.usd_per_hour >= usd:
-                continue
-            swapped = Assignment(free[g.name], g.name, g.accelerator, g.devices, a.model, a.role, o.parallel)
-            out.append((usd - o.usd_per_hour, [swapped if b.server == a.server else b for b in lay]))
-    return sorted(out, key=lambda t: -t[0])
+            for o in layouts.get((g.name, a.model, a.role), []):
+                if g.name == a.group:
+                    if o.parallel != a.parallel:
+                        moved = msgspec.structs.replace(a, parallel=o.parallel)
+                        out.append((0.0, _strength(o), [moved if b.server == a.server else b for b in lay]))
+                elif free[g.name] is not None and o.usd_per_hour < usd:
+                    swapped = Assignment(free[g.name], g.name, g.accelerator, g.devices, a.model, a.role, o.parallel)
+                    out.append((usd - o.usd_per_hour, _strength(o), [swapped if b.server == a.server else b for b in lay]))
+    return [(saved, alt) for saved, _, alt in sorted(out, key=lambda t: (-t[0], -t[1]))]
 
 
 def _strength(o: Option) -> float:
@@ -124,43 +135,36 @@ def _strength(o: Option) -> float:
 
 def trim(p: Purchase, kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], trace: Trace,
          attainment: float, prices: Mapping[str, float] | None = None,
-         efficiencies: Mapping[str, Efficiency] | None = None, limit: int = 12,
+         efficiencies: Mapping[str, Efficiency] | None = None, limit: int = 24,
          opts: Sequence[Option] = ()) -> Purchase:
-    """Local search on a purchase that meets the SLOs: drop servers, dearest first, while the
-    simulation still says it meets them (the solver sizes whole servers on estimates; this takes
-    back what the estimates over-bought); then swap a server for one of a cheaper kind in the same
-    role (`opts`: the kinds' options), biggest saving first, while it still meets them: a whole
-    server too many of one kind is often a cheaper server of another. At most `limit` simulations
-    for each of the two."""
+    """Local search on a purchase that meets the SLOs (the solver sizes whole servers on estimates; this
+    takes back what the estimates over-bought): from its neighbourhood (`_steps`: drop a server, swap one
+    for a cheaper kind in its role, move one to another layout of its kind; `opts`: the kinds' options),
+    the step that saves the most and has not been simulated yet, taken if the simulation says it still
+    meets the SLOs (a step that saves nothing: if it meets them better); until none is left or `limit`
+    simulations. A layout's simulation depends only on its shape (servers per kind, model, role and
+    layout), so no shape is simulated twice."""
     lay = list(p.assignments)
     best = p
+    seen: set[tuple[tuple[str, str, Role, str], ...]] = {_shape(lay)}
     tries = 0
-    for a in sorted(p.assignments, key=lambda a: -device_usd_per_hour(a.accelerator, prices) * a.devices):
-        if tries >= limit or sum(1 for b in lay if b.model == a.model) <= 1:
-            continue
-        tries += 1
-        rest = [b for b in lay if b.server != a.server]
-        sm = evaluate(rest, demands, kinds, trace, prices, efficiencies)
-        if sm is not None and sm["slo_attainment"] >= attainment:
-            lay = rest
-            best = _purchase(kinds, rest, sm, p.served_share, attainment)
-    tries, failed = 0, set()  # failed: the shapes of layouts simulated and found short, not tried again
     while tries < limit:
-        alt = next((alt for _, alt in _swaps(lay, kinds, opts, prices) if _shape(alt) not in failed), None)
-        if alt is None:
+        step = next(((saved, alt) for saved, alt in _steps(lay, kinds, opts, prices) if _shape(alt) not in seen), None)
+        if step is None:
             break
+        saved, alt = step
+        seen.add(_shape(alt))
         tries += 1
         sm = evaluate(alt, demands, kinds, trace, prices, efficiencies)
-        if sm is not None and sm["slo_attainment"] >= attainment:
-            lay = alt
-            best = _purchase(kinds, alt, sm, p.served_share, attainment)
-        else:
-            failed.add(_shape(alt))
+        if sm is None or sm["slo_attainment"] < attainment or (saved <= 0 and sm["slo_attainment"] <= best.slo_attainment):
+            continue
+        lay = alt
+        best = _purchase(kinds, alt, sm, p.served_share, attainment)
     return best
 
 
-def _shape(lay: Sequence[Assignment]) -> tuple[tuple[str, str, Role], ...]:
-    return tuple(sorted((a.group, a.model, a.role) for a in lay))
+def _shape(lay: Sequence[Assignment]) -> tuple[tuple[str, str, Role, str], ...]:
+    return tuple(sorted((a.group, a.model, a.role, a.parallel) for a in lay))
 
 
 def restrict(kinds: Sequence[ServerGroup], opts: Sequence[Option],
