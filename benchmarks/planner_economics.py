@@ -168,7 +168,7 @@ def part_heterogeneity(n: int, scale: float, long_n: int, attainment: float = AT
     _log(t0, "catalog as priced")
     sweep = []
     for usd in SWEEP_USD:
-        got = _compare(kinds, opts, demands, tr, PURCHASE, cache, {SWEPT: usd}, attainment)
+        got = _compare(kinds, opts, demands, tr, PURCHASE, cache, {SWEPT: usd}, attainment=attainment)
         sweep.append({"usd_per_gpu_h": usd, "mixed_usd_h": got["mixed"] and got["mixed"]["usd_per_hour"],
                       "mixed_servers": got["mixed"] and got["mixed"]["servers"],
                       "cheapest_single": got["cheapest_single"],

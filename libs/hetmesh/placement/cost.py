@@ -256,7 +256,7 @@ class CostPolicy:
         slow = 1.0 - share
         # never slower than a step carrying a full chunk beside the batch: prefill cannot take more of a step
         tpot = np.minimum(step / slow, step + full_chunk)
-        if np.count_nonzero(waits) and self.admission_margins.get(req.model, self.admission_margin) > 0:
+        if np.count_nonzero(waits) and self._margin(req.model) > 0:
             # Keeping SLOs: it also waits until b - max_batch slots free (the queue before it, then its own), one
             # every life / max_batch seconds, and pays that wait in its own tokens: a short decode behind a
             # full batch pays it in a few (the rounds above only price the load; with admission off, serving
@@ -293,7 +293,7 @@ class CostPolicy:
         f = self._fleet
         n_out = max(req.max_tokens, 1)
         ttft_slo, tpot_slo = self._slo(req.model)
-        margin = self.admission_margins.get(req.model, self.admission_margin)
+        margin = self._margin(req.model)
         pre, dec, agg_i, ttft, tpot = pr.pre, pr.dec, pr.agg, pr.ttft, pr.tpot
         # With admission on, the output tokens of the decodes placed on each worker that a prefill there would
         # push past their TPOT SLO (DecodeGuard); with it off the policy keeps no SLO but its own preference
@@ -370,7 +370,7 @@ class CostPolicy:
         ttft_slo, tpot_slo = self._slo(req.model)
         over = over_slo(ttft + req.waited_s, tpot, n_out, ttft_slo, tpot_slo)
         if margin is None:
-            margin = self.admission_margins.get(req.model, self.admission_margin)
+            margin = self._margin(req.model)
         if margin > 0 and over > margin and (no := self._refusal(req, pr, pr.pre, p, over, ttft, tpot, margin)):
             return no
         self._commit(int(self._fleet.slots[p]), float(pr.pf[p]), pr.now)
@@ -409,6 +409,10 @@ class CostPolicy:
     def _slo(self, model: str) -> tuple[float, float]:
         """The model's (TTFT, TPOT) SLO seconds: its own, else the policy's."""
         return self.slos.get(model, (self.ttft_slo, self.tpot_slo))
+
+    def _margin(self, model: str) -> float:
+        """The model's admission margin: its own, else the policy's (0: admission off)."""
+        return self.admission_margins.get(model, self.admission_margin)
 
     def _rung(self, life_s: float) -> int:
         """The ladder's shortest time constant at least `life_s` (0, the window, for a life beyond it)."""

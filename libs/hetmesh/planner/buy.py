@@ -6,6 +6,7 @@ every answer is checked by simulation and re-solved with more headroom until it 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
@@ -109,9 +110,7 @@ def _steps(lay: Sequence[Assignment], kinds: Sequence[ServerGroup], opts: Sequen
     for v in layouts.values():
         v.sort(key=lambda o: -_strength(o))
     free = {g.name: next((sid for sid in g.server_ids() if sid not in used), None) for g in kinds}
-    per_model: dict[str, int] = {}
-    for a in lay:
-        per_model[a.model] = per_model.get(a.model, 0) + 1
+    per_model = Counter(a.model for a in lay)
     out: list[tuple[float, float, list[Assignment]]] = []  # (saving, strength, layout)
     for a in lay:
         usd = device_usd_per_hour(a.accelerator, prices) * a.devices
