@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -19,7 +19,7 @@ from hetmesh import subjects
 from hetmesh.kvindex.blocks import block_hashes
 from hetmesh.kvindex.index import PrefixIndex
 from hetmesh.launcher import Mesh
-from hetmesh.protocol import Heartbeat, Role, RoleSwitch, SchedulerStatus
+from hetmesh.protocol import Heartbeat, ResponseEvent, Role, RoleSwitch, SchedulerStatus, TokenChunk
 from hetmesh.tokenizer import HFTokenizer
 
 from ..e2e.conftest import EventLog, running_mesh
@@ -308,6 +308,14 @@ async def test_prefill_and_decode_workers_swap_roles_without_a_restart(mesh: Mes
         await nc.close()
 
 
+async def _bus_reaches(chunks: Callable[[], list[TokenChunk]], n: int, timeout_s: float = 15.0) -> None:
+    """Wait until the chunks seen on the bus include one that ends at token n (index + tokens >= n)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not any(c.index + len(c.token_ids) >= n for c in chunks()):
+        assert asyncio.get_running_loop().time() < deadline, f"the bus never showed token {n}"
+        await asyncio.sleep(0.05)
+
+
 async def test_greedy_stream_survives_its_worker_sigkilled(mesh: Mesh, events: EventLog,
                                                           aclient: openai.AsyncOpenAI) -> None:
     """Migration with a real engine: the aggregated worker streaming a greedy completion is SIGKILLed
@@ -327,8 +335,6 @@ async def test_greedy_stream_survives_its_worker_sigkilled(mesh: Mesh, events: E
 
     import httpx
 
-    from hetmesh.protocol import ResponseEvent, TokenChunk
-
     tok = HFTokenizer(mesh.cfg.model("tiny-agg").tokenizer)
     prompt, n = TEXTS[0], 600  # long enough that the kill lands mid-stream (a token takes milliseconds)
     prompt_ids = tok.encode(prompt)
@@ -345,14 +351,16 @@ async def test_greedy_stream_survives_its_worker_sigkilled(mesh: Mesh, events: E
                 killed.append(ev.worker_id)
                 mesh.kill(f"worker:{ev.worker_id}")
 
+    def on_bus_of(r: str) -> list[TokenChunk]:
+        return [c for subj, cs in on_bus.items() if f".{r}-" in subj for c in cs]
+
     await nc.subscribe("hetmesh.resp.>", cb=on_chunk)
     try:
         want_id, want, _, _ = await _complete(aclient, "tiny-agg", prompt, max_tokens=n)
         body = {"model": "tiny-agg", "prompt": prompt, "max_tokens": n, "stream": True, "ignore_eos": True,
                 "temperature": 0, "stream_options": {"include_usage": True}}
         chunks: list[dict] = []
-        await nc.flush()
-        await asyncio.sleep(0.5)  # the reference run's chunks still queued for on_chunk must not arm the kill
+        await _bus_reaches(lambda: on_bus_of(_rid(want_id)), n)  # its chunks queued for on_chunk must not arm the kill
         armed = True
         async with httpx.AsyncClient(base_url=mesh.url, timeout=120) as http:
             async with http.stream("POST", "/v1/completions", json=body) as r:
@@ -361,11 +369,15 @@ async def test_greedy_stream_survives_its_worker_sigkilled(mesh: Mesh, events: E
                         chunks.append(json.loads(line[6:]))
         victim = killed[0]
         rid = _rid(chunks[0]["id"])
+
+        # The gateway and this test subscribe apart: the HTTP stream can end before on_chunk has seen every
+        # chunk (CI saw 455 of 599), so wait until the bus holds this stream's last token.
         assert not [c for c in chunks if "error" in c]
         assert chunks[-1]["usage"]["completion_tokens"] == n
         assert chunks[-1]["usage"]["prompt_tokens"] == len(prompt_ids)
+        await _bus_reaches(lambda: on_bus_of(rid), n)
         # The bus says what happened: the victim's chunks, then another worker's from index k.
-        mine = [c for subj, cs in on_bus.items() if f".{rid}-" in subj for c in cs]
+        mine = on_bus_of(rid)
         second = [c for c in mine if c.worker_id != victim]
         if not second:
             pytest.skip(f"the engine streamed all {n} tokens before the SIGKILL landed: nothing to migrate "
@@ -385,7 +397,7 @@ async def test_greedy_stream_survives_its_worker_sigkilled(mesh: Mesh, events: E
         # What vLLM itself continues the prompt plus those k tokens with (greedy, the same worker's engine).
         cont = await aclient.completions.create(model="tiny-agg", prompt=[*prompt_ids, *before], max_tokens=n - k,
                                                 temperature=0, extra_body={"ignore_eos": True})
-        await asyncio.sleep(0.2)
+        await _bus_reaches(lambda: on_bus_of(_rid(cont.id)), n - k)
         ref = next(cs for subj, cs in on_bus.items() if subj.endswith(f".{_rid(cont.id)}-0"))
         assert after == [t for c in sorted(ref, key=lambda c: c.index) for t in c.token_ids]
         text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
