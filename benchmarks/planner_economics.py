@@ -130,14 +130,16 @@ def _compare(kinds: list[ServerGroup], opts: list, demands: Sequence[ModelDemand
         if k not in singles and k not in pruned:
             k1, o1 = restrict(kinds, opts, [k])
             q = cheapest(k1, demands, trace=tr, attainment=attainment, opts=o1) if o1 else None
-            singles[k] = None if q is None or not q.meets else {"servers": q.servers, "slo_attainment": q.slo_attainment}
+            singles[k] = None if q is None or not q.meets else {"servers": q.servers, "slo_attainment": q.slo_attainment,
+                                                                "model_attainment": q.model_attainment}
     priced = {k: sum(n * device_usd_per_hour(k, prices) * kinds[[g.name for g in kinds].index(k)].devices
                      for n in v["servers"].values())
               for k, v in singles.items() if v and k in names and k not in pruned}
     best = min(priced, key=lambda k: priced[k]) if priced else None
     saving = 1 - m.usd_per_hour / priced[best] if m is not None and m.meets and best else None
     return {"mixed": None if m is None else {"servers": m.servers, "usd_per_hour": m.usd_per_hour,
-                                             "slo_attainment": m.slo_attainment, "meets": m.meets},
+                                             "slo_attainment": m.slo_attainment,
+                                             "model_attainment": m.model_attainment, "meets": m.meets},
             "singles": {k: singles.get(k) for k in names if k not in pruned}, "singles_usd_per_hour": priced,
             "singles_pruned_steady_state_x": pruned, "cheapest_single": best, "saving": saving,
             "saves_30pct": bool(saving is not None and saving >= 0.30)}

@@ -260,26 +260,38 @@ def test_score_is_good_tokens_per_second_of_offered_arrivals_not_of_the_drain() 
     assert sm is not None and sm["offered_span_s"] == pytest.approx(tr.requests[-1].arrival - tr.requests[0].arrival)
 
 
-def test_the_local_search_steps_drop_swap_for_a_cheaper_kind_in_the_role_or_move_layout() -> None:
+def test_the_local_search_steps_drop_swap_for_cheaper_kinds_in_the_role_or_move_layout() -> None:
     from hetmesh.planner.buy import _steps
 
-    kinds = [ServerGroup(name="a", accelerator="nvidia-h200", count=4), ServerGroup(name="b", accelerator="amd-mi300x", count=4)]
-    opts = [Option(0, "m", Role.BOTH, "tp", 1.0, 38.0), Option(1, "m", Role.BOTH, "tp", 2.0, 24.0),
+    kinds = [ServerGroup(name="a", accelerator="nvidia-h200", count=4), ServerGroup(name="b", accelerator="amd-mi300x", count=6)]
+    opts = [Option(0, "m", Role.BOTH, "tp", 1.0, 56.0), Option(1, "m", Role.BOTH, "tp", 2.0, 24.0),
             Option(1, "m", Role.BOTH, "dp", 2.5, 24.0), Option(1, "m", Role.DECODE, "tp", 3.0, 24.0),
             Option(1, "n", Role.BOTH, "tp", 1.0, 24.0), Option(1, "n", Role.BOTH, "dp", 1.5, 24.0)]
     lay = [Assignment("a-0", "a", "nvidia-h200", 8, "m", Role.BOTH, "tp"),
            Assignment("b-0", "b", "amd-mi300x", 8, "m", Role.DECODE, "tp"),
-           Assignment("b-1", "b", "amd-mi300x", 8, "n", Role.BOTH, "tp")]
-    got = _steps(lay, kinds, opts, {"nvidia-h200": 4.75, "amd-mi300x": 3.0})
-    # dearest first: drop the H200 ($38/h) or the MI300X of m (n's only server stays); the H200 becomes the
-    # next free MI300X on each of its `both` layouts, strongest first ($14/h less); n's MI300X moves to dp
-    # ($0); the decode MI300X has no cheaper kind and no other layout in its role
+           Assignment("b-1", "b", "amd-mi300x", 8, "n", Role.BOTH, "tp"),
+           Assignment("b-2", "b", "amd-mi300x", 8, "m", Role.DECODE, "tp"),
+           Assignment("b-3", "b", "amd-mi300x", 8, "n", Role.BOTH, "dp")]
+    got = _steps(lay, kinds, opts, {"nvidia-h200": 7.0, "amd-mi300x": 3.0})
+    rest = [("b-0", "m", Role.DECODE, "tp"), ("b-1", "n", Role.BOTH, "tp"), ("b-2", "m", Role.DECODE, "tp"),
+            ("b-3", "n", Role.BOTH, "dp")]
+    h200 = [("a-0", "m", Role.BOTH, "tp")]
+    # dearest first: drop the H200 ($56/h); swap it for the next free MI300X on each of its `both` layouts,
+    # strongest first ($32/h less); drop an MI300X ($24/h: the decode twins first, n's two differ in layout);
+    # the H200 for two MI300X ($8/h less, 2.5 x 2 before 2 x 2); n's servers on their other layouts ($0). No
+    # three MI300X ($72/h > $56/h), no cheaper kind for the decodes and no other layout in their role
     assert [(saved, [(a.server, a.model, a.role, a.parallel) for a in alt]) for saved, alt in got] == [
-        (pytest.approx(38.0), [("b-0", "m", Role.DECODE, "tp"), ("b-1", "n", Role.BOTH, "tp")]),
-        (pytest.approx(24.0), [("a-0", "m", Role.BOTH, "tp"), ("b-1", "n", Role.BOTH, "tp")]),
-        (pytest.approx(14.0), [("b-2", "m", Role.BOTH, "dp"), ("b-0", "m", Role.DECODE, "tp"), ("b-1", "n", Role.BOTH, "tp")]),
-        (pytest.approx(14.0), [("b-2", "m", Role.BOTH, "tp"), ("b-0", "m", Role.DECODE, "tp"), ("b-1", "n", Role.BOTH, "tp")]),
-        (0.0, [("a-0", "m", Role.BOTH, "tp"), ("b-0", "m", Role.DECODE, "tp"), ("b-1", "n", Role.BOTH, "dp")])]
+        (pytest.approx(56.0), rest),
+        (pytest.approx(32.0), [*rest, ("b-4", "m", Role.BOTH, "dp")]),
+        (pytest.approx(32.0), [*rest, ("b-4", "m", Role.BOTH, "tp")]),
+        (pytest.approx(24.0), [*h200, *rest[1:]]),
+        (pytest.approx(24.0), [*h200, *rest[:2], rest[3]]),
+        (pytest.approx(24.0), [*h200, rest[0], *rest[2:]]),
+        (pytest.approx(24.0), [*h200, *rest[:3]]),
+        (pytest.approx(8.0), [*rest, ("b-4", "m", Role.BOTH, "dp"), ("b-5", "m", Role.BOTH, "dp")]),
+        (pytest.approx(8.0), [*rest, ("b-4", "m", Role.BOTH, "tp"), ("b-5", "m", Role.BOTH, "tp")]),
+        (0.0, [*h200, rest[0], ("b-1", "n", Role.BOTH, "dp"), *rest[2:]]),
+        (0.0, [*h200, *rest[:3], ("b-3", "n", Role.BOTH, "tp")])]
 
 
 def test_the_local_search_takes_back_what_the_demand_does_not_need_and_simulates_each_shape_once() -> None:
@@ -293,7 +305,7 @@ def test_the_local_search_takes_back_what_the_demand_does_not_need_and_simulates
     lay = [Assignment(f"h200-{i}", "h200", "nvidia-h200", 8, "m", Role.BOTH, "tp") for i in range(4)]
     sm = buy.evaluate(lay, d, g, tr)
     assert sm is not None and sm["slo_attainment"] >= 0.9
-    p = buy._purchase(g, lay, sm, 1.0, 0.9)
+    p = buy._purchase(g, lay, sm, 1.0, 0.9, d)
     shapes: list[tuple] = []
     simulate = buy.evaluate
 
@@ -310,3 +322,26 @@ def test_the_local_search_takes_back_what_the_demand_does_not_need_and_simulates
     # too few, then swapped; the one-server shape that fell short is not simulated again
     assert got.meets and got.servers == {"mi300x": 2} and got.usd_per_hour == pytest.approx(48.0)
     assert len(shapes) == len(set(shapes)) and buy._shape(lay) not in shapes
+
+
+def test_a_purchase_meets_the_slos_only_when_every_model_meets_its_own() -> None:
+    from hetmesh.planner import buy
+
+    g = [ServerGroup(name="h200", accelerator="nvidia-h200", count=2)]
+    big = ModelDemand(name="llama", spec="llama-3.1-70b", rate=4.0, input_mean=1024, output_mean=64,
+                      ttft_slo_s=4.0, tpot_slo_s=0.1)
+    small = ModelDemand(name="qwen", spec="qwen3-32b", rate=0.2, input_mean=1024, output_mean=64,
+                        ttft_slo_s=4.0, tpot_slo_s=0.1)
+    tr = demand_trace([big, small], 60.0)
+    share = sum(r.model == "qwen" for r in tr.requests) / len(tr.requests)
+    assert 0 < share < 0.1
+    lay = [Assignment("h200-0", "h200", "nvidia-h200", 8, "llama", Role.BOTH, "tp")]  # nobody serves qwen
+    sm = buy.evaluate(lay, [big, small], g, tr)
+    assert sm is not None and sm["slo_attainment"] >= 0.9  # over all requests it would pass: qwen's are < 10%
+    p = buy._purchase(g, lay, sm, 1.0, 0.9, [big, small])
+    assert buy.attained(sm, [big, small]) == 0.0 and p.worst_attainment == 0.0 and not p.meets
+    both = [*lay, Assignment("h200-1", "h200", "nvidia-h200", 8, "qwen", Role.BOTH, "tp")]
+    sm2 = buy.evaluate(both, [big, small], g, tr)
+    assert sm2 is not None
+    p2 = buy._purchase(g, both, sm2, 1.0, 0.9, [big, small])
+    assert p2.meets and p2.worst_attainment == min(p2.model_attainment.values()) >= 0.9

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import msgspec
 
@@ -26,21 +27,36 @@ class Purchase(msgspec.Struct, frozen=True):
     servers: dict[str, int]  # group name -> servers to buy
     usd_per_hour: float
     goodput_tok_s: float  # simulated
-    slo_attainment: float  # simulated
+    slo_attainment: float  # simulated, of all the requests offered
     served_share: float  # the demand share the solver was asked to serve (> 1: headroom it needed)
     assignments: list[Assignment]
-    meets: bool
+    meets: bool  # every model's attainment >= the target
+    worst_attainment: float  # simulated, of the worst-served model's requests (`attained`)
+    model_attainment: dict[str, float] = msgspec.field(default_factory=dict)
+
+
+def attained(sm: Mapping[str, Any], demands: Sequence[ModelDemand]) -> float:
+    """The SLO attainment of the worst-served model with demand (a model nobody serves: 0). A fleet meets
+    the SLOs when every model meets its own: over all requests, a fleet could starve one model (its
+    longest prompts, say) and still pass on the others' share."""
+    named = [d.name for d in demands if d.rate > 0]
+    if len(named) <= 1:
+        return sm["slo_attainment"]
+    per = sm.get("models", {})
+    return min(per.get(m, {}).get("slo_attainment", 0.0) for m in named)
 
 
 def _purchase(groups: Sequence[ServerGroup], lay: list[Assignment], sm: dict, share: float,
-              target: float) -> Purchase:
+              target: float, demands: Sequence[ModelDemand]) -> Purchase:
     bought: dict[str, int] = {}
     for a in lay:
         if a.model:
             bought[a.group] = bought.get(a.group, 0) + 1
+    worst = attained(sm, demands)
     return Purchase(servers=bought, usd_per_hour=sm["usd_per_hour"], goodput_tok_s=sm["goodput_tok_s"],
                     slo_attainment=sm["slo_attainment"], served_share=share,
-                    assignments=[a for a in lay if a.model], meets=sm["slo_attainment"] >= target)
+                    assignments=[a for a in lay if a.model], meets=worst >= target, worst_attainment=worst,
+                    model_attainment={m: v["slo_attainment"] for m, v in sm.get("models", {}).items()})
 
 
 def calibrate(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], opts: Sequence[Option], trace: Trace,
@@ -99,33 +115,41 @@ def calibrate(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], opts
 def _steps(lay: Sequence[Assignment], kinds: Sequence[ServerGroup], opts: Sequence[Option],
            prices: Mapping[str, float] | None) -> list[tuple[float, list[Assignment]]]:
     """The local search's neighbourhood of `lay`, each with the $/hour it saves, most first: a server
-    dropped (not the last of its model); a server replaced by one of a cheaper kind running its model in
-    its role, on each of that kind's layouts for it (the strongest first); a server on another layout of
-    its own kind (saves nothing: taken only where it meets the SLOs better, which may make room for the
-    others)."""
+    dropped (not the last of its model; of equal savings, one with the most twins first: it leaves its
+    shape served); a server replaced by one or more of a cheaper kind running its model in its role,
+    on each of that kind's layouts for it, for less in all (the strongest first: a dear server is
+    often worth two or three cheap ones, which a one-for-one swap never reaches); a server on another
+    layout of its own kind (saves nothing: taken only where it meets the SLOs better, which may make
+    room for the others)."""
     used = {a.server for a in lay}
     layouts: dict[tuple[str, str, Role], list[Option]] = {}  # (kind, model, role) -> its options, strongest first
     for o in opts:
         layouts.setdefault((kinds[o.group].name, o.model, o.role), []).append(o)
     for v in layouts.values():
         v.sort(key=lambda o: -_strength(o))
-    free = {g.name: next((sid for sid in g.server_ids() if sid not in used), None) for g in kinds}
+    free = {g.name: [sid for sid in g.server_ids() if sid not in used] for g in kinds}
     per_model = Counter(a.model for a in lay)
-    out: list[tuple[float, float, list[Assignment]]] = []  # (saving, strength, layout)
+    twins = Counter((a.group, a.model, a.role, a.parallel) for a in lay)
+    out: list[tuple[float, int, float, list[Assignment]]] = []  # (saving, twins, strength, layout)
     for a in lay:
         usd = device_usd_per_hour(a.accelerator, prices) * a.devices
+        rest = [b for b in lay if b.server != a.server]
         if per_model[a.model] > 1:
-            out.append((usd, 0.0, [b for b in lay if b.server != a.server]))
+            out.append((usd, twins[(a.group, a.model, a.role, a.parallel)], 0.0, rest))
         for g in kinds:
             for o in layouts.get((g.name, a.model, a.role), []):
                 if g.name == a.group:
                     if o.parallel != a.parallel:
                         moved = msgspec.structs.replace(a, parallel=o.parallel)
-                        out.append((0.0, _strength(o), [moved if b.server == a.server else b for b in lay]))
-                elif free[g.name] is not None and o.usd_per_hour < usd:
-                    swapped = Assignment(free[g.name], g.name, g.accelerator, g.devices, a.model, a.role, o.parallel)
-                    out.append((usd - o.usd_per_hour, _strength(o), [swapped if b.server == a.server else b for b in lay]))
-    return [(saved, alt) for saved, _, alt in sorted(out, key=lambda t: (-t[0], -t[1]))]
+                        out.append((0.0, 0, _strength(o), [moved if b.server == a.server else b for b in lay]))
+                    continue
+                for n in range(1, len(free[g.name]) + 1):
+                    if n * o.usd_per_hour >= usd:
+                        break
+                    new = [Assignment(sid, g.name, g.accelerator, g.devices, a.model, a.role, o.parallel)
+                           for sid in free[g.name][:n]]
+                    out.append((usd - n * o.usd_per_hour, 0, n * _strength(o), rest + new))
+    return [(saved, alt) for saved, _, _, alt in sorted(out, key=lambda t: (-t[0], -t[1], -t[2]))]
 
 
 def _strength(o: Option) -> float:
@@ -138,10 +162,10 @@ def trim(p: Purchase, kinds: Sequence[ServerGroup], demands: Sequence[ModelDeman
          opts: Sequence[Option] = ()) -> Purchase:
     """Local search on a purchase that meets the SLOs (the solver sizes whole servers on estimates; this
     takes back what the estimates over-bought): from its neighbourhood (`_steps`: drop a server, swap one
-    for a cheaper kind in its role, move one to another layout of its kind; `opts`: the kinds' options),
-    the step that saves the most and has not been simulated yet, taken if the simulation says it still
-    meets the SLOs (a step that saves nothing: if it meets them better); until none is left or `limit`
-    simulations. A layout's simulation depends only on its shape (servers per kind, model, role and
+    for one or more of a cheaper kind in its role, move one to another layout of its kind; `opts`: the
+    kinds' options), the step that saves the most and has not been simulated yet, taken if the
+    simulation says it still meets every model's SLOs (a step that saves nothing: if the worst-served
+    model meets them better); until none is left or `limit` simulations. A layout's simulation depends only on its shape (servers per kind, model, role and
     layout), so no shape is simulated twice."""
     lay = list(p.assignments)
     best = p
@@ -155,10 +179,10 @@ def trim(p: Purchase, kinds: Sequence[ServerGroup], demands: Sequence[ModelDeman
         seen.add(_shape(alt))
         tries += 1
         sm = evaluate(alt, demands, kinds, trace, prices, efficiencies)
-        if sm is None or sm["slo_attainment"] < attainment or (saved <= 0 and sm["slo_attainment"] <= best.slo_attainment):
+        if sm is None or (worst := attained(sm, demands)) < attainment or (saved <= 0 and worst <= best.worst_attainment):
             continue
         lay = alt
-        best = _purchase(kinds, alt, sm, p.served_share, attainment)
+        best = _purchase(kinds, alt, sm, p.served_share, attainment, demands)
     return best
 
 
@@ -190,7 +214,7 @@ def _better(a: Purchase | None, b: Purchase | None) -> Purchase | None:
         return a if a.meets else b
     if a.meets:
         return a if a.usd_per_hour <= b.usd_per_hour else b
-    return a if a.slo_attainment >= b.slo_attainment else b
+    return a if a.worst_attainment >= b.worst_attainment else b
 
 
 def _catalogs(kinds: Sequence[ServerGroup], opts: Sequence[Option],
@@ -216,7 +240,7 @@ def _search(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], opts: 
             s = solve(kinds, demands, opts, minimize_cost=True, served_share=share)
             lay = _servers(kinds, opts, s.counts) if s is not None else []
             sm = evaluate(lay, demands, kinds, tr, prices, efficiencies) if lay else None
-            tried[share] = _purchase(kinds, lay, sm, share, attainment) if sm is not None else None
+            tried[share] = _purchase(kinds, lay, sm, share, attainment, demands) if sm is not None else None
         return tried[share]
 
     def _trimmed(got: Iterable[Purchase | None]) -> Purchase | None:
@@ -246,7 +270,7 @@ def _search(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], opts: 
         lo, hi = (lo, mid) if got is not None and got.meets else (mid, hi)
     if any(p is not None and p.meets for p in tried.values()):
         return _trimmed(tried.values())
-    return max((p for p in tried.values() if p is not None), key=lambda p: p.slo_attainment, default=None)
+    return max((p for p in tried.values() if p is not None), key=lambda p: p.worst_attainment, default=None)
 
 
 def cheapest(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], *, trace: Trace | None = None,
@@ -254,8 +278,9 @@ def cheapest(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], *, tr
              efficiencies: Mapping[str, Efficiency] | None = None, check_duration_s: float = 300.0,
              tries: int = 8, measure: bool = True, seed: int = 0,
              opts: Sequence[Option] | None = None, alone: Sequence[str] | None = None) -> Purchase | None:
-    """The lowest-$/hour servers (at most `count` of each kind) whose simulated SLO attainment on the
-    demand is >= `attainment`; None when even the most the solver may buy does not meet it.
+    """The lowest-$/hour servers (at most `count` of each kind) on which every model's simulated SLO
+    attainment on the demand is >= `attainment` (`attained`); None when even the most the solver may
+    buy does not meet it.
 
     The solver sizes for a share of the mean demand; the simulation says whether that meets the
     SLOs. With `measure`, the capacities are first measured by simulation (`calibrate`); `opts`
@@ -294,7 +319,7 @@ def pareto(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], budgets
             lay = _servers(ks, os_, s.counts)
             sm = evaluate(lay, demands, ks, tr, prices, efficiencies)
             if sm is not None:
-                got.append(_purchase(ks, lay, sm, 1.0, 0.0))
+                got.append(_purchase(ks, lay, sm, 1.0, 0.0, demands))
     out: list[Purchase] = []
     for p in sorted(got, key=lambda p: (p.usd_per_hour, -p.goodput_tok_s)):
         if not out or p.goodput_tok_s > out[-1].goodput_tok_s:
