@@ -369,12 +369,11 @@ async def test_greedy_stream_survives_its_worker_sigkilled(mesh: Mesh, events: E
                         chunks.append(json.loads(line[6:]))
         victim = killed[0]
         rid = _rid(chunks[0]["id"])
-
-        # The gateway and this test subscribe apart: the HTTP stream can end before on_chunk has seen every
-        # chunk (CI saw 455 of 599), so wait until the bus holds this stream's last token.
         assert not [c for c in chunks if "error" in c]
         assert chunks[-1]["usage"]["completion_tokens"] == n
         assert chunks[-1]["usage"]["prompt_tokens"] == len(prompt_ids)
+        # The gateway and this test subscribe apart: the HTTP stream can end before on_chunk has seen every
+        # chunk (CI saw 455 of 599), so wait until the bus holds this stream's last token.
         await _bus_reaches(lambda: on_bus_of(rid), n)
         # The bus says what happened: the victim's chunks, then another worker's from index k.
         mine = on_bus_of(rid)
