@@ -19,7 +19,8 @@ from typing import Any
 from hetmesh.costmodel import accelerators
 from hetmesh.costmodel.economics import device_usd_per_hour
 from hetmesh.planner import ModelDemand, ServerGroup, demand_from_trace, length_buckets
-from hetmesh.planner.buy import calibrate, cheapest, reprice, restrict
+from hetmesh.planner.buy import cheapest, reprice, restrict
+from hetmesh.planner.measure import calibrate
 from hetmesh.planner.plan import options
 from hetmesh.protocol import Role
 from hetmesh.sim.traces import Trace, TraceRequest, load_azure, load_mooncake

@@ -23,8 +23,9 @@ from hetmesh.planner import (
     options,
     plan,
 )
-from hetmesh.planner.buy import calibrate, cheapest, pareto, reprice, restrict
-from hetmesh.planner.capacity import capacity, mdl_utilization
+from hetmesh.planner.buy import cheapest, pareto, reprice, restrict
+from hetmesh.planner.capacity import capacity, ceiling, mdl_utilization
+from hetmesh.planner.measure import calibrate
 from hetmesh.planner.plan import current_layout, score
 from hetmesh.planner.solve import Option, solve
 from hetmesh.protocol import Role
@@ -217,6 +218,35 @@ def test_the_capacity_plan_is_never_dearer_than_a_kind_alone() -> None:
     front = pareto(kinds, d, [19.0, 38.0, 76.0], trace=tr)
     assert front and all(a.usd_per_hour < b.usd_per_hour and a.goodput_tok_s < b.goodput_tok_s
                          for a, b in itertools.pairwise(front))
+
+
+def test_a_decode_chip_that_cannot_serve_long_prompts_alone_is_measured_as_a_decoder() -> None:
+    # 24k-token prompts within 4 s: an MI308X server cannot prefill them in time, so a pool of it serving
+    # them aggregated meets nothing. Its decode options are measured behind a prefill partner instead
+    # (they were scaled by the failed aggregated pool, i.e. dropped), and the capacity plan pairs a CPX
+    # prefilling with an MI308X decoding: cheaper than the CPX servers that serve them alone.
+    kinds = [ServerGroup(name="cpx", accelerator="nvidia-rubin-cpx", count=8, max_batch=128),
+             ServerGroup(name="mi308x", accelerator="amd-mi308x", count=8, max_batch=128)]
+    d = [ModelDemand(name="long", spec="qwen3-32b", rate=3.0, input_mean=24000, output_mean=200, ttft_slo_s=4.0,
+                     tpot_slo_s=0.05)]
+    tr = demand_trace(d, 60.0)
+    opts = calibrate(kinds, d, options(kinds, d), tr, 0.9)
+    decoders = [o for o in opts if o.group == 1 and o.role == Role.DECODE]
+    assert decoders and all(o.capacity > 0 for o in decoders)
+    for o in opts:  # no measurement beats the steady state with the SLOs set aside
+        g = kinds[o.group]
+        cm = server_model(g.accelerator, "qwen3-32b", devices=g.devices, parallel=o.parallel)
+        assert o.capacity <= ceiling(cm, d[0], o.role, g.max_batch, g.step_tokens) * (1 + 1e-9)
+    alone = {}
+    for k in kinds:
+        ks, os_ = restrict(kinds, opts, [k.name])
+        alone[k.name] = cheapest(ks, d, trace=tr, opts=os_)
+    assert alone["mi308x"] is None or not alone["mi308x"].meets
+    assert alone["cpx"] is not None and alone["cpx"].meets
+    best = cheapest(kinds, d, trace=tr, opts=opts)
+    assert best is not None and best.meets and best.usd_per_hour < alone["cpx"].usd_per_hour
+    assert {a.group for a in best.assignments} == {"cpx", "mi308x"}
+    assert all(a.role != Role.BOTH or a.group == "cpx" for a in best.assignments)
 
 
 def test_a_smaller_catalog_and_other_prices_reuse_the_options() -> None:

@@ -5,7 +5,6 @@ every answer is checked by simulation and re-solved with more headroom until it 
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -15,6 +14,7 @@ import msgspec
 from hetmesh.costmodel import Efficiency
 from hetmesh.costmodel.economics import device_usd_per_hour
 from hetmesh.planner.inputs import ModelDemand, ServerGroup
+from hetmesh.planner.measure import calibrate
 from hetmesh.planner.plan import Assignment, _servers, demand_trace, evaluate, options, score
 from hetmesh.planner.solve import Option, solve
 from hetmesh.protocol import Role
@@ -57,59 +57,6 @@ def _purchase(groups: Sequence[ServerGroup], lay: list[Assignment], sm: dict, sh
                     slo_attainment=sm["slo_attainment"], served_share=share,
                     assignments=[a for a in lay if a.model], meets=worst >= target, worst_attainment=worst,
                     model_attainment={m: v["slo_attainment"] for m, v in sm.get("models", {}).items()})
-
-
-def calibrate(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], opts: Sequence[Option], trace: Trace,
-              attainment: float, prices: Mapping[str, float] | None = None,
-              efficiencies: Mapping[str, Efficiency] | None = None, requests: int = 1000,
-              steps: int = 3, max_pool: int = 8) -> list[Option]:
-    """Options with capacities measured by simulation: for each (group, model, layout), the highest
-    rate at which a pool of `both` servers of it meets `attainment` on the model's own requests (the
-    trace's arrivals sped up or slowed down: its bursts included, which the steady state misses).
-    The pool is as large as the steady state says the model's bursts need (ModelDemand.peak_rate;
-    at most `max_pool`), since a pool absorbs bursts that one server cannot. The measured / steady-state ratio scales that
-    option's prefill and decode capacities too."""
-    dem = {d.name: d for d in demands}
-    ratio: dict[tuple[int, str, str], float] = {}
-    for o in opts:
-        key = (o.group, o.model, o.parallel)
-        if o.role != Role.BOTH or key in ratio or o.capacity <= 0:
-            continue
-        d = dem[o.model]
-        mine = Trace([r for r in trace.requests if (r.model or o.model) == o.model][:requests], trace.block_tokens)
-        if not mine.requests or d.rate <= 0:
-            continue
-        g = kinds[o.group]
-        n = max(1, min(g.count, max_pool, math.ceil(max(d.peak_rate, d.rate) / o.capacity)))
-        lay = [Assignment(f"{g.name}-{i}", g.name, g.accelerator, g.devices, o.model, Role.BOTH, o.parallel)
-               for i in range(n)]
-        guess = o.capacity * n  # req/s of the pool
-
-        def meets(rate: float, lay: list[Assignment] = lay, mine: Trace = mine, d: ModelDemand = d) -> bool:
-            sm = evaluate(lay, [d], kinds, mine.scaled(rate / d.rate), prices, efficiencies)
-            return sm is not None and sm["slo_attainment"] >= attainment
-
-        # bracket by halving / doubling from the steady-state guess, then bisect geometrically
-        lo, hi = 0.0, guess
-        if meets(guess):
-            lo, hi = guess, guess * 2
-            while hi < guess * 64 and meets(hi):
-                lo, hi = hi, hi * 2
-        else:
-            while hi > guess / 256:
-                hi, lo = hi / 2, 0.0
-                if meets(hi):
-                    lo, hi = hi, hi * 2
-                    break
-        for _ in range(steps if lo > 0 else 0):
-            mid = (lo * hi) ** 0.5
-            lo, hi = (mid, hi) if meets(mid) else (lo, mid)
-        ratio[key] = lo / guess
-    out = []
-    for o in opts:
-        r = ratio.get((o.group, o.model, o.parallel), 1.0)
-        out.append(msgspec.structs.replace(o, capacity=o.capacity * r, prefill=o.prefill * r, decode=o.decode * r))
-    return [o for o in out if max(o.capacity, o.prefill, o.decode) > 0]
 
 
 def _steps(lay: Sequence[Assignment], kinds: Sequence[ServerGroup], opts: Sequence[Option],
@@ -159,14 +106,16 @@ def _strength(o: Option) -> float:
 def trim(p: Purchase, kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], trace: Trace,
          attainment: float, prices: Mapping[str, float] | None = None,
          efficiencies: Mapping[str, Efficiency] | None = None, limit: int = 24,
-         opts: Sequence[Option] = ()) -> Purchase:
+         opts: Sequence[Option] = (), sideways: bool = False) -> Purchase:
     """Local search on a purchase that meets the SLOs (the solver sizes whole servers on estimates; this
     takes back what the estimates over-bought): from its neighbourhood (`_steps`: drop a server, swap one
     for one or more of a cheaper kind in its role, move one to another layout of its kind; `opts`: the
     kinds' options), the step that saves the most and has not been simulated yet, taken if the
     simulation says it still meets every model's SLOs (a step that saves nothing: if the worst-served
-    model meets them better); until none is left or `limit` simulations. A layout's simulation depends only on its shape (servers per kind, model, role and
-    layout), so no shape is simulated twice."""
+    model meets them better, or with `sideways` whenever it meets them: a layout move may open a
+    drop that the old layout's simulations closed); until none is left or `limit` simulations. A
+    layout's simulation depends only on its shape (servers per kind, model, role and layout), so no
+    shape is simulated twice."""
     lay = list(p.assignments)
     best = p
     seen: set[tuple[tuple[str, str, Role, str], ...]] = {_shape(lay)}
@@ -179,7 +128,9 @@ def trim(p: Purchase, kinds: Sequence[ServerGroup], demands: Sequence[ModelDeman
         seen.add(_shape(alt))
         tries += 1
         sm = evaluate(alt, demands, kinds, trace, prices, efficiencies)
-        if sm is None or (worst := attained(sm, demands)) < attainment or (saved <= 0 and worst <= best.worst_attainment):
+        if sm is None or (worst := attained(sm, demands)) < attainment:
+            continue
+        if saved <= 0 and not sideways and worst <= best.worst_attainment:
             continue
         lay = alt
         best = _purchase(kinds, alt, sm, p.served_share, attainment, demands)
@@ -247,9 +198,12 @@ def _search(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], opts: 
         # local search from the STARTS cheapest that meet the SLOs: different shares buy different mixes, and
         # the search from the cheapest alone often ends in a local minimum another start avoids
         meeting = sorted((p for p in got if p is not None and p.meets), key=lambda p: p.usd_per_hour)
+        # (descending only, and across plateaus: a move that saves nothing may open a drop, or lead astray)
         out: Purchase | None = None
         for p in meeting[:STARTS]:
-            out = _better(out, trim(p, kinds, demands, tr, attainment, prices, efficiencies, opts=opts))
+            for sideways in (False, True):
+                out = _better(out, trim(p, kinds, demands, tr, attainment, prices, efficiencies, opts=opts,
+                                        sideways=sideways))
         return out
 
     lo, hi = 1.0, 1.25 if measure else max(max(d.peak_rate / d.rate for d in demands if d.rate > 0), 1.25)

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import math
 
+import msgspec
+
 from hetmesh.costmodel import CostModel
 from hetmesh.planner.inputs import ModelDemand
 from hetmesh.protocol import Role
 
 MAX_UTILIZATION = 0.95  # no queue runs stably at 1.0
+UNBOUNDED_S = 1e9  # an SLO that never binds (finite: the M/D/1 bound divides by it)
 
 
 def _pairs(new: float, cached: float) -> float:
@@ -99,6 +102,20 @@ def both_capacity(cm: CostModel, d: ModelDemand, max_batch: int, step_tokens: in
             lo, hi = (mid, hi) if fits(mid, t) else (lo, mid)
         best = max(best, lo)
     return best * MAX_UTILIZATION
+
+
+def ceiling(cm: CostModel, d: ModelDemand, role: Role, max_batch: int = 64, step_tokens: int = 8192) -> float:
+    """Requests/s of `d`'s shape one server of `cm` sustains in `role` with the SLOs set aside (full
+    batches, full prefill steps; an aggregated server can beat neither role alone): what no measurement
+    may exceed. A pool offered a short trace faster than this can still meet the SLOs by holding every
+    request at once, which says nothing of the rate it sustains."""
+    if cm.max_kv_tokens() <= d.input_mean + d.output_mean:
+        return 0.0
+    loose = msgspec.structs.replace(d, ttft_slo_s=UNBOUNDED_S, tpot_slo_s=UNBOUNDED_S)
+    if role == Role.PREFILL:
+        return prefill_capacity(cm, loose, step_tokens)
+    dec = decode_capacity(cm, loose, max_batch)
+    return dec if role == Role.DECODE else min(dec, prefill_capacity(cm, loose, step_tokens))
 
 
 def capacity(cm: CostModel, d: ModelDemand, role: Role, max_batch: int = 64, step_tokens: int = 8192) -> float:
