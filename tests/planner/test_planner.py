@@ -354,6 +354,30 @@ def test_the_local_search_takes_back_what_the_demand_does_not_need_and_simulates
     assert len(shapes) == len(set(shapes)) and buy._shape(lay) not in shapes
 
 
+def test_the_local_search_may_cross_a_plateau_to_reach_a_drop() -> None:
+    from hetmesh.planner import buy
+
+    # 8 req/s on MI300X: one server tp meets the SLOs, one dp does not, two dp do (fully). From two dp no
+    # drop meets them, and moving one to tp saves nothing and meets them no better: a search that only
+    # descends stops at two servers; one that may cross the plateau moves it, then drops the dp
+    g = [ServerGroup(name="mi300x", accelerator="amd-mi300x", count=4)]
+    d = [ModelDemand(name="m", spec="llama-3.1-70b", rate=8.0, input_mean=1024, output_mean=128, tpot_slo_s=0.08)]
+    tr = demand_trace(d, 60.0)
+
+    def servers(*layouts: str) -> list[Assignment]:
+        return [Assignment(f"mi300x-{i}", "mi300x", "amd-mi300x", 8, "m", Role.BOTH, p) for i, p in enumerate(layouts)]
+
+    one_dp, one_tp, two_dp = (buy.evaluate(servers(*ls), d, g, tr) for ls in (["dp"], ["tp"], ["dp", "dp"]))
+    assert one_dp is not None and one_dp["slo_attainment"] < 0.9
+    assert one_tp is not None and one_tp["slo_attainment"] >= 0.9
+    assert two_dp is not None and two_dp["slo_attainment"] == 1.0
+    p = buy._purchase(g, servers("dp", "dp"), two_dp, 1.0, 0.9, d)
+    opts = buy.options(g, d)
+    assert buy.trim(p, g, d, tr, 0.9, opts=opts).servers == {"mi300x": 2}
+    got = buy.trim(p, g, d, tr, 0.9, opts=opts, sideways=True)
+    assert got.meets and [(a.parallel, a.role) for a in got.assignments] == [("tp", Role.BOTH)]
+
+
 def test_a_purchase_meets_the_slos_only_when_every_model_meets_its_own() -> None:
     from hetmesh.planner import buy
 
