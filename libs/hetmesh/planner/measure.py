@@ -48,8 +48,10 @@ def calibrate(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], opts
     bandwidth-rich, compute-poor MI308X) may still be the cheapest decoder behind a prefill
     specialist. A `both` option's `prefill` and `decode` (the time a `both` server lends to P/D)
     scale with its own pool's measurement: the cost policy mixes both kinds of work on such a
-    server, and pools of them measured apart in each role overstate it. No measurement exceeds the steady state with the
-    SLOs set aside (capacity.ceiling): a short trace is met at any rate by a pool that holds it all."""
+    server, and pools measured apart in each role overstate it (a `both` option that cannot serve
+    aggregated at all is a P/D server: its role pools scale it). No measurement exceeds the steady
+    state with the SLOs set aside (capacity.ceiling): a pool that holds a short trace at once meets
+    it at any rate."""
     dem = {d.name: d for d in demands}
     partners = _strongest(opts)
     ratio: dict[tuple[int, str, str, Role], float] = {}
