@@ -104,12 +104,17 @@ def both_capacity(cm: CostModel, d: ModelDemand, max_batch: int, step_tokens: in
     return best * MAX_UTILIZATION
 
 
+def _no_room(cm: CostModel, d: ModelDemand) -> bool:
+    """The weights leave no room for one sequence's KV."""
+    return cm.max_kv_tokens() <= d.input_mean + d.output_mean
+
+
 def ceiling(cm: CostModel, d: ModelDemand, role: Role, max_batch: int = 64, step_tokens: int = 8192) -> float:
     """Requests/s of `d`'s shape one server of `cm` sustains in `role` with the SLOs set aside (full
     batches, full prefill steps; an aggregated server can beat neither role alone): what no measurement
     may exceed. A pool offered a short trace faster than this can still meet the SLOs by holding every
     request at once, which says nothing of the rate it sustains."""
-    if cm.max_kv_tokens() <= d.input_mean + d.output_mean:
+    if _no_room(cm, d):
         return 0.0
     loose = msgspec.structs.replace(d, ttft_slo_s=UNBOUNDED_S, tpot_slo_s=UNBOUNDED_S)
     if role == Role.PREFILL:
@@ -120,8 +125,8 @@ def ceiling(cm: CostModel, d: ModelDemand, role: Role, max_batch: int = 64, step
 
 def capacity(cm: CostModel, d: ModelDemand, role: Role, max_batch: int = 64, step_tokens: int = 8192) -> float:
     """Requests/s of `d`'s shape that one server of `cm` sustains in `role` within `d`'s SLOs."""
-    if cm.max_kv_tokens() <= d.input_mean + d.output_mean:
-        return 0.0  # the weights leave no room for one sequence's KV
+    if _no_room(cm, d):
+        return 0.0
     if role == Role.PREFILL:
         return prefill_capacity(cm, d, step_tokens)
     if role == Role.DECODE:

@@ -30,7 +30,7 @@ def _strongest(opts: Sequence[Option]) -> dict[tuple[str, Role], Option]:
     return out
 
 
-def _servers(g: ServerGroup, model: str, role: Role, parallel: str, n: int, tag: str = "") -> list[Assignment]:
+def _pool(g: ServerGroup, model: str, role: Role, parallel: str, n: int, tag: str = "") -> list[Assignment]:
     return [Assignment(f"{g.name}{tag}-{i}", g.name, g.accelerator, g.devices, model, role, parallel) for i in range(n)]
 
 
@@ -70,7 +70,7 @@ def calibrate(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], opts
             continue
         g = kinds[o.group]
         n = max(1, min(g.count, max_pool, math.ceil(max(d.peak_rate, d.rate) / o.capacity)))
-        pool = _servers(g, o.model, o.role, o.parallel, n)
+        pool = _pool(g, o.model, o.role, o.parallel, n)
         guess = o.capacity * n  # req/s of the pool
         cm = server_model(g.accelerator, d.spec, devices=g.devices, parallel=o.parallel, dtype=d.dtype,
                           efficiencies=efficiencies)
@@ -81,7 +81,7 @@ def calibrate(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], opts
             lay = pool
             if other is not None:
                 h = kinds[other.group]
-                lay = pool + _servers(h, d.name, other.role, other.parallel,
+                lay = pool + _pool(h, d.name, other.role, other.parallel,
                                       math.ceil(PARTNER_HEADROOM * rate / other.capacity), "-partner")
             sm = evaluate(lay, [d], kinds, mine.scaled(rate / d.rate), prices, efficiencies)
             return sm is not None and sm["slo_attainment"] >= attainment
