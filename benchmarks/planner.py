@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from planner_economics import part_heterogeneity, part_value  # sibling scripts (benchmarks/ is on sys.path)
-from planner_timevarying import CASES, part_timevarying, part_timevarying_load
+from planner_timevarying import CASES, LOADS, part_timevarying, part_timevarying_load
 from rich.console import Console
 from rich.table import Table
 
@@ -137,16 +137,29 @@ def main() -> int:
                     help="heterogeneity: the share of requests within both SLOs that meeting the SLOs asks for")
     ap.add_argument("--cases", default=",".join(CASES), help="timevarying: which cases")
     ap.add_argument("--load-cases", default="model-step,model-shift,model-swap", help="timevarying_load: which cases")
+    ap.add_argument("--window-requests", type=int, default=0,
+                    help="timevarying: simulated requests per window, its first arrivals (0: the whole window)")
+    ap.add_argument("--loads", default=",".join(f"{x:g}" for x in LOADS), help="timevarying_load: rate multipliers")
     ap.add_argument("--sub-s", type=float, default=60.0, help="timevarying: re-plan interval of last_subwindow, s")
     ap.add_argument("--out", default=str(ROOT / "results" / "planner.json"))
     a = ap.parse_args()
     if not 0.0 < a.attainment <= 1.0:
         ap.error(f"--attainment {a.attainment}: a share of requests, in (0, 1]")
+    if a.window_requests < 0:
+        ap.error(f"--window-requests {a.window_requests}: a count of requests, or 0 for the whole window")
+    try:
+        loads = [float(x) for x in a.loads.split(",")]
+    except ValueError:
+        ap.error(f"--loads {a.loads}: comma-separated rate multipliers, e.g. 1,2")
+    if any(x <= 0 for x in loads):
+        ap.error(f"--loads {a.loads}: every multiplier must be above 0")
     parts = {"time": part_time, "optimality": part_optimality,
              "value": lambda: part_value(a.requests, a.scale, a.long_requests),
              "heterogeneity": lambda: part_heterogeneity(a.requests, a.scale, a.long_requests, a.attainment),
-             "timevarying": lambda: part_timevarying(sub_s=a.sub_s, cases=a.cases.split(",")),
-             "timevarying_load": lambda: part_timevarying_load(sub_s=a.sub_s, cases=a.load_cases.split(",")),
+             "timevarying": lambda: part_timevarying(sub_s=a.sub_s, cases=a.cases.split(","),
+                                                   window_requests=a.window_requests),
+             "timevarying_load": lambda: part_timevarying_load(sub_s=a.sub_s, cases=a.load_cases.split(","),
+                                                             loads=loads, window_requests=a.window_requests),
              "afd": part_afd}
     chosen = a.parts.split(",")
     if unknown := [p for p in chosen if p not in parts]:

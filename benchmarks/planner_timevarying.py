@@ -17,6 +17,7 @@ re-planning can exceed on that case.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 import zlib
@@ -30,7 +31,11 @@ from hetmesh.planner.forecast import forecast_demand
 from hetmesh.planner.plan import Plan, current_layout, score
 
 CASES = ("model-shift", "model-step", "model-swap", "pd-shift")
-MAX_REQUESTS = 600  # simulated requests per window (its first arrivals): a 2-core machine shared by many
+# Simulated requests per window (its first arrivals); 0: the whole window. A sample much shorter than a
+# request's life (TTFT + output x TPOT, ~28 s here) overstates an overloaded layout: its batches hold the
+# sample's arrivals at once and drain them after the last, so a static split that starves a phase looks
+# 1.5x better than it runs (results/planner.json's `window_requests` sweep)
+WINDOW_REQUESTS = 0
 
 
 def shift_case(case: str, windows: int, load: float = 1.0) -> tuple[list[ServerGroup], list[list[ModelDemand]]]:
@@ -83,14 +88,20 @@ def _sig(lay: Sequence[Assignment]) -> tuple:
 class _Case:
     """One case's windows, with every simulation and plan memoised (layouts recur across bases)."""
 
-    def __init__(self, case: str, windows: int, window_s: float, load: float = 1.0) -> None:
+    def __init__(self, case: str, windows: int, window_s: float, load: float = 1.0,
+                 window_requests: int = WINDOW_REQUESTS) -> None:
         self.groups, self.demand = shift_case(case, windows, load)
         self.windows, self.window_s = windows, window_s
         self.n = sum(g.count for g in self.groups)
-        self.traces = [demand_trace(d, window_s, seed=i, max_requests=MAX_REQUESTS) for i, d in enumerate(self.demand)]
+        self.window_requests = window_requests
+        self.traces = [demand_trace(d, window_s, seed=i, max_requests=self._cap(d)) for i, d in enumerate(self.demand)]
         self.scores: dict[tuple[tuple, int], float] = {}
         self.plans: dict[tuple, Plan] = {}
         self.plans_made = 0
+
+    def _cap(self, demand: Sequence[ModelDemand]) -> int:
+        whole = math.ceil(sum(d.rate for d in demand) * self.window_s)
+        return min(self.window_requests, whole) if self.window_requests else whole
 
     def good(self, lay: Sequence[Assignment], i: int, groups: Sequence[ServerGroup] | None = None) -> float:
         """Simulated priority-weighted goodput (tok/s) of `lay` held through window i."""
@@ -109,7 +120,7 @@ class _Case:
         key = (now, blob, horizon_s, check)
         if key not in self.plans:
             tr = self.traces[check] if check is not None else demand_trace(
-                basis, self.window_s, seed=100 + zlib.crc32(blob) % 1000, max_requests=MAX_REQUESTS)
+                basis, self.window_s, seed=100 + zlib.crc32(blob) % 1000, max_requests=self._cap(basis))
             p = self.plans[key] = plan(cur, basis, trace=tr, horizon_s=horizon_s)
             self.plans_made += 1
             if check is not None:  # the plan simulated its layout on that window already
@@ -133,8 +144,9 @@ class _Case:
         return tok
 
 
-def run_case(case: str, windows: int, window_s: float, sub_s: float, load: float = 1.0) -> dict[str, Any]:
-    c = _Case(case, windows, window_s, load)
+def run_case(case: str, windows: int, window_s: float, sub_s: float, load: float = 1.0,
+             window_requests: int = WINDOW_REQUESTS) -> dict[str, Any]:
+    c = _Case(case, windows, window_s, load, window_requests)
     d = c.demand
     oracle = [c.plan(c.groups, d[i], float("inf"), check=i) for i in range(windows)]
     oracle_tok = sum(c.good(p.assignments, i) for i, p in enumerate(oracle))
@@ -155,6 +167,7 @@ def run_case(case: str, windows: int, window_s: float, sub_s: float, load: float
     got = {name: c.replan(fn, sub_s if name == "last_subwindow" else window_s) for name, fn in bases.items()}
     best = static_tok[static_name]
     return {"windows": windows, "window_s": window_s, "sub_s": sub_s, "load": load, "replans_per_window_sub": per,
+            "window_requests": window_requests, "simulated_requests": [len(t.requests) for t in c.traces],
             "static_best": static_name, "static_best_tok": best, "oracle_tok": oracle_tok,
             "bound_oracle_vs_static": oracle_tok / best,
             **{f"replanned_{k}_tok": v for k, v in got.items()},
@@ -165,13 +178,13 @@ def run_case(case: str, windows: int, window_s: float, sub_s: float, load: float
 
 
 def part_timevarying(windows: int = 6, window_s: float = 300.0, sub_s: float = 60.0,
-                     cases: Sequence[str] = CASES) -> dict[str, Any]:
+                     cases: Sequence[str] = CASES, window_requests: int = WINDOW_REQUESTS) -> dict[str, Any]:
     if unknown := [c for c in cases if c not in CASES]:
         raise ValueError(f"unknown time-varying case(s) {', '.join(unknown)}: choose from {', '.join(CASES)}")
     out = {}
     for case in cases:
         t0 = time.perf_counter()
-        out[case] = run_case(case, windows, window_s, sub_s)
+        out[case] = run_case(case, windows, window_s, sub_s, window_requests=window_requests)
         print(f"  timevarying: {case} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     return out
 
@@ -181,7 +194,7 @@ LOADS = (0.5, 1.0, 1.5, 2.0)
 
 def part_timevarying_load(windows: int = 6, window_s: float = 300.0, sub_s: float = 60.0,
                           cases: Sequence[str] = ("model-step", "model-shift", "model-swap"),
-                          loads: Sequence[float] = LOADS) -> dict[str, Any]:
+                          loads: Sequence[float] = LOADS, window_requests: int = WINDOW_REQUESTS) -> dict[str, Any]:
     """The model cases with every rate times `load`: where the fleet has room, a static split of the
     servers between the models serves both phases and re-planning has little to win; once each phase
     needs most of the fleet, only moving servers to the model in demand serves it."""
@@ -190,7 +203,7 @@ def part_timevarying_load(windows: int = 6, window_s: float = 300.0, sub_s: floa
         rows = []
         for x in loads:
             t0 = time.perf_counter()
-            r = run_case(case, windows, window_s, sub_s, x)
+            r = run_case(case, windows, window_s, sub_s, x, window_requests)
             rows.append({k: v for k, v in r.items() if not k.startswith("replanned_")})
             print(f"  timevarying_load: {case} x{x:g} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         out[case] = rows
