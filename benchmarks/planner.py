@@ -15,14 +15,16 @@ writes results/planner.json (parts not run keep their last results there).
 - timevarying (planner_timevarying.py): model ramp, model step (two models of different sizes), model swap
   (the same step between two 70B models) and prefill:decode shift, re-planned
   from several demand forecasts vs the best static layout and the per-window oracle (targets: >= 1.3x
-  and within 10%).
-- timevarying_load: the model cases with every rate x 0.5, 1, 1.5, 2: where re-planning pays (the ceiling
-  grows once each phase needs most of the fleet).
+  and within 10%). Each 5-minute window is simulated whole (5,000-23,000 requests; 5-25 min per case
+  and load on one core); `--window-requests N` simulates its first N arrivals instead, a quick look that
+  flatters a static layout once N arrivals span less than a few request lives (docs/planner.md).
+- timevarying_load: the model cases with every rate x 0.5, 1, 1.5, 2 (`--loads`): where re-planning pays
+  (the ceiling grows once each phase needs most of the fleet).
 - afd: the attention-FFN disaggregation what-if.
 
     .venv/bin/python benchmarks/planner.py [--parts time,optimality,value,heterogeneity,timevarying,timevarying_load,afd]
     .venv/bin/python benchmarks/planner.py --parts timevarying --cases model-step   (other cases' results kept)
-    .venv/bin/python benchmarks/planner.py --parts timevarying_load --load-cases model-swap
+    .venv/bin/python benchmarks/planner.py --parts timevarying_load --load-cases model-swap --loads 1.5,2
 """
 
 from __future__ import annotations
