@@ -108,7 +108,7 @@ def scaled_case(name: str, windows: int, window_s: float, workers: int, load: fl
         scale.append(ks)
     trace: list[TraceRequest] = []
     for i, ds in enumerate(out):
-        tr = demand_trace(ds, window_s, seed=i, max_requests=10**6)
+        tr = demand_trace(ds, window_s, seed=i, max_requests=None)
         trace += [TraceRequest(r.arrival + i * window_s, r.input_len, r.output_len, r.hash_ids, r.model)
                   for r in tr.requests if r.arrival < window_s]
     return Case(name, small, out, window_s, sorted(trace, key=lambda r: r.arrival), scale)

@@ -15,8 +15,8 @@ writes results/planner.json (parts not run keep their last results there).
 - timevarying (planner_timevarying.py): model ramp, model step (two models of different sizes), model swap
   (the same step between two 70B models) and prefill:decode shift, re-planned
   from several demand forecasts vs the best static layout and the per-window oracle (targets: >= 1.3x
-  and within 10%). Each 5-minute window is simulated whole (5,000-23,000 requests; 5-25 min per case
-  and load on one core); `--window-requests N` simulates its first N arrivals instead, a quick look that
+  and within 10%). Each 5-minute window is simulated whole (1,800-49,000 requests; 1-64 min per case
+  and load on 2 shared cores); `--window-requests N` simulates its first N arrivals instead, a quick look that
   flatters a static layout once N arrivals span less than a few request lives (docs/planner.md).
 - timevarying_load: the model cases with every rate x 0.5, 1, 1.5, 2 (`--loads`): where re-planning pays
   (the ceiling grows once each phase needs most of the fleet).

@@ -17,7 +17,6 @@ re-planning can exceed on that case.
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 import zlib
@@ -34,7 +33,7 @@ CASES = ("model-shift", "model-step", "model-swap", "pd-shift")
 # Simulated requests per window (its first arrivals); 0: the whole window. A sample much shorter than a
 # request's life (TTFT + output x TPOT, ~28 s here) overstates an overloaded layout: its batches hold the
 # sample's arrivals at once and drain them after the last, so a static split that starves a phase looks
-# 1.5x better than it runs (results/planner.json's `window_requests` sweep)
+# ~1.5x better than it runs (docs/planner.md, "How long a window must be simulated")
 WINDOW_REQUESTS = 0
 
 
@@ -93,15 +92,11 @@ class _Case:
         self.groups, self.demand = shift_case(case, windows, load)
         self.windows, self.window_s = windows, window_s
         self.n = sum(g.count for g in self.groups)
-        self.window_requests = window_requests
-        self.traces = [demand_trace(d, window_s, seed=i, max_requests=self._cap(d)) for i, d in enumerate(self.demand)]
+        self.cap = window_requests or None  # demand_trace's None: the whole window
+        self.traces = [demand_trace(d, window_s, seed=i, max_requests=self.cap) for i, d in enumerate(self.demand)]
         self.scores: dict[tuple[tuple, int], float] = {}
         self.plans: dict[tuple, Plan] = {}
         self.plans_made = 0
-
-    def _cap(self, demand: Sequence[ModelDemand]) -> int:
-        whole = math.ceil(sum(d.rate for d in demand) * self.window_s)
-        return min(self.window_requests, whole) if self.window_requests else whole
 
     def good(self, lay: Sequence[Assignment], i: int, groups: Sequence[ServerGroup] | None = None) -> float:
         """Simulated priority-weighted goodput (tok/s) of `lay` held through window i."""
@@ -120,7 +115,7 @@ class _Case:
         key = (now, blob, horizon_s, check)
         if key not in self.plans:
             tr = self.traces[check] if check is not None else demand_trace(
-                basis, self.window_s, seed=100 + zlib.crc32(blob) % 1000, max_requests=self._cap(basis))
+                basis, self.window_s, seed=100 + zlib.crc32(blob) % 1000, max_requests=self.cap)
             p = self.plans[key] = plan(cur, basis, trace=tr, horizon_s=horizon_s)
             self.plans_made += 1
             if check is not None:  # the plan simulated its layout on that window already

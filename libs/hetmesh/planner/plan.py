@@ -98,15 +98,17 @@ def options(groups: Sequence[ServerGroup], demands: Sequence[ModelDemand],
 
 
 def demand_trace(demands: Sequence[ModelDemand], duration_s: float, seed: int = 0,
-                 max_requests: int = 4000) -> Trace:
+                 max_requests: int | None = 4000) -> Trace:
     """A synthetic open-loop trace with each model's rate and mean lengths (lognormal), merged; a model
-    with no demand (rate 0, e.g. a forecast that its traffic is gone) has no requests in it."""
+    with no demand (rate 0, e.g. a forecast that its traffic is gone) has no requests in it. At most
+    `max_requests` in all (its first arrivals, shared by rate); None: all of `duration_s`."""
     reqs: list[TraceRequest] = []
     total = sum(d.rate for d in demands)
     for i, d in enumerate(demands):
         if d.rate <= 0:
             continue
-        n = max(1, int(min(d.rate * duration_s, max_requests * d.rate / total)))
+        whole = d.rate * duration_s
+        n = max(1, int(whole if max_requests is None else min(whole, max_requests * d.rate / total)))
         t = synthetic(n, d.rate, input_mean=int(d.input_mean), output_mean=int(d.output_mean), seed=seed + i,
                       prefix_groups=8 if d.prefix_hit > 0 else 0,
                       prefix_tokens=int(d.input_mean * d.prefix_hit))
