@@ -26,7 +26,7 @@ from hetmesh.planner import (
 from hetmesh.planner.buy import cheapest, pareto, reprice, restrict
 from hetmesh.planner.capacity import capacity, ceiling, mdl_utilization
 from hetmesh.planner.measure import calibrate
-from hetmesh.planner.plan import current_layout, score
+from hetmesh.planner.plan import LAYOUT_TIE, _layout_variants, current_layout, score
 from hetmesh.planner.solve import Option, solve
 from hetmesh.protocol import Role
 from hetmesh.sim import SimConfig, Slo, pool, simulate
@@ -399,3 +399,44 @@ def test_a_purchase_meets_the_slos_only_when_every_model_meets_its_own() -> None
     assert sm2 is not None
     p2 = buy._purchase(g, both, sm2, 1.0, 0.9, [big, small])
     assert p2.meets and p2.worst_attainment == min(p2.model_attainment.values()) >= 0.9
+
+
+def _tie_case() -> tuple[list[ServerGroup], list[ModelDemand]]:
+    # Qwen3-32B aggregated on 8x H200 at a batch of 128: tp and dp both fill the batch at the TPOT SLO, so
+    # the steady-state capacities tie and only the simulation can tell the layouts apart; 40 req/s is over the
+    # ~29 the three sustain, so the best candidate misses some requests and refining has something to win
+    groups = [ServerGroup(name="g", accelerator="nvidia-h200", count=3, max_batch=128)]
+    return groups, [ModelDemand(name="b", spec="qwen3-32b", rate=40.0, input_mean=1024, output_mean=256)]
+
+
+def test_layout_variants_move_a_tied_pool_whole_and_ignore_how_the_fleet_is_grouped() -> None:
+    groups, d = _tie_case()
+    both = {o.parallel: o.capacity for o in options(groups, d) if o.role == Role.BOTH}
+    assert both["tp"] == pytest.approx(both["dp"], rel=LAYOUT_TIE) and "ep" not in both  # the premise
+    mixed = [Assignment(f"g-{i}", "g", "nvidia-h200", 8, "b", Role.BOTH, p) for i, p in enumerate(("tp", "dp", "dp"))]
+    got = _layout_variants(mixed, groups, options(groups, d))
+    assert sorted(tuple(a.parallel for a in v) for v in got) == [("dp",) * 3, ("tp",) * 3]
+    # one group per server (as a re-planned fleet is): the same pool, the same variants
+    split = [msgspec.structs.replace(groups[0], name=a.server, count=1) for a in mixed]
+    renamed = [msgspec.structs.replace(a, group=a.server) for a in mixed]
+    got_split = _layout_variants(renamed, split, options(split, d))
+    assert sorted(tuple(a.parallel for a in v) for v in got_split) == [("dp",) * 3, ("tp",) * 3]
+    # a layout the cost model prices clearly lower is no tie: prefill on tp is ~20% under dp
+    pf = [Assignment("g-0", "g", "nvidia-h200", 8, "b", Role.PREFILL, "dp")]
+    assert _layout_variants(pf, groups, options(groups, d)) == []
+
+
+def test_the_plan_simulates_the_tied_layouts_and_keeps_the_best() -> None:
+    groups, d = _tie_case()
+    idle = plan(groups, [d[0].scaled(0.1)], check_duration_s=30)  # all served within the SLOs: nothing to refine
+    assert idle.predicted["slo_attainment"] == 1.0 and not any(c.name.startswith("layout-") for c in idle.candidates)
+    # today one server runs tp and two dp: the solver keeps the mix (a tie, and no move), the simulation does not
+    mixed = [msgspec.structs.replace(groups[0], name="a", count=1, model="b", parallel="tp"),
+             msgspec.structs.replace(groups[0], name="c", count=2, model="b", parallel="dp")]
+    kept = plan(mixed, d, check_duration_s=30, refine=0)
+    assert sorted(a.parallel for a in kept.assignments) == ["dp", "dp", "tp"]
+    p = plan(mixed, d, check_duration_s=30)
+    names = {c.name: c.score for c in p.candidates}
+    assert p.chosen.startswith("layout-") and len({a.parallel for a in p.assignments}) == 1
+    assert names[p.chosen] > max(c.score for c in kept.candidates)
+    assert p.predicted["slo_attainment"] < 1.0

@@ -25,6 +25,9 @@ from hetmesh.sim import SimConfig, Slo, WorkerSpec, simulate
 from hetmesh.sim.traces import Trace, TraceRequest, synthetic
 
 STORAGE_BYTES_PER_S = 5e9  # assumed weight-load bandwidth of one server (NVMe RAID or a fast network store)
+# Capacities this close are within the steady-state model's error (it has no queues, no interference):
+# the solver breaks such ties arbitrarily, or toward what a server runs now; the simulation decides them
+LAYOUT_TIE = 0.05
 
 
 class Assignment(msgspec.Struct, frozen=True):
@@ -133,6 +136,10 @@ def _servers(groups: Sequence[ServerGroup], opts: Sequence[Option], counts: Mapp
     return out
 
 
+def _signature(lay: Sequence[Assignment]) -> tuple:
+    return tuple(sorted((a.group, a.model, str(a.role), a.parallel) for a in lay))
+
+
 def current_layout(groups: Sequence[ServerGroup]) -> list[Assignment]:
     return [Assignment(s, g.name, g.accelerator, g.devices, g.model, g.role, g.parallel)
             for g in groups for s in g.server_ids()]
@@ -225,6 +232,34 @@ def evaluate(layout: Sequence[Assignment], demands: Sequence[ModelDemand], group
     return summary
 
 
+def _layout_variants(lay: Sequence[Assignment], groups: Sequence[ServerGroup],
+                     opts: Sequence[Option]) -> list[list[Assignment]]:
+    """`lay` with one pool (the servers of one kind running one model in one role) moved whole onto
+    another parallel layout whose capacity is within LAYOUT_TIE of the best its servers run now. A kind
+    is a server's hardware (accelerator, devices, batch limits), not its group: a fleet split into more
+    groups has the same variants."""
+    def kind(g: ServerGroup) -> tuple:
+        return g.accelerator, g.devices, g.max_batch, g.step_tokens, g.layouts
+
+    by_name = {g.name: kind(g) for g in groups}
+    cap: dict[tuple, float] = {}
+    for o in opts:
+        cap[(kind(groups[o.group]), o.model, o.role, o.parallel)] = o.capacity
+    pools: dict[tuple, set[str]] = {}
+    for a in lay:
+        if a.model:
+            pools.setdefault((by_name[a.group], a.model, a.role), set()).add(a.parallel)
+    out: list[list[Assignment]] = []
+    for pool, used in pools.items():
+        alts = {k[3]: c for k, c in cap.items() if k[:3] == pool}
+        top = max(alts.get(p, 0.0) for p in used)
+        for par, c in sorted(alts.items()):
+            if c >= (1.0 - LAYOUT_TIE) * top and used != {par}:
+                out.append([msgspec.structs.replace(a, parallel=par) if a.model and
+                            (by_name[a.group], a.model, a.role) == pool else a for a in lay])
+    return out
+
+
 def _neighbours(lay: list[Assignment], sm: dict[str, Any], best: float, demands: Sequence[ModelDemand],
                 groups: Sequence[ServerGroup], opts: Sequence[Option], trace: Trace, budget: int,
                 priced: Any, prices: Mapping[str, float] | None,
@@ -269,8 +304,9 @@ def plan(groups: Sequence[ServerGroup], demands: Sequence[ModelDemand], *, trace
     (default: a synthetic trace of the demands, `check_duration_s` long). A candidate's moves cost
     it the goodput of the servers they take out of service, spread over `horizon_s` (how long the
     plan is expected to hold): a move must pay for itself within it. `refine`: at most this many
-    more simulations of a local search from the best candidate, moving one server at a time from
-    the model that meets its SLOs best to the one that meets them worst (the steady-state
+    more simulations of the best candidate with one pool on another parallel layout the cost model
+    prices within LAYOUT_TIE, and as many of a local search from the best so far, moving one server at
+    a time from the model that meets its SLOs best to the one that meets them worst (the steady-state
     capacities the solver sizes with miss bursts and interference; the simulation does not)."""
     if not demands:
         raise ValueError("no models to plan for")
@@ -307,6 +343,18 @@ def plan(groups: Sequence[ServerGroup], demands: Sequence[ModelDemand], *, trace
     if not results:
         raise ValueError("no candidate layout serves any request")
 
+    # a best candidate that serves every request within its SLOs leaves nothing for refining to win
+    refine = refine if max(results, key=lambda r: r.score).slo_attainment < 1.0 else 0
+    if refine:  # ties the cost model cannot break, one pool at a time
+        start = max(results, key=lambda r: r.score)
+        seen = {_signature(v) for v in layouts.values()}
+        fresh = [v for v in _layout_variants(layouts[start.name], groups, opts) if _signature(v) not in seen]
+        for k, lay in enumerate(fresh[:refine]):
+            sm = evaluate(lay, demands, groups, tr, prices, efficiencies)
+            if sm is not None:
+                name = f"layout-{k + 1}"
+                layouts[name], summaries[name] = lay, sm
+                results.append(priced(name, lay, sm))
     if refine and len(demands) > 1:
         start = max(results, key=lambda r: r.score)
         for k, (lay, sm) in enumerate(_neighbours(layouts[start.name], summaries[start.name], start.score, demands,
