@@ -26,7 +26,7 @@ from hetmesh.planner import (
 from hetmesh.planner.buy import cheapest, pareto, reprice, restrict
 from hetmesh.planner.capacity import capacity, ceiling, mdl_utilization
 from hetmesh.planner.measure import calibrate
-from hetmesh.planner.plan import LAYOUT_TIE, _layout_variants, current_layout, score
+from hetmesh.planner.plan import LAYOUT_TIE, MIN_LIVES, _layout_variants, current_layout, score
 from hetmesh.planner.solve import Option, solve
 from hetmesh.protocol import Role
 from hetmesh.sim import SimConfig, Slo, pool, simulate
@@ -440,3 +440,18 @@ def test_the_plan_simulates_the_tied_layouts_and_keeps_the_best() -> None:
     assert p.chosen.startswith("layout-") and len({a.parallel for a in p.assignments}) == 1
     assert names[p.chosen] > max(c.score for c in kept.candidates)
     assert p.predicted["slo_attainment"] < 1.0
+
+
+def test_the_check_sample_spans_a_few_request_lives_whatever_the_cap() -> None:
+    # 120 req/s of requests that live up to 2 s + 256 x 0.1 s: 4,000 requests would be 33 s of arrivals,
+    # about one life, and would show no queue; the sample keeps MIN_LIVES lives instead
+    fast = ModelDemand(name="b", spec="qwen3-32b", rate=120.0, input_mean=1024, output_mean=256)
+    life = fast.ttft_slo_s + fast.output_mean * fast.tpot_slo_s
+    tr = demand_trace([fast], 300.0)
+    assert len(tr.requests) > 4000
+    assert tr.requests[-1].arrival >= 0.95 * MIN_LIVES * life
+    # never past the duration asked for, and the cap still holds where it spans the lives
+    short = demand_trace([fast], 30.0)
+    assert short.requests[-1].arrival < 40.0
+    slow = demand_trace([msgspec.structs.replace(fast, rate=10.0, output_mean=16)], 3600.0)
+    assert len(slow.requests) == 4000

@@ -28,6 +28,11 @@ STORAGE_BYTES_PER_S = 5e9  # assumed weight-load bandwidth of one server (NVMe R
 # Capacities this close are within the steady-state model's error (it has no queues, no interference):
 # the solver breaks such ties arbitrarily, or toward what a server runs now; the simulation decides them
 LAYOUT_TIE = 0.05
+# A check sample shorter than a few request lives (TTFT + output x TPOT, at the SLOs) fits in a layout's
+# batches at once and drains after its last arrival: it shows neither the queue nor the refusals of an
+# overloaded layout (one H200 on Llama-3.1-70B at 20 req/s, life ~28 s: 9.8 req/s good on 300 requests,
+# 8.5 on 1,000, 7.7 on 3,000, 7.5 on 10,000; docs/planner.md). The check keeps at least this many lives.
+MIN_LIVES = 4.0
 
 
 class Assignment(msgspec.Struct, frozen=True):
@@ -104,14 +109,19 @@ def demand_trace(demands: Sequence[ModelDemand], duration_s: float, seed: int = 
                  max_requests: int | None = 4000) -> Trace:
     """A synthetic open-loop trace with each model's rate and mean lengths (lognormal), merged; a model
     with no demand (rate 0, e.g. a forecast that its traffic is gone) has no requests in it. At most
-    `max_requests` in all (its first arrivals, shared by rate); None: all of `duration_s`."""
+    `max_requests` in all (its first arrivals, shared by rate), unless that spans fewer than MIN_LIVES
+    request lives; None: all of `duration_s`."""
     reqs: list[TraceRequest] = []
     total = sum(d.rate for d in demands)
+    live = [d for d in demands if d.rate > 0]
+    floor_s = min(duration_s, MIN_LIVES * max((d.ttft_slo_s + d.output_mean * d.tpot_slo_s for d in live),
+                                              default=0.0))
     for i, d in enumerate(demands):
         if d.rate <= 0:
             continue
         whole = d.rate * duration_s
-        n = max(1, int(whole if max_requests is None else min(whole, max_requests * d.rate / total)))
+        n = max(1, int(whole if max_requests is None else
+                       min(whole, max(max_requests * d.rate / total, d.rate * floor_s))))
         t = synthetic(n, d.rate, input_mean=int(d.input_mean), output_mean=int(d.output_mean), seed=seed + i,
                       prefix_groups=8 if d.prefix_hit > 0 else 0,
                       prefix_tokens=int(d.input_mean * d.prefix_hit))
