@@ -455,3 +455,12 @@ def test_the_check_sample_spans_a_few_request_lives_whatever_the_cap() -> None:
     assert short.requests[-1].arrival < 40.0
     slow = demand_trace([msgspec.structs.replace(fast, rate=10.0, output_mean=16)], 3600.0)
     assert len(slow.requests) == 4000
+
+
+def test_a_one_device_server_has_one_layout_so_nothing_to_tie() -> None:
+    groups = [ServerGroup(name="g", accelerator="nvidia-h200", devices=1, count=2, max_batch=128)]
+    d = [ModelDemand(name="b", spec="qwen3-32b", rate=40.0, input_mean=1024, output_mean=256)]
+    opts = options(groups, d)
+    assert {o.parallel for o in opts} == {"tp"} and server_model("nvidia-h200", "qwen3-32b", parallel="dp").parallel == "tp"
+    one = [Assignment("g-0", "g", "nvidia-h200", 1, "b", Role.BOTH, "tp")]
+    assert _layout_variants(one, groups, opts) == []

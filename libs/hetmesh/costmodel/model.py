@@ -97,8 +97,8 @@ class CostModel:
             raise ValueError("devices must be >= 1")
         if parallel not in PARALLEL:
             raise ValueError(f"parallel must be one of {PARALLEL}")
-        if parallel == "ep" and not model.is_moe:
-            parallel = "tp"  # no experts to spread: EP degenerates to TP
+        if (parallel == "ep" and not model.is_moe) or devices == 1:
+            parallel = "tp"  # no experts to spread, or one device to spread over: the layouts are one engine
         self.accel = accel
         self.model = model
         self.devices = devices
