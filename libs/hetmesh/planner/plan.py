@@ -353,10 +353,10 @@ def plan(groups: Sequence[ServerGroup], demands: Sequence[ModelDemand], *, trace
     if not results:
         raise ValueError("no candidate layout serves any request")
 
-    # a best candidate that serves every request within its SLOs leaves nothing for refining to win
-    refine = refine if max(results, key=lambda r: r.score).slo_attainment < 1.0 else 0
+    start = max(results, key=lambda r: r.score)
+    if start.slo_attainment >= 1.0:  # every request served within its SLOs: nothing left for refining to win
+        refine = 0
     if refine:  # ties the cost model cannot break, one pool at a time
-        start = max(results, key=lambda r: r.score)
         seen = {_signature(v) for v in layouts.values()}
         fresh = [v for v in _layout_variants(layouts[start.name], groups, opts) if _signature(v) not in seen]
         for k, lay in enumerate(fresh[:refine]):
