@@ -8,6 +8,8 @@ writes results/planner.json (parts not run keep their last results there).
   simulated; the plan's simulated goodput against the best one (target: within 3%).
 - value (planner_economics.py, seconds): per kind and role, $ per million tokens within the SLOs, and
   the most a mix can save (steady state), for the mixed and the long-context workloads.
+- bound (planner_economics.py, minutes): the same bound on capacities measured by simulation (bursts
+  priced) with servers bought in fractions: the least a purchase sized on those capacities costs.
 - heterogeneity (planner_economics.py): a mixed workload (Azure conversation + Azure code, 2023 traces
   in ../shared/data, two models with their own SLOs); the cheapest purchase over all kinds that meets
   the SLOs against the cheapest single-kind purchase (target: >= 30% lower $/hour); the same with the
@@ -22,7 +24,7 @@ writes results/planner.json (parts not run keep their last results there).
   (the ceiling grows once each phase needs most of the fleet).
 - afd: the attention-FFN disaggregation what-if.
 
-    .venv/bin/python benchmarks/planner.py [--parts time,optimality,value,heterogeneity,timevarying,timevarying_load,afd]
+    .venv/bin/python benchmarks/planner.py [--parts time,optimality,value,bound,heterogeneity,timevarying,timevarying_load,afd]
     .venv/bin/python benchmarks/planner.py --parts timevarying --cases model-step   (other cases' results kept)
     .venv/bin/python benchmarks/planner.py --parts timevarying_load --load-cases model-swap --loads 1.5,2
 """
@@ -38,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from planner_economics import part_heterogeneity, part_value  # sibling scripts (benchmarks/ is on sys.path)
+from planner_economics import part_bound, part_heterogeneity, part_value  # sibling scripts (on sys.path)
 from planner_timevarying import CASES, LOADS, part_timevarying, part_timevarying_load
 from rich.console import Console
 from rich.table import Table
@@ -128,7 +130,7 @@ def part_afd() -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", "--part", default="time,optimality,value,heterogeneity,timevarying,timevarying_load,afd",
+    ap.add_argument("--parts", "--part", default="time,optimality,value,bound,heterogeneity,timevarying,timevarying_load,afd",
                     help="comma-separated parts to run (results of the others are kept from --out if it exists)")
     ap.add_argument("--requests", type=int, default=2000, help="heterogeneity: requests taken from each trace")
     ap.add_argument("--scale", type=float, default=8.0,
@@ -157,6 +159,7 @@ def main() -> int:
         ap.error(f"--loads {a.loads}: every multiplier must be above 0")
     parts = {"time": part_time, "optimality": part_optimality,
              "value": lambda: part_value(a.requests, a.scale, a.long_requests),
+             "bound": lambda: part_bound(a.requests, a.scale, a.long_requests, a.attainment),
              "heterogeneity": lambda: part_heterogeneity(a.requests, a.scale, a.long_requests, a.attainment),
              "timevarying": lambda: part_timevarying(sub_s=a.sub_s, cases=a.cases.split(","),
                                                    window_requests=a.window_requests),

@@ -22,6 +22,7 @@ from hetmesh.planner import ModelDemand, ServerGroup, demand_from_trace, length_
 from hetmesh.planner.buy import cheapest, reprice, restrict
 from hetmesh.planner.measure import calibrate
 from hetmesh.planner.plan import options
+from hetmesh.planner.solve import Option, solve
 from hetmesh.protocol import Role
 from hetmesh.sim.traces import Trace, TraceRequest, load_azure, load_mooncake
 
@@ -114,6 +115,24 @@ def value(kinds: Sequence[str], demands: Sequence[ModelDemand], purchase: Sequen
             "specialised_usd_h": mix * 3600, "saving_bound": 1 - mix / singles[best_single]}
 
 
+def measured_bound(kinds: Sequence[ServerGroup], opts: Sequence[Option], demands: Sequence[ModelDemand],
+                   names: Sequence[str]) -> dict[str, Any]:
+    """The most a mix of the kinds `names` can save on the measured capacities (`calibrate`: pools
+    simulated on the trace, its bursts included) with servers bought in fractions (the integer program's
+    linear relaxation): whole servers and the mix's own simulation can only cost more. The steady-state
+    bound (`value`) leaves out the bursts that the measurement prices."""
+    def usd(ns: Sequence[str]) -> float | None:
+        ks, os_ = restrict(kinds, opts, ns)
+        s = solve(ks, demands, os_, minimize_cost=True, relaxed=True) if os_ else None
+        return None if s is None else round(s.usd_per_hour, 1)
+
+    singles = {k: v for k in names if (v := usd([k])) is not None}
+    mix = usd(names)
+    best = min(singles, key=lambda k: singles[k]) if singles else None
+    return {"mixed_usd_h": mix, "singles_usd_h": singles, "best_single_kind": best,
+            "saving_bound": round(1 - mix / singles[best], 3) if mix is not None and best else None}
+
+
 def _compare(kinds: list[ServerGroup], opts: list, demands: Sequence[ModelDemand], tr: Trace, names: Sequence[str],
              singles: dict[str, Any], prices: Mapping[str, float] | None = None,
              attainment: float = ATTAINMENT) -> dict[str, Any]:
@@ -138,7 +157,8 @@ def _compare(kinds: list[ServerGroup], opts: list, demands: Sequence[ModelDemand
               for k, v in singles.items() if v and k in names and k not in pruned}
     best = min(priced, key=lambda k: priced[k]) if priced else None
     saving = 1 - m.usd_per_hour / priced[best] if m is not None and m.meets and best else None
-    return {"mixed": None if m is None else {"servers": m.servers, "usd_per_hour": m.usd_per_hour,
+    return {"measured_bound": measured_bound(ks, os_, demands, names),
+            "mixed": None if m is None else {"servers": m.servers, "usd_per_hour": m.usd_per_hour,
                                              "slo_attainment": m.slo_attainment,
                                              "model_attainment": m.model_attainment, "meets": m.meets},
             "singles": {k: singles.get(k) for k in names if k not in pruned}, "singles_usd_per_hour": priced,
@@ -197,6 +217,20 @@ def part_heterogeneity(n: int, scale: float, long_n: int, attainment: float = AT
                              "demands": [(d.name, round(d.rate, 2), round(d.input_mean), round(d.output_mean),
                                           round(d.prefix_hit, 2)) for d in ldem],
                              **longc, "nvidia_only": longc_nv}}
+
+
+def part_bound(n: int, scale: float, long_n: int, attainment: float = ATTAINMENT) -> dict[str, Any]:
+    """`measured_bound` on both mixes (minutes: the capacities measured, no purchase simulated): the
+    catalog as priced, the swept kind's prices, NVIDIA only."""
+    kinds = [ServerGroup(name=k, accelerator=k, count=48, max_batch=128) for k in PURCHASE]
+    out: dict[str, Any] = {"attainment_target": attainment}
+    for key, (tr, demands) in (("mixed", mixed(n, scale)), ("long_context", long_mixed(long_n, scale))):
+        opts = calibrate(kinds, demands, options(kinds, demands), tr, attainment)
+        out[key] = {"catalog": measured_bound(kinds, opts, demands, PURCHASE),
+                    "price_sweep": {str(usd): measured_bound(kinds, reprice(kinds, opts, {SWEPT: usd}), demands,
+                                                             PURCHASE) for usd in SWEEP_USD},
+                    "nvidia_only": measured_bound(kinds, opts, demands, NVIDIA)}
+    return out
 
 
 def part_value(n: int, scale: float, long_n: int) -> dict[str, Any]:

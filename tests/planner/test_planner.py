@@ -357,11 +357,11 @@ def test_the_local_search_takes_back_what_the_demand_does_not_need_and_simulates
 def test_the_local_search_may_cross_a_plateau_to_reach_a_drop() -> None:
     from hetmesh.planner import buy
 
-    # 8 req/s on MI300X: one server tp meets the SLOs, one dp does not, two dp do (fully). From two dp no
+    # 9 req/s on MI300X: one server tp meets the SLOs, one dp does not, two dp do (fully). From two dp no
     # drop meets them, and moving one to tp saves nothing and meets them no better: a search that only
     # descends stops at two servers; one that may cross the plateau moves it, then drops the dp
     g = [ServerGroup(name="mi300x", accelerator="amd-mi300x", count=4)]
-    d = [ModelDemand(name="m", spec="llama-3.1-70b", rate=8.0, input_mean=1024, output_mean=128, tpot_slo_s=0.08)]
+    d = [ModelDemand(name="m", spec="llama-3.1-70b", rate=9.0, input_mean=1024, output_mean=128, tpot_slo_s=0.08)]
     tr = demand_trace(d, 60.0)
 
     def servers(*layouts: str) -> list[Assignment]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from hetmesh.costmodel import CostModel, accelerator, model_spec
@@ -131,7 +132,10 @@ def test_a_short_decode_is_priced_at_the_recent_prefill_share_a_long_one_at_the_
     for _ in range(3):
         d = pol.place(req(2048, 2, t=20.0), [w])
         assert d is not None
-    placed = d.predicted_ttft_s  # the prefill seconds placed at t = 20: the last TTFT includes those before it
+    # the prefill seconds booked at t = 20 (the worker idle by then): the first prompt's own steps, then each
+    # later one's share of the steps it fills with the prompts ahead of it
+    placed = float(pol._busy_until[pol._slots["h-0"]]) - 20.0
+    assert placed < d.predicted_ttft_s  # the last TTFT: the backlog, then its own steps
     first = make_policy("cost")._price(req(16, 2, t=0.0), [w])  # the t = 0 prefill's seconds
     assert first is not None
     acc = float(first.pf[0]) * math.exp(-20 / 30) + placed  # the t = 0 prefill decayed, plus the burst
@@ -149,3 +153,26 @@ def test_a_short_decode_is_priced_at_the_recent_prefill_share_a_long_one_at_the_
     assert short.tpot[0] == pytest.approx(expected(5, 30 / 27, acc_short), rel=1e-6)
     # the burst slows the short decode's steps by 1.4x, the long one's by 1.04x
     assert short.tpot[0] / cm.decode_step_time(1, 18) > 1.3 > 1.1 > long.tpot[0] / cm.decode_step_time(1, 266)
+
+
+def test_a_prefill_workers_running_sequences_are_not_priced_as_decodes() -> None:
+    # the 10 sequences running on a prefill worker are prefills (already in its backlog): none decodes there
+    d = view("d-0", "nvidia-h100", Role.DECODE)
+    busy = make_policy("cost")._price(req(2048, 100), [view("p-0", "nvidia-h100", Role.PREFILL, running=10), d])
+    idle = make_policy("cost")._price(req(2048, 100), [view("p-0", "nvidia-h100", Role.PREFILL), d])
+    assert busy is not None and idle is not None
+    assert busy.pf[0] == pytest.approx(idle.pf[0], rel=1e-9)
+
+
+def test_a_prompt_behind_a_backlog_books_its_share_of_the_steps_it_fills() -> None:
+    # On dp over 8 devices a 500-token prompt alone takes a whole step (every engine reads its weights); the
+    # batching core packs queued prompts' chunks under one token budget, so 16 of them share one step.
+    w = [msgspec.structs.replace(view("cpx-0", "nvidia-rubin-cpx", Role.PREFILL, model="qwen3-32b"), parallel="dp"),
+         view("d-0", "amd-mi308x", Role.DECODE, model="qwen3-32b")]
+    pol = make_policy("cost")
+    ttfts = [d.predicted_ttft_s for _ in range(16) if (d := pol.place(req(500, 2, model="qwen3-32b"), w))]
+    alone = ttfts[0]
+    assert len(ttfts) == 16
+    # the last waits for the first's step, 14 shares of a step and then its own: under 3x alone (booked as
+    # steps of their own, 16x)
+    assert ttfts[-1] < 3 * alone

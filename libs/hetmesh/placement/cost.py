@@ -11,6 +11,11 @@ take either phase) with the cost model:
 
 The prefill backlog and each worker's prefill share are the policy's own bookkeeping of what
 it placed (prefill seconds it predicted, drained in real time, read off `RequestInfo.arrival`).
+A prompt that finds a backlog is booked at its share of the steps it fills with the prompts ahead of
+it (the batching core packs chunks under one token budget), not at steps of its own: a short prompt
+alone pays a whole step's weight reads (on dp over 8 devices a 1K-token prompt alone costs 8x its
+share), and booking that made the backlog, hence admission's TTFT, 2-3x too long on a busy prefill
+pool. A prefill worker's running sequences are prefills (in the backlog), not decodes riding along.
 The share a decode is priced at is forecast over its own life at its SLO ((output - 1) x TPOT SLO):
 prefills arrive in bursts, and a 12-token decode lives through the burst it lands in, not through the
 30 s mean, so it reads the share at the ladder's shortest time constant covering its life (window,
@@ -56,7 +61,7 @@ from hetmesh.costmodel import (
 )
 from hetmesh.costmodel.model import COEFFICIENTS, step_seconds_many, transfer_time
 from hetmesh.placement.admission import DEFAULT_HOLD_S, DEFAULT_MARGIN, admit, over_slo, quiet_s, refusal
-from hetmesh.placement.fleet import Fleet
+from hetmesh.placement.fleet import PREFILL, Fleet
 from hetmesh.placement.guard import DecodeGuard
 from hetmesh.placement.state import Decision, RequestInfo, WorkerView
 
@@ -74,6 +79,7 @@ class _Priced(msgspec.Struct, frozen=True, kw_only=True):
     cached: np.ndarray  # prompt tokens each worker holds
     ctx: int  # the context a decode step is priced at
     pf: np.ndarray  # prefill seconds on each worker (its steps, the decodes riding along included)
+    packed: np.ndarray  # the same behind other prompts: its share of steps it fills with theirs
     stolen: np.ndarray  # of which the decodes there would not have spent anyway
     ttft: np.ndarray  # backlog + prefill on each worker as P
     plain: np.ndarray  # decode step on each worker as D at its batch, no prefill beside it
@@ -195,8 +201,10 @@ class CostPolicy:
         if self._t0 < 0:
             self._t0 = now
         prompt = req.prompt_len
-        c, slots, sl, nw = f.coef, f.slots, f.slot_index, len(f.ids)  # sl: slots as a view when it can be
+        slots, sl, nw = f.slots, f.slot_index, len(f.ids)  # sl: slots as a view when it can be
         running, queue, max_batch, step_tokens, kv_total, kv_used, block_size = f.num.T
+        # a prefill worker's running sequences are prefills (in its backlog already), not decodes beside them
+        running = np.where(f.role == PREFILL, 0.0, running)
         hit_blocks = np.zeros(nw)
         for wid, nb in req.cached_blocks.items():
             i = f.index.get(wid)
@@ -216,25 +224,37 @@ class CostPolicy:
         b = running + queue + 1
         bb = np.minimum(b, max_batch)
         work = self._work
-        if work.shape[1] != 5 * nw:
-            work = self._work = np.zeros((4, 5 * nw))  # the decode steps' prefill columns stay 0
+        if work.shape[1] != 6 * nw:
+            work = self._work = np.zeros((4, 6 * nw))  # the decode steps' prefill columns stay 0
         work[0, :nw] = n
         work[1, :nw] = (n > 0) * 1.0
         work[2, :nw] = n * cached + n * (n + 1) // 2
         work[3, :nw] = cached
-        work[0, 4 * nw :] = chunk  # and a full chunk of a fresh prompt beside the running batch
-        work[1, 4 * nw :] = 1.0
-        work[2, 4 * nw :] = chunk * (chunk + 1) // 2
-        batch = np.concatenate([running, bb, bb - 1, running, running])
-        priced = step_seconds_many(f.tiled(5), work[0], work[1], work[2], work[3], batch, batch * ctx)
+        work[0, 4 * nw : 5 * nw] = chunk  # and a full chunk of a fresh prompt beside the running batch
+        work[1, 4 * nw : 5 * nw] = 1.0
+        work[2, 4 * nw : 5 * nw] = chunk * (chunk + 1) // 2
+        # and a step filled with copies of its first chunk: queued behind other prompts it shares its steps
+        # (the batching core packs chunks under one token budget), so it takes that step's time / copies
+        copies = chunk / np.maximum(n, 1.0)
+        work[:, 5 * nw :] = work[:, :nw] * copies
+        batch = np.concatenate([running, bb, bb - 1, running, running, running])
+        priced = step_seconds_many(f.tiled(6), work[0], work[1], work[2], work[3], batch, batch * ctx)
         pf, step, fewer, alone = priced[:nw], priced[nw : 2 * nw], priced[2 * nw : 3 * nw], priced[3 * nw : 4 * nw]
-        full_chunk = priced[4 * nw :] - alone
+        full_chunk = priced[4 * nw : 5 * nw] - alone
+        packed = priced[5 * nw :] / copies
         done = cached + n
         left = left - n
-        while np.count_nonzero(left):
+        both = f.tiled(2)
+        while np.count_nonzero(left):  # the rest of the prompt (a worker done with it adds nothing)
             n = np.minimum(left, chunk)
-            pf += step_seconds_many(c, n, (n > 0) * 1.0, n * done + n * (n + 1) // 2, done, running,
-                                    running * ctx)
+            on = (n > 0) * 1.0
+            k = chunk / np.maximum(n, 1.0)  # its last, partial chunk shares a step too
+            pairs = n * done + n * (n + 1) // 2
+            t = step_seconds_many(both, np.concatenate([n, n * k]), np.concatenate([on, on * k]),
+                                  np.concatenate([pairs, pairs * k]), np.concatenate([done, done * k]),
+                                  np.concatenate([running, running]), np.concatenate([running * ctx] * 2))
+            pf += t[:nw] * on
+            packed += t[nw:] / k * on
             done += n
             left -= n
         ttft = np.maximum(self._busy_until[sl] - now, 0.0) + pf
@@ -274,7 +294,8 @@ class CostPolicy:
         stalled = running + np.maximum(queue - self._queued[sl], 0.0)
         need = np.ceil((prompt + req.max_tokens) / np.maximum(block_size, 1))
         fits = (kv_total <= 0) | (need <= kv_total - kv_used) | (running == 0)
-        return _Priced(now=now, pre=pre, dec=dec, agg=agg_i, cached=cached, ctx=ctx, pf=pf, stolen=stolen, ttft=ttft,
+        return _Priced(now=now, pre=pre, dec=dec, agg=agg_i, cached=cached, ctx=ctx, pf=pf, packed=packed,
+                       stolen=stolen, ttft=ttft,
                        plain=step, full_chunk=full_chunk, tpot=tpot, ext_p=stolen * stalled, ext_d=ext_d, fits=fits)
 
     def _idle(self, pr: _Priced, prefill: np.ndarray, n_out: int, ttft_slo: float, tpot_slo: float) -> float:
@@ -373,7 +394,7 @@ class CostPolicy:
             margin = self._margin(req.model)
         if margin > 0 and over > margin and (no := self._refusal(req, pr, pr.pre, p, over, ttft, tpot, margin)):
             return no
-        self._commit(int(self._fleet.slots[p]), float(pr.pf[p]), pr.now)
+        self._commit(int(self._fleet.slots[p]), float(pr.pf[p]), float(pr.packed[p]), pr.now)
         return msgspec.structs.replace(decision, predicted_ttft_s=ttft, predicted_tpot_s=tpot)
 
     def _refusal(self, req: RequestInfo, pr: _Priced, prefills: np.ndarray, p: int, over: float, ttft: float,
@@ -395,7 +416,7 @@ class CostPolicy:
         """Commit the prefill on P (the decodes there absorb what it takes from them) and guard the decode on D
         from its first token on (DecodeGuard)."""
         self._guard.charge(slot_p, max(float(self._busy_until[slot_p]), pr.now), float(pr.stolen[p]))
-        self._commit(slot_p, float(pr.pf[p]), pr.now)
+        self._commit(slot_p, float(pr.pf[p]), float(pr.packed[p]), pr.now)
         if n_out > 1:
             life = (n_out - 1) * float(pr.plain[d])
             # the slot's life, in the mean over the last max_batch or so decodes placed there
@@ -435,14 +456,18 @@ class CostPolicy:
         """The seconds a sum decaying at `tau` has seen since the first placement (at least a second, or tau)."""
         return max(tau * (1.0 - math.exp(-max(now - self._t0, 1e-3) / tau)), min(1.0, tau))
 
-    def _commit(self, slot: int, pf: float, now: float) -> None:
+    def _commit(self, slot: int, pf: float, packed: float, now: float) -> None:
+        """Book a prefill: on an idle worker its own steps (`pf`); behind a backlog it fills steps with the
+        prompts ahead of it, so the backlog grows by its `packed` share, never ending before its own steps
+        would (a short prompt's alone cost more than the share: the floor of weights read every step)."""
         start = max(float(self._busy_until[slot]), now)
         if not self._starts[slot]:
             self._first_start[slot] = start
         self._starts[slot].append(start)
         self._queued[slot] += 1
-        self._busy_until[slot] = start + pf
+        end = max(start + packed, now + pf)
+        self._busy_until[slot] = end
         decay = np.exp(-max(now - float(self._last[slot]), 0.0) / self._taus)  # decay[0]: at the window
-        self._acc[:, slot] = self._acc[:, slot] * decay + pf
+        self._acc[:, slot] = self._acc[:, slot] * decay + (end - start)
         self._placed[slot] = self._placed[slot] * decay[0] + 1
         self._last[slot] = now

@@ -6,7 +6,7 @@ every answer is checked by simulation and re-solved with more headroom until it 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -106,7 +106,8 @@ def _strength(o: Option) -> float:
 def trim(p: Purchase, kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], trace: Trace,
          attainment: float, prices: Mapping[str, float] | None = None,
          efficiencies: Mapping[str, Efficiency] | None = None, limit: int = 24,
-         opts: Sequence[Option] = (), sideways: bool = False) -> Purchase:
+         opts: Sequence[Option] = (), sideways: bool = False,
+         progress: Callable[[str], None] | None = None) -> Purchase:
     """Local search on a purchase that meets the SLOs (the solver sizes whole servers on estimates; this
     takes back what the estimates over-bought): from its neighbourhood (`_steps`: drop a server, swap one
     for one or more of a cheaper kind in its role, move one to another layout of its kind; `opts`: the
@@ -127,6 +128,8 @@ def trim(p: Purchase, kinds: Sequence[ServerGroup], demands: Sequence[ModelDeman
         saved, alt = step
         seen.add(_shape(alt))
         tries += 1
+        if progress:
+            progress(f"trimming ${best.usd_per_hour:,.0f}/h: step {tries} of at most {limit}")
         sm = evaluate(alt, demands, kinds, trace, prices, efficiencies)
         if sm is None or (worst := attained(sm, demands)) < attainment:
             continue
@@ -182,12 +185,14 @@ def _catalogs(kinds: Sequence[ServerGroup], opts: Sequence[Option],
 
 def _search(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], opts: Sequence[Option], tr: Trace,
             attainment: float, prices: Mapping[str, float] | None, efficiencies: Mapping[str, Efficiency] | None,
-            tries: int, measure: bool) -> Purchase | None:
+            tries: int, measure: bool, progress: Callable[[str], None] | None = None) -> Purchase | None:
     """The share search of `cheapest` over one catalog."""
     tried: dict[float, Purchase | None] = {}
 
     def attempt(share: float) -> Purchase | None:
         if share not in tried:
+            if progress:
+                progress(f"sizing for {share:.2f}x the mean demand over {', '.join(k.name for k in kinds)}")
             s = solve(kinds, demands, opts, minimize_cost=True, served_share=share)
             lay = _servers(kinds, opts, s.counts) if s is not None else []
             sm = evaluate(lay, demands, kinds, tr, prices, efficiencies) if lay else None
@@ -203,7 +208,7 @@ def _search(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], opts: 
         for p in meeting[:STARTS]:
             for sideways in (False, True):
                 out = _better(out, trim(p, kinds, demands, tr, attainment, prices, efficiencies, opts=opts,
-                                        sideways=sideways))
+                                        sideways=sideways, progress=progress))
         return out
 
     lo, hi = 1.0, 1.25 if measure else max(max(d.peak_rate / d.rate for d in demands if d.rate > 0), 1.25)
@@ -231,7 +236,8 @@ def cheapest(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], *, tr
              attainment: float = 0.9, prices: Mapping[str, float] | None = None,
              efficiencies: Mapping[str, Efficiency] | None = None, check_duration_s: float = 300.0,
              tries: int = 8, measure: bool = True, seed: int = 0,
-             opts: Sequence[Option] | None = None, alone: Sequence[str] | None = None) -> Purchase | None:
+             opts: Sequence[Option] | None = None, alone: Sequence[str] | None = None,
+             progress: Callable[[str], None] | None = None) -> Purchase | None:
     """The lowest-$/hour servers (at most `count` of each kind) on which every model's simulated SLO
     attainment on the demand is >= `attainment` (`attained`); None when even the most the solver may
     buy does not meet it.
@@ -242,30 +248,32 @@ def cheapest(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], *, tr
     share is searched between 1 (the mean) and the bursts' peak (ModelDemand.peak_rate),
     doubling past it while it fails, in at most `tries` simulations, for the whole catalog and
     for each kind alone (`_catalogs`; `alone` names the kinds worth trying alone, default all);
-    the cheapest that meets the SLOs wins."""
+    the cheapest that meets the SLOs wins. `progress` is told what is being measured or simulated."""
     tr = trace or demand_trace(demands, check_duration_s, seed)
     if opts is None:
         opts = options(kinds, demands, prices, efficiencies)
         if measure:
-            opts = calibrate(kinds, demands, opts, tr, attainment, prices, efficiencies)
+            opts = calibrate(kinds, demands, opts, tr, attainment, prices, efficiencies, progress=progress)
     best: Purchase | None = None
     for ks, os_ in _catalogs(kinds, opts, alone):
-        best = _better(best, _search(ks, demands, os_, tr, attainment, prices, efficiencies, tries, measure))
+        best = _better(best, _search(ks, demands, os_, tr, attainment, prices, efficiencies, tries, measure, progress))
     return best
 
 
 def pareto(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], budgets: Sequence[float], *,
            trace: Trace | None = None, prices: Mapping[str, float] | None = None,
            efficiencies: Mapping[str, Efficiency] | None = None, check_duration_s: float = 300.0,
-           seed: int = 0) -> list[Purchase]:
+           seed: int = 0, progress: Callable[[str], None] | None = None) -> list[Purchase]:
     """For each $/hour budget, the most goodput the servers it buys deliver (simulated), from the
     same candidates as `cheapest` (the whole catalog and each kind alone); by $/hour, only the
-    points that beat every cheaper one's goodput."""
+    points that beat every cheaper one's goodput. `progress` is told which budget is being simulated."""
     opts = options(kinds, demands, prices, efficiencies)
     tr = trace or demand_trace(demands, check_duration_s, seed)
     got: list[Purchase] = []
     catalogs = _catalogs(kinds, opts)
     for b in budgets:
+        if progress:
+            progress(f"Pareto front: ${b:,.0f}/h")
         for ks, os_ in catalogs:
             s = solve(ks, demands, os_, budget_usd_h=b)
             if s is None or not s.counts:

@@ -37,7 +37,7 @@ def _pool(g: ServerGroup, model: str, role: Role, parallel: str, n: int, tag: st
 def calibrate(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], opts: Sequence[Option], trace: Trace,
               attainment: float, prices: Mapping[str, float] | None = None,
               efficiencies: Mapping[str, Efficiency] | None = None, requests: int = 1000,
-              steps: int = 3, max_pool: int = 8) -> list[Option]:
+              steps: int = 3, max_pool: int = 8, progress: Callable[[str], None] | None = None) -> list[Option]:
     """`opts` with each capacity replaced by the highest rate at which a pool of its servers meets
     `attainment` on the model's own requests (the trace's arrivals sped up or slowed down: its
     bursts included, which the steady state misses), per server. The pool is as large as the steady
@@ -51,11 +51,11 @@ def calibrate(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], opts
     server, and pools measured apart in each role overstate it (a `both` option that cannot serve
     aggregated at all is a P/D server: its role pools scale it). No measurement exceeds the steady
     state with the SLOs set aside (capacity.ceiling): a pool that holds a short trace at once meets
-    it at any rate."""
+    it at any rate. `progress` is told which option is being measured."""
     dem = {d.name: d for d in demands}
     partners = _strongest(opts)
     ratio: dict[tuple[int, str, str, Role], float] = {}
-    for o in opts:
+    for i, o in enumerate(opts):
         key = (o.group, o.model, o.parallel, o.role)
         d = dem[o.model]
         if key in ratio or o.capacity <= 0 or d.rate <= 0:
@@ -69,6 +69,8 @@ def calibrate(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], opts
         if not mine.requests:
             continue
         g = kinds[o.group]
+        if progress:
+            progress(f"measuring {g.name} {o.model} {o.role} {o.parallel} (option {i + 1} of {len(opts)})")
         n = max(1, min(g.count, max_pool, math.ceil(max(d.peak_rate, d.rate) / o.capacity)))
         pool = _pool(g, o.model, o.role, o.parallel, n)
         guess = o.capacity * n  # req/s of the pool

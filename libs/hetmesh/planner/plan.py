@@ -9,7 +9,7 @@ the most priority-weighted SLO goodput, with the moves from today's layout and w
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -242,6 +242,10 @@ def evaluate(layout: Sequence[Assignment], demands: Sequence[ModelDemand], group
     return summary
 
 
+def _quiet(_: str) -> None:
+    pass
+
+
 def _layout_variants(lay: Sequence[Assignment], groups: Sequence[ServerGroup],
                      opts: Sequence[Option]) -> list[list[Assignment]]:
     """`lay` with one pool (the servers of one kind running one model in one role) moved whole onto
@@ -309,7 +313,8 @@ def _neighbours(lay: list[Assignment], sm: dict[str, Any], best: float, demands:
 def plan(groups: Sequence[ServerGroup], demands: Sequence[ModelDemand], *, trace: Trace | None = None,
          prices: Mapping[str, float] | None = None, efficiencies: Mapping[str, Efficiency] | None = None,
          check_duration_s: float = 300.0, storage_bytes_per_s: float = STORAGE_BYTES_PER_S,
-         horizon_s: float = 3600.0, refine: int = 4, seed: int = 0) -> Plan:
+         horizon_s: float = 3600.0, refine: int = 4, seed: int = 0,
+         progress: Callable[[str], None] | None = None) -> Plan:
     """The best layout of `groups` for `demands`, checked by simulating every candidate on `trace`
     (default: a synthetic trace of the demands, `check_duration_s` long). A candidate's moves cost
     it the goodput of the servers they take out of service, spread over `horizon_s` (how long the
@@ -317,7 +322,9 @@ def plan(groups: Sequence[ServerGroup], demands: Sequence[ModelDemand], *, trace
     more simulations of the best candidate with one pool on another parallel layout the cost model
     prices within LAYOUT_TIE, and as many of a local search from the best so far, moving one server at
     a time from the model that meets its SLOs best to the one that meets them worst (the steady-state
-    capacities the solver sizes with miss bursts and interference; the simulation does not)."""
+    capacities the solver sizes with miss bursts and interference; the simulation does not).
+    `progress` is told what is being simulated (a what-if on an overloaded fleet can take minutes)."""
+    note = progress or _quiet
     if not demands:
         raise ValueError("no models to plan for")
     if not groups or not any(g.count for g in groups):
@@ -345,6 +352,7 @@ def plan(groups: Sequence[ServerGroup], demands: Sequence[ModelDemand], *, trace
     results: list[CandidateResult] = []
     summaries: dict[str, dict[str, Any]] = {}
     for name, lay in layouts.items():
+        note(f"simulating the {name} layout on {len(tr.requests):,} requests")
         sm = evaluate(lay, demands, groups, tr, prices, efficiencies)
         if sm is None:
             continue
@@ -360,6 +368,7 @@ def plan(groups: Sequence[ServerGroup], demands: Sequence[ModelDemand], *, trace
         seen = {_signature(v) for v in layouts.values()}
         fresh = [v for v in _layout_variants(layouts[start.name], groups, opts) if _signature(v) not in seen]
         for k, lay in enumerate(fresh[:refine]):
+            note(f"simulating layout variant {k + 1} of {min(len(fresh), refine)}")
             sm = evaluate(lay, demands, groups, tr, prices, efficiencies)
             if sm is not None:
                 name = f"layout-{k + 1}"
@@ -367,6 +376,7 @@ def plan(groups: Sequence[ServerGroup], demands: Sequence[ModelDemand], *, trace
                 results.append(priced(name, lay, sm))
     if refine and len(demands) > 1:
         start = max(results, key=lambda r: r.score)
+        note(f"local search from the {start.name} layout")
         for k, (lay, sm) in enumerate(_neighbours(layouts[start.name], summaries[start.name], start.score, demands,
                                                   groups, opts, tr, refine, priced, prices, efficiencies)):
             name = f"refined-{k + 1}"

@@ -52,6 +52,7 @@ class Solution(msgspec.Struct, frozen=True):
     served: dict[str, float]  # model -> req/s the layout serves of its demand
     headroom: float  # stage 2's common growth factor u (served * (1 + u) still fits)
     objective: float
+    usd_per_hour: float = 0.0  # of the servers in use (fractional servers' worth when `relaxed`)
 
 
 class _Program:
@@ -112,12 +113,14 @@ class _Program:
 def solve(groups: Sequence[ServerGroup], demands: Sequence[ModelDemand], options: Sequence[Option], *,
           flexible: bool = True, modes: frozenset[str] = frozenset({"aggregated", "disaggregated"}),
           counts: Mapping[int, int] | None = None, minimize_cost: bool = False, served_share: float = 1.0,
-          budget_usd_h: float = np.inf, time_limit_s: float = 5.0) -> Solution | None:
+          budget_usd_h: float = np.inf, time_limit_s: float = 5.0, relaxed: bool = False) -> Solution | None:
     """The best layout, or None when nothing can serve. `flexible`: `both` servers may prefill or
     decode P/D requests too (the cost policy's freedom). `modes`: which request modes may carry
     demand. `counts`: servers per group where they differ from the groups' (capacity planning
     passes the most it may buy). `minimize_cost`: serve `served_share` of every model's demand at
-    the lowest $/hour instead of the most goodput. `budget_usd_h`: servers in use cost at most this."""
+    the lowest $/hour instead of the most goodput. `budget_usd_h`: servers in use cost at most this.
+    `relaxed`: servers may be bought in fractions (the linear relaxation): a bound on what any whole
+    layout over these options can reach, which `usd_per_hour` then reports (`counts` are rounded)."""
     p = _Program(groups, demands, options, flexible)
     if budget_usd_h < np.inf:
         p.row({j: o.usd_per_hour for j, o in enumerate(options)}, 0.0, budget_usd_h)
@@ -156,7 +159,7 @@ def solve(groups: Sequence[ServerGroup], demands: Sequence[ModelDemand], options
             c[p.a[d.name]] = c[p.d[d.name]] = -d.priority * d.output_mean
         c[:p.n] = ties
     integrality = np.zeros(p.nv)
-    integrality[:p.n] = 1
+    integrality[:p.n] = 0 if relaxed else 1
     A = np.array(p.rows)
     opts = {"time_limit": time_limit_s, "presolve": True}
     r1 = milp(c, constraints=LinearConstraint(A, p.lo, p.hi), integrality=integrality, bounds=Bounds(0, p.ub),
@@ -188,4 +191,5 @@ def solve(groups: Sequence[ServerGroup], demands: Sequence[ModelDemand], options
             x = r2.x
             headroom = float(x[p.u])
     chosen = {j: round(x[j]) for j in range(p.n) if round(x[j]) > 0}
-    return Solution(counts=chosen, served=served, headroom=headroom, objective=float(-r1.fun))
+    return Solution(counts=chosen, served=served, headroom=headroom, objective=float(-r1.fun),
+                    usd_per_hour=float(price @ x[:p.n]))

@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,7 @@ def _demands_fleet(cfg: config.ClusterConfig, args: argparse.Namespace, tr: Trac
     return out
 
 
-def fleet(args: argparse.Namespace) -> tuple[Plan, config.ClusterConfig]:
+def fleet(args: argparse.Namespace, progress: Callable[[str], None] | None = None) -> tuple[Plan, config.ClusterConfig]:
     try:
         cfg = config.load(args.fleet)
     except (OSError, ValueError, msgspec.ValidationError) as e:
@@ -111,7 +112,8 @@ def fleet(args: argparse.Namespace) -> tuple[Plan, config.ClusterConfig]:
         tr = Trace([r if r.model else dataclasses.replace(r, model=name) for r in tr.requests], tr.block_tokens,
                    tr.name)
     try:
-        return plan(groups, demands, trace=tr, prices=cfg.prices, efficiencies=wiring.efficiencies(cfg)), cfg
+        return plan(groups, demands, trace=tr, prices=cfg.prices, efficiencies=wiring.efficiencies(cfg),
+                    progress=progress), cfg
     except ValueError as e:
         raise PlanError(str(e)) from None
 
@@ -160,7 +162,8 @@ def _afd_lines(cfg: config.ClusterConfig) -> list[str]:
     return out
 
 
-def catalog(args: argparse.Namespace) -> tuple[Purchase | None, list[Purchase]]:
+def catalog(args: argparse.Namespace,
+            progress: Callable[[str], None] | None = None) -> tuple[Purchase | None, list[Purchase]]:
     known = accelerators()
     ids = [a for a in (args.accelerators or "").split(",") if a] or sorted(known)
     for a in ids:
@@ -184,12 +187,12 @@ def catalog(args: argparse.Namespace) -> tuple[Purchase | None, list[Purchase]]:
     else:
         raise PlanError("give the demand: --trace FILE or --rate R (with --input/--output means)")
     kinds = [ServerGroup(name=a, accelerator=a, devices=args.devices, count=args.max_servers) for a in ids]
-    best = cheapest(kinds, [d], trace=tr, attainment=args.attainment)
+    best = cheapest(kinds, [d], trace=tr, attainment=args.attainment, progress=progress)
     if best is None or not best.meets:
         raise PlanError(f"no mix of up to {args.max_servers} servers of {', '.join(ids)} meets TTFT {ttft:g}s / "
                         f"TPOT {tpot:g}s at {args.attainment:.0%}: relax the SLOs or allow more servers or chips")
     top = args.budget or best.usd_per_hour * 2
-    front = pareto(kinds, [d], [top * f for f in (0.25, 0.5, 0.75, 1.0)], trace=tr)
+    front = pareto(kinds, [d], [top * f for f in (0.25, 0.5, 0.75, 1.0)], trace=tr, progress=progress)
     return best, front
 
 
@@ -223,7 +226,8 @@ def run(args: argparse.Namespace) -> int:
     if out:
         out.mkdir(parents=True, exist_ok=True)
     if args.fleet:
-        p, cfg = fleet(args)
+        with console.status("planning", spinner="dots") as st:
+            p, cfg = fleet(args, lambda what: st.update(f"planning: {what}"))
         console.print(_fleet_table(p))
         pr = p.predicted
         console.print(f"goodput {pr['goodput_tok_s']:.1f} tok/s, SLO attainment {pr['slo_attainment']:.1%}, "
@@ -238,7 +242,8 @@ def run(args: argparse.Namespace) -> int:
             _plot(out / "plan.png", [], p=p)
             console.print(f"wrote {out}/plan.json, plan.png, cluster.toml")
         return 0
-    best, front = catalog(args)
+    with console.status("capacity planning", spinner="dots") as st:
+        best, front = catalog(args, lambda what: st.update(f"capacity planning: {what}"))
     assert best is not None
     t = Table(title="cheapest servers meeting the SLOs")
     for col in ("accelerator", "servers"):
