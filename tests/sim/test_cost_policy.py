@@ -132,10 +132,7 @@ def test_a_short_decode_is_priced_at_the_recent_prefill_share_a_long_one_at_the_
     for _ in range(3):
         d = pol.place(req(2048, 2, t=20.0), [w])
         assert d is not None
-    # the prefill seconds booked at t = 20 (the worker idle by then): the first prompt's own steps, then each
-    # later one's share of the steps it fills with the prompts ahead of it
-    placed = float(pol._busy_until[pol._slots["h-0"]]) - 20.0
-    assert placed < d.predicted_ttft_s  # the last TTFT: the backlog, then its own steps
+    placed = d.predicted_ttft_s  # the prefill seconds placed at t = 20: the last TTFT includes those before it
     first = make_policy("cost")._price(req(16, 2, t=0.0), [w])  # the t = 0 prefill's seconds
     assert first is not None
     acc = float(first.pf[0]) * math.exp(-20 / 30) + placed  # the t = 0 prefill decayed, plus the burst
@@ -176,3 +173,8 @@ def test_a_prompt_behind_a_backlog_books_its_share_of_the_steps_it_fills() -> No
     # the last waits for the first's step, 14 shares of a step and then its own: under 3x alone (booked as
     # steps of their own, 16x)
     assert ttfts[-1] < 3 * alone
+    # one engine over the 8 devices (tp): each prompt's own steps are booked, as its TTFT was measured
+    w = [view("cpx-0", "nvidia-rubin-cpx", Role.PREFILL, model="qwen3-32b"), w[1]]
+    pol = make_policy("cost")
+    ttfts = [d.predicted_ttft_s for _ in range(16) if (d := pol.place(req(500, 2, model="qwen3-32b"), w))]
+    assert ttfts[-1] == pytest.approx(16 * ttfts[0], rel=1e-6)

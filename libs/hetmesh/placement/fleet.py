@@ -38,6 +38,7 @@ class Fleet:
         self.rows = np.zeros(0, dtype=np.intp)
         self.slots = np.zeros(0, dtype=np.intp)
         self.role = np.zeros(0, dtype=np.int8)
+        self.dp = np.zeros(0, dtype=bool)  # data-parallel: an engine per device
         self.model_code = np.zeros(0, dtype=np.intp)
         self.coef = np.zeros((0, 0))  # column i: worker i's cost-model coefficients
         # Derived from the rows, roles and models (rebuilt when one moves): coef side by side k times, the
@@ -72,6 +73,7 @@ class Fleet:
             self.rows[i] = self._row_of(w)  # a new server shape, model or role (rare: a re-plan)
             self.coef[:, i] = self._table()[self.rows[i]]
             self.role[i] = _ROLE[w.role]
+            self.dp[i] = w.parallel == "dp"
             self.model_code[i] = self.models.setdefault(w.model, len(self.models))
             self._derive()
 
@@ -85,6 +87,7 @@ class Fleet:
         self.coef = np.ascontiguousarray(self._table()[self.rows].T)
         self.slots = np.array([self._slot_of(wid) for wid in self.ids], dtype=np.intp)
         self.role = np.array([_ROLE[w.role] for w in workers], dtype=np.int8)
+        self.dp = np.array([w.parallel == "dp" for w in workers], dtype=bool)
         models = self.models
         self.model_code = np.array([models.setdefault(w.model, len(models)) for w in workers], dtype=np.intp)
         self._derive()
