@@ -467,14 +467,15 @@ class CostPolicy:
         """The seconds a sum decaying at `tau` has seen since the first placement (at least a second, or tau)."""
         return max(tau * (1.0 - math.exp(-max(now - self._t0, 1e-3) / tau)), min(1.0, tau))
 
-    def _commit(self, slot: int, pf: float, now: float) -> None:
+    def _commit(self, slot: int, booked: float, now: float) -> None:
+        """Queue `booked` prefill seconds (`_Priced.booked`) on the worker behind what it holds."""
         start = max(float(self._busy_until[slot]), now)
         if not self._starts[slot]:
             self._first_start[slot] = start
         self._starts[slot].append(start)
         self._queued[slot] += 1
-        self._busy_until[slot] = start + pf
+        self._busy_until[slot] = start + booked
         decay = np.exp(-max(now - float(self._last[slot]), 0.0) / self._taus)  # decay[0]: at the window
-        self._acc[:, slot] = self._acc[:, slot] * decay + pf
+        self._acc[:, slot] = self._acc[:, slot] * decay + booked
         self._placed[slot] = self._placed[slot] * decay[0] + 1
         self._last[slot] = now
