@@ -225,9 +225,13 @@ class CostPolicy:
         n = np.minimum(left, chunk)
         b = running + queue + 1
         bb = np.minimum(b, max_batch)
+        # Only a data-parallel prefill worker is booked at its packed share (below): priced only if there is one
+        pack = prefill_only & f.dp
+        packing = bool(pack.any())
+        blocks = 6 if packing else 5
         work = self._work
-        if work.shape[1] != 6 * nw:
-            work = self._work = np.zeros((4, 6 * nw))  # the decode steps' prefill columns stay 0
+        if work.shape[1] != blocks * nw:
+            work = self._work = np.zeros((4, blocks * nw))  # the decode steps' prefill columns stay 0
         work[0, :nw] = n
         work[1, :nw] = (n > 0) * 1.0
         work[2, :nw] = n * cached + n * (n + 1) // 2
@@ -235,28 +239,31 @@ class CostPolicy:
         work[0, 4 * nw : 5 * nw] = chunk  # and a full chunk of a fresh prompt beside the running batch
         work[1, 4 * nw : 5 * nw] = 1.0
         work[2, 4 * nw : 5 * nw] = chunk * (chunk + 1) // 2
-        # and a step filled with copies of its first chunk: queued behind other prompts it shares its steps
-        # (the batching core packs chunks under one token budget), so it takes that step's time / copies
-        copies = chunk / np.maximum(n, 1.0)
-        work[:, 5 * nw :] = work[:, :nw] * copies
-        batch = np.concatenate([running, bb, bb - 1, running, running, running])
-        priced = step_seconds_many(f.tiled(6), work[0], work[1], work[2], work[3], batch, batch * ctx)
+        batch = [running, bb, bb - 1, running, running]
+        if packing:  # and a step filled with copies of its first chunk: queued behind other prompts it shares
+            # its steps (the batching core packs chunks under one token budget), so it takes that step / copies
+            copies = chunk / np.maximum(n, 1.0)
+            work[:, 5 * nw :] = work[:, :nw] * copies
+            batch.append(running)
+        batch_ = np.concatenate(batch)
+        priced = step_seconds_many(f.tiled(blocks), work[0], work[1], work[2], work[3], batch_, batch_ * ctx)
         pf, step, fewer, alone = priced[:nw], priced[nw : 2 * nw], priced[2 * nw : 3 * nw], priced[3 * nw : 4 * nw]
         full_chunk = priced[4 * nw : 5 * nw] - alone
-        packed = priced[5 * nw :] / copies
+        packed = priced[5 * nw :] / copies if packing else None
         done = cached + n
         left = left - n
-        both = f.tiled(2)
+        coef = f.tiled(2) if packing else f.coef
         while np.count_nonzero(left):  # the rest of the prompt (a worker done with it adds nothing)
             n = np.minimum(left, chunk)
             on = (n > 0) * 1.0
-            k = chunk / np.maximum(n, 1.0)  # its last, partial chunk shares a step too
-            pairs = n * done + n * (n + 1) // 2
-            t = step_seconds_many(both, np.concatenate([n, n * k]), np.concatenate([on, on * k]),
-                                  np.concatenate([pairs, pairs * k]), np.concatenate([done, done * k]),
-                                  np.concatenate([running, running]), np.concatenate([running * ctx] * 2))
+            args = [n, on, n * done + n * (n + 1) // 2, done, running, running * ctx]
+            if packing:  # its last, partial chunk shares a step too
+                k = chunk / np.maximum(n, 1.0)
+                args = [np.concatenate([a, a * k]) for a in args[:4]] + [np.concatenate([a, a]) for a in args[4:]]
+            t = step_seconds_many(coef, *args)
             pf += t[:nw] * on
-            packed += t[nw:] / k * on
+            if packed is not None:
+                packed += t[nw:] / k * on
             done += n
             left -= n
         # Booked: on a data-parallel prefill worker, its packed share as far as the backlog ahead of it fills
@@ -266,8 +273,10 @@ class CostPolicy:
         # worker the packed share under-predicted TTFT (seed R1 at 0.8x: 8% at the median, the gated anchors
         # -30% goodput; everywhere, the anchors -6%: measured), where its own steps predict it within 3%.
         backlog = np.maximum(self._busy_until[sl] - now, 0.0)
-        fill = np.minimum(backlog / np.maximum(priced[4 * nw : 5 * nw], 1e-9), 1.0)
-        booked = np.where(prefill_only & f.dp, pf - (pf - np.minimum(packed, pf)) * fill, pf)
+        booked = pf
+        if packed is not None:
+            fill = np.minimum(backlog / np.maximum(priced[4 * nw : 5 * nw], 1e-9), 1.0)
+            booked = np.where(pack, pf - (pf - np.minimum(packed, pf)) * fill, pf)
         ttft = backlog + pf
         # What the prefill takes from the decodes beside it (the prefill share's unit): its steps less the
         # plain decode steps they replace.
