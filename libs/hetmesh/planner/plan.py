@@ -242,10 +242,6 @@ def evaluate(layout: Sequence[Assignment], demands: Sequence[ModelDemand], group
     return summary
 
 
-def _quiet(_: str) -> None:
-    pass
-
-
 def _layout_variants(lay: Sequence[Assignment], groups: Sequence[ServerGroup],
                      opts: Sequence[Option]) -> list[list[Assignment]]:
     """`lay` with one pool (the servers of one kind running one model in one role) moved whole onto
@@ -324,7 +320,6 @@ def plan(groups: Sequence[ServerGroup], demands: Sequence[ModelDemand], *, trace
     a time from the model that meets its SLOs best to the one that meets them worst (the steady-state
     capacities the solver sizes with miss bursts and interference; the simulation does not).
     `progress` is told what is being simulated (a what-if on an overloaded fleet can take minutes)."""
-    note = progress or _quiet
     if not demands:
         raise ValueError("no models to plan for")
     if not groups or not any(g.count for g in groups):
@@ -352,7 +347,8 @@ def plan(groups: Sequence[ServerGroup], demands: Sequence[ModelDemand], *, trace
     results: list[CandidateResult] = []
     summaries: dict[str, dict[str, Any]] = {}
     for name, lay in layouts.items():
-        note(f"simulating the {name} layout on {len(tr.requests):,} requests")
+        if progress:
+            progress(f"simulating the {name} layout on {len(tr.requests):,} requests")
         sm = evaluate(lay, demands, groups, tr, prices, efficiencies)
         if sm is None:
             continue
@@ -368,7 +364,8 @@ def plan(groups: Sequence[ServerGroup], demands: Sequence[ModelDemand], *, trace
         seen = {_signature(v) for v in layouts.values()}
         fresh = [v for v in _layout_variants(layouts[start.name], groups, opts) if _signature(v) not in seen]
         for k, lay in enumerate(fresh[:refine]):
-            note(f"simulating layout variant {k + 1} of {min(len(fresh), refine)}")
+            if progress:
+                progress(f"simulating layout variant {k + 1} of {min(len(fresh), refine)}")
             sm = evaluate(lay, demands, groups, tr, prices, efficiencies)
             if sm is not None:
                 name = f"layout-{k + 1}"
@@ -376,7 +373,8 @@ def plan(groups: Sequence[ServerGroup], demands: Sequence[ModelDemand], *, trace
                 results.append(priced(name, lay, sm))
     if refine and len(demands) > 1:
         start = max(results, key=lambda r: r.score)
-        note(f"local search from the {start.name} layout")
+        if progress:
+            progress(f"local search from the {start.name} layout")
         for k, (lay, sm) in enumerate(_neighbours(layouts[start.name], summaries[start.name], start.score, demands,
                                                   groups, opts, tr, refine, priced, prices, efficiencies)):
             name = f"refined-{k + 1}"
