@@ -14,6 +14,7 @@ writes results/planner.json (parts not run keep their last results there).
   in ../shared/data, two models with their own SLOs); the cheapest purchase over all kinds that meets
   the SLOs against the cheapest single-kind purchase (target: >= 30% lower $/hour); the same with the
   assumed MI300X price swept, NVIDIA only, and chat + long context (Mooncake prompts).
+- long_context: the heterogeneity part's chat + long-context comparison alone (e.g. at another `--scale`).
 - timevarying (planner_timevarying.py): model ramp, model step (two models of different sizes), model swap
   (the same step between two 70B models) and prefill:decode shift, re-planned
   from several demand forecasts vs the best static layout and the per-window oracle (targets: >= 1.3x
@@ -27,6 +28,7 @@ writes results/planner.json (parts not run keep their last results there).
     .venv/bin/python benchmarks/planner.py [--parts time,optimality,value,bound,heterogeneity,timevarying,timevarying_load,afd]
     .venv/bin/python benchmarks/planner.py --parts timevarying --cases model-step   (other cases' results kept)
     .venv/bin/python benchmarks/planner.py --parts timevarying_load --load-cases model-swap --loads 1.5,2
+    .venv/bin/python benchmarks/planner.py --parts long_context --scale 16 --out results/planner_long_context_16x.json
 """
 
 from __future__ import annotations
@@ -40,7 +42,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from planner_economics import part_bound, part_heterogeneity, part_value  # sibling scripts (on sys.path)
+from planner_economics import (  # sibling scripts (on sys.path)
+    part_bound,
+    part_heterogeneity,
+    part_long_context,
+    part_value,
+)
 from planner_timevarying import CASES, LOADS, part_timevarying, part_timevarying_load
 from rich.console import Console
 from rich.table import Table
@@ -161,6 +168,7 @@ def main() -> int:
              "value": lambda: part_value(a.requests, a.scale, a.long_requests),
              "bound": lambda: part_bound(a.requests, a.scale, a.long_requests, a.attainment),
              "heterogeneity": lambda: part_heterogeneity(a.requests, a.scale, a.long_requests, a.attainment),
+             "long_context": lambda: part_long_context(a.long_requests, a.scale, a.attainment),
              "timevarying": lambda: part_timevarying(sub_s=a.sub_s, cases=a.cases.split(","),
                                                    window_requests=a.window_requests),
              "timevarying_load": lambda: part_timevarying_load(sub_s=a.sub_s, cases=a.load_cases.split(","),

@@ -200,6 +200,18 @@ def part_heterogeneity(n: int, scale: float, long_n: int, attainment: float = AT
     _log(t0, "price sweep")
     nvidia = _compare(kinds, opts, demands, tr, NVIDIA, cache, attainment=attainment)
     _log(t0, "nvidia-only")
+    return {"requests": len(tr.requests), "rate_scale": scale, "attainment_target": attainment,
+            "demands": [(d.name, round(d.rate, 2), round(d.input_mean), round(d.output_mean)) for d in demands],
+            **base, "swept_kind": SWEPT, "price_sweep": sweep,
+            "saves_30pct_at_usd": next((s["usd_per_gpu_h"] for s in sweep if (s["saving"] or 0) >= 0.30), None),
+            "nvidia_only": nvidia, "long_context": part_long_context(long_n, scale, attainment)}
+
+
+def part_long_context(long_n: int, scale: float, attainment: float = ATTAINMENT) -> dict[str, Any]:
+    """The long-context mix alone (run through --parts long_context, e.g. at another --scale: whole
+    servers cost a small fleet more of its saving than a large one)."""
+    t0 = time.perf_counter()
+    kinds = [ServerGroup(name=k, accelerator=k, count=48, max_batch=128) for k in PURCHASE]
     ltr, ldem = long_mixed(long_n, scale)
     lopts = calibrate(kinds, ldem, options(kinds, ldem), ltr, attainment)
     _log(t0, "long-context options measured")
@@ -208,15 +220,10 @@ def part_heterogeneity(n: int, scale: float, long_n: int, attainment: float = AT
     _log(t0, "long-context")
     longc_nv = _compare(kinds, lopts, ldem, ltr, NVIDIA, lcache, attainment=attainment)
     _log(t0, "long-context nvidia-only")
-    return {"requests": len(tr.requests), "rate_scale": scale, "attainment_target": attainment,
-            "demands": [(d.name, round(d.rate, 2), round(d.input_mean), round(d.output_mean)) for d in demands],
-            **base, "swept_kind": SWEPT, "price_sweep": sweep,
-            "saves_30pct_at_usd": next((s["usd_per_gpu_h"] for s in sweep if (s["saving"] or 0) >= 0.30), None),
-            "nvidia_only": nvidia,
-            "long_context": {"requests": len(ltr.requests),
-                             "demands": [(d.name, round(d.rate, 2), round(d.input_mean), round(d.output_mean),
-                                          round(d.prefix_hit, 2)) for d in ldem],
-                             **longc, "nvidia_only": longc_nv}}
+    return {"requests": len(ltr.requests), "rate_scale": scale,
+            "demands": [(d.name, round(d.rate, 2), round(d.input_mean), round(d.output_mean),
+                         round(d.prefix_hit, 2)) for d in ldem],
+            **longc, "nvidia_only": longc_nv}
 
 
 def part_bound(n: int, scale: float, long_n: int, attainment: float = ATTAINMENT) -> dict[str, Any]:

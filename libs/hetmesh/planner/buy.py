@@ -107,16 +107,17 @@ def trim(p: Purchase, kinds: Sequence[ServerGroup], demands: Sequence[ModelDeman
          attainment: float, prices: Mapping[str, float] | None = None,
          efficiencies: Mapping[str, Efficiency] | None = None, limit: int = 24,
          opts: Sequence[Option] = (), sideways: bool = False,
-         progress: Callable[[str], None] | None = None) -> Purchase:
+         progress: Callable[[str], None] | None = None, sims: dict[tuple, dict | None] | None = None) -> Purchase:
     """Local search on a purchase that meets the SLOs (the solver sizes whole servers on estimates; this
     takes back what the estimates over-bought): from its neighbourhood (`_steps`: drop a server, swap one
     for one or more of a cheaper kind in its role, move one to another layout of its kind; `opts`: the
     kinds' options), the step that saves the most and has not been simulated yet, taken if the
     simulation says it still meets every model's SLOs (a step that saves nothing: if the worst-served
     model meets them better, or with `sideways` whenever it meets them: a layout move may open a
-    drop that the old layout's simulations closed); until none is left or `limit` simulations. A
+    drop that the old layout's simulations closed); until none is left or `limit` new simulations. A
     layout's simulation depends only on its shape (servers per kind, model, role and layout), so no
-    shape is simulated twice."""
+    shape is simulated twice (`sims`: shape -> summary, shared by the trims of one search)."""
+    sims = {} if sims is None else sims
     lay = list(p.assignments)
     best = p
     seen: set[tuple[tuple[str, str, Role, str], ...]] = {_shape(lay)}
@@ -126,11 +127,14 @@ def trim(p: Purchase, kinds: Sequence[ServerGroup], demands: Sequence[ModelDeman
         if step is None:
             break
         saved, alt = step
-        seen.add(_shape(alt))
-        tries += 1
-        if progress:
-            progress(f"trimming ${best.usd_per_hour:,.0f}/h: step {tries} of at most {limit}")
-        sm = evaluate(alt, demands, kinds, trace, prices, efficiencies)
+        key = _shape(alt)
+        seen.add(key)
+        if key not in sims:  # only a new simulation counts against `limit`
+            tries += 1
+            if progress:
+                progress(f"trimming ${best.usd_per_hour:,.0f}/h: step {tries} of at most {limit}")
+            sims[key] = evaluate(alt, demands, kinds, trace, prices, efficiencies)
+        sm = sims[key]
         if sm is None or (worst := attained(sm, demands)) < attainment:
             continue
         if saved <= 0 and not sideways and worst <= best.worst_attainment:
@@ -205,10 +209,11 @@ def _search(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], opts: 
         meeting = sorted((p for p in got if p is not None and p.meets), key=lambda p: p.usd_per_hour)
         # (descending only, and across plateaus: a move that saves nothing may open a drop, or lead astray)
         out: Purchase | None = None
+        sims: dict[tuple, dict | None] = {}
         for p in meeting[:STARTS]:
             for sideways in (False, True):
                 out = _better(out, trim(p, kinds, demands, tr, attainment, prices, efficiencies, opts=opts,
-                                        sideways=sideways, progress=progress))
+                                        sideways=sideways, progress=progress, sims=sims))
         return out
 
     lo, hi = 1.0, 1.25 if measure else max(max(d.peak_rate / d.rate for d in demands if d.rate > 0), 1.25)
@@ -248,16 +253,54 @@ def cheapest(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], *, tr
     share is searched between 1 (the mean) and the bursts' peak (ModelDemand.peak_rate),
     doubling past it while it fails, in at most `tries` simulations, for the whole catalog and
     for each kind alone (`_catalogs`; `alone` names the kinds worth trying alone, default all);
-    the cheapest that meets the SLOs wins. `progress` is told what is being measured or simulated."""
+    the cheapest that meets the SLOs wins. With several models, each is bought on its own requests
+    (`_apart`) and the search over all of them together runs only where that fails. `progress` is told
+    what is being measured or simulated."""
     tr = trace or demand_trace(demands, check_duration_s, seed)
     if opts is None:
         opts = options(kinds, demands, prices, efficiencies)
         if measure:
             opts = calibrate(kinds, demands, opts, tr, attainment, prices, efficiencies, progress=progress)
+    live = [d for d in demands if d.rate > 0]
+    if len(live) > 1:
+        apart = _apart(kinds, demands, live, opts, tr, attainment, prices, efficiencies, tries, measure, alone, progress)
+        if apart is not None and apart.meets:
+            return apart
     best: Purchase | None = None
     for ks, os_ in _catalogs(kinds, opts, alone):
         best = _better(best, _search(ks, demands, os_, tr, attainment, prices, efficiencies, tries, measure, progress))
     return best
+
+
+def _apart(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], live: Sequence[ModelDemand],
+           opts: Sequence[Option], tr: Trace, attainment: float, prices: Mapping[str, float] | None,
+           efficiencies: Mapping[str, Efficiency] | None, tries: int, measure: bool, alone: Sequence[str] | None,
+           progress: Callable[[str], None] | None) -> Purchase | None:
+    """Each model's cheapest servers on its own requests, bought together, checked on the whole trace. A
+    server runs one model, so a model's attainment depends on its servers alone: the cheapest fleet is
+    the cheapest per model, and the share search and trim of one model are not thrown off by another's
+    (one share for all over-buys the model that needs less; a trim step is judged on the worst model's
+    noise). None where a model's search fails or the kinds' counts cannot hold the parts together."""
+    lay: list[Assignment] = []
+    shares = []
+    for d in live:
+        mine = Trace([r for r in tr.requests if (r.model or demands[0].name) == d.name], tr.block_tokens, tr.name)
+        got: Purchase | None = None
+        for ks, os_ in _catalogs(kinds, [o for o in opts if o.model == d.name], alone):
+            got = _better(got, _search(ks, [d], os_, mine, attainment, prices, efficiencies, tries, measure, progress))
+        if got is None or not got.meets:
+            return None
+        lay += got.assignments
+        shares.append(got.served_share)
+    ids = {g.name: iter(g.server_ids()) for g in kinds}  # the parts numbered their servers apart
+    try:
+        lay = [msgspec.structs.replace(a, server=next(ids[a.group])) for a in lay]
+    except StopIteration:
+        return None
+    if progress:
+        progress("checking the models' purchases together")
+    sm = evaluate(lay, demands, kinds, tr, prices, efficiencies)
+    return None if sm is None else _purchase(kinds, lay, sm, max(shares), attainment, demands)
 
 
 def pareto(kinds: Sequence[ServerGroup], demands: Sequence[ModelDemand], budgets: Sequence[float], *,
