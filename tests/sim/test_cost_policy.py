@@ -173,6 +173,11 @@ def test_a_prompt_behind_a_backlog_books_its_share_of_the_steps_it_fills() -> No
     # the last waits for the first's step, 14 shares of a step and then its own: under 3x alone (booked as
     # steps of their own, 16x)
     assert ttfts[-1] < 3 * alone
+    # a data-parallel `both` worker prefilling for a decoder packs its queue the same way
+    w2 = [msgspec.structs.replace(w[0], role=Role.BOTH), w[1]]
+    pol = make_policy("cost")
+    both = [d.predicted_ttft_s for _ in range(16) if (d := pol.place(req(500, 2, model="qwen3-32b"), w2))]
+    assert len(both) == 16 and both[-1] < 3 * both[0]
     # one engine over the 8 devices (tp): each prompt's own steps are booked, as its TTFT was measured
     w = [view("cpx-0", "nvidia-rubin-cpx", Role.PREFILL, model="qwen3-32b"), w[1]]
     pol = make_policy("cost")

@@ -225,8 +225,8 @@ class CostPolicy:
         n = np.minimum(left, chunk)
         b = running + queue + 1
         bb = np.minimum(b, max_batch)
-        # Only a data-parallel prefill worker is booked at its packed share (below): priced only if there is one
-        pack = prefill_only & f.dp
+        # Only a data-parallel worker is booked at its packed share (below): priced only if there is one
+        pack = f.dp
         packing = bool(pack.any())
         blocks = 6 if packing else 5
         work = self._work
@@ -266,12 +266,13 @@ class CostPolicy:
                 packed += t[nw:] / k * on
             done += n
             left -= n
-        # Booked: on a data-parallel prefill worker, its packed share as far as the backlog ahead of it fills
-        # its steps (a backlog of a full step or more: full steps; none: a step of its own): a short prompt
-        # takes one of its engines, and its steps alone would book all of them. Elsewhere its own steps: on
-        # a `both` worker queued prompts wait for decode slots as much as for steps, and on a tp / ep prefill
-        # worker the packed share under-predicted TTFT (seed R1 at 0.8x: 8% at the median, the gated anchors
-        # -30% goodput; everywhere, the anchors -6%: measured), where its own steps predict it within 3%.
+        # Booked: on a data-parallel worker (any role), its packed share as far as the backlog ahead of it
+        # fills its steps (a backlog of a full step or more: full steps; none: a step of its own): a short
+        # prompt takes one of its engines, and its steps alone would book all of them (a `both` dp CPX
+        # prefilling for a decoder refused 57% of a code trace it serves at 98%: measured). Elsewhere its own
+        # steps: on a tp / ep worker the packed share under-predicted TTFT (seed R1 at 0.8x: 8% at the
+        # median, the gated anchors -30% goodput; on tp `both` workers, the anchors -6%: measured), where its
+        # own steps predict it within 3%.
         backlog = np.maximum(self._busy_until[sl] - now, 0.0)
         booked = pf
         if packed is not None:
