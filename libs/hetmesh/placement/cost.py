@@ -11,7 +11,7 @@ take either phase) with the cost model:
 
 The prefill backlog and each worker's prefill share are the policy's own bookkeeping of what
 it placed (prefill seconds it predicted, drained in real time, read off `RequestInfo.arrival`).
-On a data-parallel prefill worker a prompt that finds a backlog is booked at its share of the steps
+On a data-parallel worker (any role) a prompt that finds a backlog is booked at its share of the steps
 it fills with the prompts ahead of it (the batching core packs chunks under one token budget), not at
 steps of its own: a short prompt alone pays a whole step's weight reads (over 8 devices a 1K-token
 prompt alone costs 8x its share), and booking that made the backlog, hence admission's TTFT, 2-3x too
