@@ -176,6 +176,11 @@ def _bound_sweep(demands: Sequence[ModelDemand]) -> list[dict[str, Any]]:
     return out
 
 
+def _catalog() -> list[ServerGroup]:
+    """Every kind one may buy, up to 48 servers each."""
+    return [ServerGroup(name=k, accelerator=k, count=48, max_batch=128) for k in PURCHASE]
+
+
 def _log(t0: float, what: str) -> None:
     print(f"  heterogeneity: {what} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
 
@@ -183,7 +188,7 @@ def _log(t0: float, what: str) -> None:
 def part_heterogeneity(n: int, scale: float, long_n: int, attainment: float = ATTAINMENT) -> dict[str, Any]:
     t0 = time.perf_counter()
     tr, demands = mixed(n, scale)
-    kinds = [ServerGroup(name=k, accelerator=k, count=48, max_batch=128) for k in PURCHASE]
+    kinds = _catalog()
     opts = calibrate(kinds, demands, options(kinds, demands), tr, attainment)  # measured once, for every catalog
     _log(t0, "options measured")
     cache: dict[str, Any] = {}
@@ -211,7 +216,7 @@ def part_long_context(long_n: int, scale: float, attainment: float = ATTAINMENT)
     """The long-context mix alone (run through --parts long_context, e.g. at another --scale: whole
     servers cost a small fleet more of its saving than a large one)."""
     t0 = time.perf_counter()
-    kinds = [ServerGroup(name=k, accelerator=k, count=48, max_batch=128) for k in PURCHASE]
+    kinds = _catalog()
     ltr, ldem = long_mixed(long_n, scale)
     lopts = calibrate(kinds, ldem, options(kinds, ldem), ltr, attainment)
     _log(t0, "long-context options measured")
@@ -229,7 +234,7 @@ def part_long_context(long_n: int, scale: float, attainment: float = ATTAINMENT)
 def part_bound(n: int, scale: float, long_n: int, attainment: float = ATTAINMENT) -> dict[str, Any]:
     """`measured_bound` on both mixes (minutes: the capacities measured, no purchase simulated): the
     catalog as priced, the swept kind's prices, NVIDIA only."""
-    kinds = [ServerGroup(name=k, accelerator=k, count=48, max_batch=128) for k in PURCHASE]
+    kinds = _catalog()
     out: dict[str, Any] = {"attainment_target": attainment}
     for key, (tr, demands) in (("mixed", mixed(n, scale)), ("long_context", long_mixed(long_n, scale))):
         opts = calibrate(kinds, demands, options(kinds, demands), tr, attainment)
