@@ -21,11 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from loadgen import SSEClient, cpu_seconds, open_loop, percentile
 from nats.aio.msg import Msg
 
 from hetmesh import servers, subjects
 from hetmesh.bus import Bus
-from hetmesh.loadgen import SSEClient, cpu_seconds, open_loop, percentile
 from hetmesh.protocol import (
     Heartbeat,
     InferenceRequest,

@@ -18,11 +18,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from loadgen import raw_tcp_mb_per_s
 from rich.console import Console
 from rich.table import Table
 
 from hetmesh.engines.vllm_engine import frame
-from hetmesh.loadgen import raw_tcp_mb_per_s
 
 
 def main() -> None:

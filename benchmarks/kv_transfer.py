@@ -28,6 +28,7 @@ from typing import Any
 
 import msgspec
 import nats
+from loadgen import raw_tcp_mb_per_s
 from rich.console import Console
 from rich.table import Table
 
@@ -35,7 +36,6 @@ from hetmesh import servers, subjects
 from hetmesh.bus import decode_events, encode
 from hetmesh.costmodel import CostModel, accelerator, model_spec
 from hetmesh.kvindex.blocks import block_hashes
-from hetmesh.loadgen import raw_tcp_mb_per_s
 from hetmesh.protocol import (
     Heartbeat,
     InferenceRequest,

@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import nats
+from loadgen import SSEClient, cpu_seconds
 
 from hetmesh import subjects
 from hetmesh.bus import decode, decode_events
 from hetmesh.engines.sampling import expected_completion
 from hetmesh.launcher import Mesh
-from hetmesh.loadgen import SSEClient, cpu_seconds
 from hetmesh.planner import Assignment
 from hetmesh.protocol import PlanProposal, Role, SamplingParams
 from hetmesh.sim.traces import TraceRequest

@@ -30,15 +30,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from casestudy import Workload
+from loadgen import SSEClient, cpu_seconds, percentile
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
 from hetmesh import config
 from hetmesh.launcher import Mesh
-from hetmesh.loadgen import SSEClient, cpu_seconds, percentile
 from hetmesh.sim import SimConfig, Slo, simulate, workers_from_config
-from hetmesh.sim.casestudy import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "ops/clusters/seed-case-study.toml"

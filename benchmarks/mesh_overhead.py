@@ -35,14 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-
-from hetmesh import subjects
-from hetmesh.bus import decode_events
-from hetmesh.launcher import Mesh
-from hetmesh.launcher.mesh import temp_log_dir
-from hetmesh.loadgen import (
+from loadgen import (
     SSEClient,
     closed_loop,
     cpu_seconds,
@@ -51,6 +44,13 @@ from hetmesh.loadgen import (
     percentile,
     steal_fraction,
 )
+from rich.console import Console
+from rich.table import Table
+
+from hetmesh import subjects
+from hetmesh.bus import decode_events
+from hetmesh.launcher import Mesh
+from hetmesh.launcher.mesh import temp_log_dir
 
 PATH = "/v1/completions"
 

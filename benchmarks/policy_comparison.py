@@ -8,10 +8,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
-
-from hetmesh.sim.casestudy import (
+from casestudy import (
     CASE_SLO,
     CASE_WORKLOAD,
     RUBIN_SLO,
@@ -22,6 +19,9 @@ from hetmesh.sim.casestudy import (
     compare_mean,
     engine_sweep,
 )
+from rich.console import Console
+from rich.table import Table
+
 from hetmesh.sim.report import write_json
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from casestudy import SEED_RATIO, Workload, reproduce, sweep
 from rich.console import Console
 from rich.table import Table
 
 from hetmesh.costmodel import Efficiency, save_efficiencies
-from hetmesh.sim.casestudy import SEED_RATIO, Workload, reproduce, sweep
 from hetmesh.sim.report import write_json
 
 ROOT = Path(__file__).resolve().parents[1]

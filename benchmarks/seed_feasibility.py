@@ -24,10 +24,10 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from casestudy import PRIOR, REPRO_TOLERANCE, SEED_RATIO, Workload, feasibility_point
 from rich.console import Console
 from rich.table import Table
 
-from hetmesh.sim.casestudy import PRIOR, REPRO_TOLERANCE, SEED_RATIO, Workload, feasibility_point
 from hetmesh.sim.report import write_json
 
 ROOT = Path(__file__).resolve().parents[1]

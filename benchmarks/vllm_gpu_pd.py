@@ -171,8 +171,9 @@ def main() -> None:
     ap.add_argument("--out", default="results/vllm_gpu_pd.json")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from loadgen import raw_tcp_mb_per_s
+
     from hetmesh.engines.vllm_tiny import build
-    from hetmesh.loadgen import raw_tcp_mb_per_s
     from hetmesh.tokenizer import HFTokenizer
 
     d = Path(tempfile.mkdtemp(prefix="hetmesh-gpu-pd-"))

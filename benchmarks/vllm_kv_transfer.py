@@ -111,9 +111,10 @@ def main() -> None:
     ap.add_argument("--planes", nargs="+", default=["direct", "nats"], choices=["direct", "nats"])
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from loadgen import raw_tcp_mb_per_s
+
     from hetmesh.engines.vllm_tiny import build
     from hetmesh.launcher import Mesh
-    from hetmesh.loadgen import raw_tcp_mb_per_s
     from hetmesh.tokenizer import HFTokenizer
 
     d = Path(tempfile.mkdtemp(prefix="hetmesh-vllm-kv-"))

@@ -149,11 +149,12 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from hetmesh.costmodel import CostModel, accelerator, model_spec
-    from hetmesh.costmodel.calibrate import calibrate, relative_errors, save_efficiencies
+    from loadgen import cpu_ticks, steal_fraction
+
+    from hetmesh.costmodel import CostModel, accelerator, model_spec, save_efficiencies
+    from hetmesh.costmodel.calibrate import calibrate, relative_errors
     from hetmesh.engines.vllm_tiny import build
     from hetmesh.launcher import Mesh
-    from hetmesh.loadgen import cpu_ticks, steal_fraction
 
     d = Path(tempfile.mkdtemp(prefix="hetmesh-vllm-bench-"))
     model = build(d / "model")

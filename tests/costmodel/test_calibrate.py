@@ -8,12 +8,8 @@ import numpy as np
 import pytest
 
 from hetmesh.costmodel import CostModel, Efficiency, Sample, accelerator, calibrate, model_spec
-from hetmesh.costmodel.calibrate import (
-    load_efficiencies,
-    relative_errors,
-    save_efficiencies,
-    splitwise_samples,
-)
+from hetmesh.costmodel.calibrate import relative_errors, splitwise_samples
+from hetmesh.costmodel.efficiency import load_efficiencies, save_efficiencies
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "splitwise_llama2-70b_a100_tp8.csv"  # rows of ../shared/data
 
@@ -79,8 +75,9 @@ def test_bad_samples_are_refused() -> None:
 
 
 def test_shipped_seed_factors_are_model_specific_and_match_a_fresh_calibration() -> None:
-    from hetmesh.costmodel.calibrate import default_efficiency
-    from hetmesh.sim.casestudy import calibrate_seed
+    from casestudy import calibrate_seed
+
+    from hetmesh.costmodel.efficiency import default_efficiency
 
     fresh = calibrate_seed()
     for acc in ("amd-mi300x", "amd-mi308x"):

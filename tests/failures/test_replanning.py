@@ -267,7 +267,7 @@ async def until(pred: Callable[[], bool], timeout_s: float) -> None:
 
 
 def planner(mesh: Mesh, name: str, *extra: str) -> None:
-    mesh.add(name, [sys.executable, "-m", "hetmesh.planner", "--cluster", str(mesh.cluster_path), "--instance",
+    mesh.add(name, [sys.executable, "-m", "hetmesh.planner_service", "--cluster", str(mesh.cluster_path), "--instance",
                     name, "--mode", "act", *extra])
     mesh.spawn(name)
 

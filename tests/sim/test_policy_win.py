@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from hetmesh.sim.casestudy import (
+from casestudy import (
     CASE_SLO,
     CASE_WORKLOAD,
     COST_LABEL,

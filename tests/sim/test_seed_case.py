@@ -4,8 +4,7 @@ predicts the load-balanced and disaggregated figures within 15% and their ratio 
 from __future__ import annotations
 
 import pytest
-
-from hetmesh.sim.casestudy import (
+from casestudy import (
     PRIOR,
     SEED,
     SEED_RATIO,

@@ -5,14 +5,7 @@
     cm.prefill_time(4096), cm.decode_step_time(32, 32 * 4096), cm.max_kv_tokens()
 """
 
-from hetmesh.costmodel.calibrate import (
-    Sample,
-    calibrate,
-    default_efficiency,
-    load_efficiencies,
-    save_efficiencies,
-    server_model,
-)
+from hetmesh.costmodel.calibrate import Sample, calibrate, server_model
 from hetmesh.costmodel.catalog import (
     DTYPE_BYTES,
     Accelerator,
@@ -22,13 +15,21 @@ from hetmesh.costmodel.catalog import (
     model_ids,
     model_spec,
 )
-from hetmesh.costmodel.model import CostModel, Efficiency, link_bandwidth, transfer_time
+from hetmesh.costmodel.efficiency import (
+    Efficiency,
+    EfficiencyFileError,
+    default_efficiency,
+    load_efficiencies,
+    save_efficiencies,
+)
+from hetmesh.costmodel.model import CostModel, link_bandwidth, transfer_time
 
 __all__ = [
     "DTYPE_BYTES",
     "Accelerator",
     "CostModel",
     "Efficiency",
+    "EfficiencyFileError",
     "ModelSpec",
     "Sample",
     "accelerator",

@@ -1,26 +1,22 @@
-"""Efficiency factors: fitted from measured (shape, time) samples by least squares, stored as JSON.
+"""Offline calibration: efficiency factors fitted to measured (shape, time) samples by least squares.
 
-The shipped `efficiency.json` holds one `Efficiency` per accelerator id (defaults for the ones
-nobody measured). `calibrate` fits (compute, memory, overhead[, per_seq]) for one engine by
-minimising the relative error of the step-time model over the samples.
+`calibrate` fits (compute, memory, overhead[, per_seq]) for one engine by minimising the relative
+error of the step-time model over the samples; `server_model` builds one server's cost model.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
-from functools import cache
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from scipy.optimize import least_squares
 
 from hetmesh.costmodel.catalog import accelerator, model_spec
-from hetmesh.costmodel.model import CostModel, Efficiency
-
-_SHIPPED = Path(__file__).resolve().parent / "efficiency.json"
+from hetmesh.costmodel.efficiency import Efficiency, lookup
+from hetmesh.costmodel.model import CostModel
 
 
 @dataclass(frozen=True)
@@ -40,44 +36,13 @@ class Sample:
         return cls((), (context,) * batch, seconds)
 
 
-def load_efficiencies(path: str | os.PathLike[str]) -> dict[str, Efficiency]:
-    raw = json.loads(Path(path).read_text())
-    return {k: Efficiency(**{f: v for f, v in d.items() if f in Efficiency.__dataclass_fields__})
-            for k, d in raw.items() if not k.startswith("_")}
-
-
-def save_efficiencies(path: str | os.PathLike[str], effs: Mapping[str, Efficiency],
-                      note: str = "") -> None:
-    out: dict[str, object] = {"_note": note} if note else {}
-    out.update({k: asdict(e) for k, e in sorted(effs.items())})
-    Path(path).write_text(json.dumps(out, indent=2) + "\n")
-
-
-@cache
-def _shipped() -> dict[str, Efficiency]:
-    return load_efficiencies(_SHIPPED)
-
-
-def default_efficiency(accel_id: str, model: str | None = None) -> Efficiency:
-    """The shipped factors for an accelerator.
-
-    A key "<accelerator>/<model>" (factors fitted for one model on one chip) wins over the
-    accelerator's own key, which wins over "default".
-    """
-    table = _shipped()
-    return ((table.get(f"{accel_id}/{model}") if model else None) or table.get(accel_id) or table.get("default")
-            or Efficiency())
-
-
 def server_model(accel_id: str, spec: str, *, devices: int = 1, parallel: str = "tp", dtype: str | None = None,
                  efficiencies: Mapping[str, Efficiency] | None = None) -> CostModel:
     """The cost model of one server: the one way the workers, the scheduler's policy and the simulator
     build it. `efficiencies` (a calibration's, or the cluster file's [costmodel] efficiency) is looked up
     by "<accelerator>/<model>", then "<accelerator>", then "default"; what it lacks comes from the shipped table."""
     ms = model_spec(spec)
-    eff = None
-    if efficiencies:
-        eff = efficiencies.get(f"{accel_id}/{ms.name}") or efficiencies.get(accel_id) or efficiencies.get("default")
+    eff = lookup(efficiencies, accel_id, ms.name) if efficiencies else None
     return CostModel(accelerator(accel_id), ms, devices=devices, parallel=parallel, dtype=dtype, efficiency=eff)
 
 

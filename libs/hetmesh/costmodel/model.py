@@ -23,29 +23,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from hetmesh.costmodel.catalog import DTYPE_BYTES, Accelerator, ModelSpec, norm_dtype
+from hetmesh.costmodel.efficiency import Efficiency, default_efficiency
 
 PARALLEL = ("tp", "ep", "dp")
 DEFAULT_LINK_LATENCY_S = 50e-6  # one RDMA round trip plus setup
-
-
-@dataclass(frozen=True)
-class Efficiency:
-    compute: float = 0.5  # fraction of peak FLOP/s reached by the kernels
-    memory: float = 0.7  # fraction of peak memory bandwidth
-    overhead_s: float = 0.004  # fixed per step: scheduling, kernel launches, sampling
-    per_seq_s: float = 0.0  # per sequence in the batch per step (sampling, bookkeeping)
-
-    def __post_init__(self) -> None:
-        if not (0 < self.compute <= 1.5 and 0 < self.memory <= 1.5):
-            raise ValueError(f"efficiency factors must be in (0, 1.5]: {self}")
-        if self.overhead_s < 0 or self.per_seq_s < 0:
-            raise ValueError(f"overheads must be >= 0: {self}")
 
 
 class StepShape(Protocol):
@@ -105,11 +91,7 @@ class CostModel:
         self.parallel = parallel
         self.dtype = norm_dtype(dtype or model.dtype)
         self.kv_dtype = norm_dtype(kv_dtype)
-        if efficiency is None:
-            from hetmesh.costmodel.calibrate import default_efficiency
-
-            efficiency = default_efficiency(accel.id, model.name)
-        self.eff = efficiency
+        self.eff = efficiency or default_efficiency(accel.id, model.name)
         self.memory_utilization = memory_utilization
         self._folded: tuple[float, ...] | None = None
 

@@ -70,7 +70,7 @@ class Mesh:
                 self.add(f"worker:{wid}", [*py, "hetmesh.worker", *cluster, "--worker-id", wid])
         self.add("gateway", [*py, "hetmesh.gateway", *cluster, "--port", str(self.port)])
         if self.cfg.planner.mode != "off":  # it changes roles inside the running workers; it starts none
-            self.add("planner", [*py, "hetmesh.planner", *cluster, "--instance", "planner-0"])
+            self.add("planner", [*py, "hetmesh.planner_service", *cluster, "--instance", "planner-0"])
         for name in self.services:
             self.spawn(name)
         self.wait_ready(ready_timeout_s)

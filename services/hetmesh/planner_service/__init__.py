@@ -1,5 +1,1 @@
-"""The planner service, the shell around hetmesh.planner: `python -m hetmesh.planner --cluster F`.
-
-(`hetmesh.planner` is the pure planner's package, so the shell lives here and that package's
-`__main__` starts it: one package name cannot span libs/ and services/ once installed.)
-"""
+"""The planner service, the shell around the pure `hetmesh.planner`: `python -m hetmesh.planner_service --cluster F`."""

@@ -245,7 +245,7 @@ class PlannerService:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m hetmesh.planner", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m hetmesh.planner_service", description=__doc__)
     ap.add_argument("--cluster", help="cluster file (TOML)")
     ap.add_argument("--instance", default=f"planner-{uuid.uuid4().hex[:6]}")
     ap.add_argument("--mode", choices=["advise", "act"], default=None,
@@ -258,7 +258,7 @@ def main() -> None:
         cfg.planner.scope = args.scope
     mode = args.mode or cfg.planner.mode
     if mode == "off":
-        print("python -m hetmesh.planner: planner.mode is off in the cluster file; pass --mode advise|act",
+        print("python -m hetmesh.planner_service: planner.mode is off in the cluster file; pass --mode advise|act",
               file=sys.stderr)
         sys.exit(2)
     run_service(lambda: PlannerService(cfg, args.instance, mode))
