@@ -1,6 +1,6 @@
 """Every anchor's routing rule side by side with the cost policy, in the simulator.
 
-Public traces (Mooncake, Azure code, Azure conversation; ../shared/data) on three heterogeneous clusters,
+Public traces (Mooncake, Azure code, Azure conversation; data/) on three heterogeneous clusters,
 each at loads from 25% to 150% of the cluster's capacity, plus 200% for SLO-aware admission:
 
 - seed: DeepSeek-R1 FP8 on 1x 8xMI300X + 2x 8xMI308X (the case study, its calibrated efficiencies)
@@ -57,9 +57,9 @@ from hetmesh.placement.gate import Gated
 from hetmesh.protocol import Role
 from hetmesh.sim import ClosedLoop, SimConfig, Slo, Trace, WorkerSpec, load, policy_for, pool, simulate
 from hetmesh.sim.report import write_json
+from hetmesh.sim.traces import DATA_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
 TRACES = {"mooncake": "mooncake_synthetic_trace.jsonl", "azure-code": "azure2023_AzureLLMInferenceTrace_code.csv",
           "azure-conv": "azure2023_AzureLLMInferenceTrace_conv.csv"}
 LOADS = (0.25, 0.5, 0.8, 1.0, 1.5)
@@ -199,7 +199,7 @@ def main() -> int:
                     help="virtual seconds of arrivals at 1x capacity: a point replays the trace's first "
                          "capacity x span requests (at least 300, at most --max-requests)")
     ap.add_argument("--max-requests", type=int, default=3000)
-    ap.add_argument("--data", default=str(DATA))
+    ap.add_argument("--data", default=str(DATA_DIR), help="folder of the traces (default: data/)")
     ap.add_argument("--only", nargs="*", default=None, choices=sorted(CLUSTERS), help="clusters to run (default: all)")
     ap.add_argument("--traces", nargs="*", default=None, choices=sorted(TRACES), help="traces to run (default: all)")
     ap.add_argument("--out", default=str(ROOT / "results" / "anchors.json"),

@@ -11,7 +11,7 @@ writes results/planner.json (parts not run keep their last results there).
 - bound (planner_economics.py, minutes): the same bound on capacities measured by simulation (bursts
   priced) with servers bought in fractions: the least a purchase sized on those capacities costs.
 - heterogeneity (planner_economics.py): a mixed workload (Azure conversation + Azure code, 2023 traces
-  in ../shared/data, two models with their own SLOs); the cheapest purchase over all kinds that meets
+  in data/, two models with their own SLOs); the cheapest purchase over all kinds that meets
   the SLOs against the cheapest single-kind purchase (target: >= 30% lower $/hour); the same with the
   assumed MI300X price swept, NVIDIA only, and chat + long context (Mooncake prompts).
 - long_context: the heterogeneity part's chat + long-context comparison alone (e.g. at another `--scale`).

@@ -13,7 +13,6 @@ import math
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from hetmesh.costmodel import accelerators
@@ -24,9 +23,8 @@ from hetmesh.planner.measure import calibrate
 from hetmesh.planner.plan import options
 from hetmesh.planner.solve import Option, solve
 from hetmesh.protocol import Role
-from hetmesh.sim.traces import Trace, TraceRequest, load_azure, load_mooncake
+from hetmesh.sim.traces import DATA_DIR, Trace, TraceRequest, load_azure, load_mooncake
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 PURCHASE = ["nvidia-a100-80g", "nvidia-h100", "nvidia-h200", "nvidia-b200", "nvidia-rubin-cpx", "nvidia-rubin-vr200",
             "amd-mi300x", "amd-mi308x"]
 NVIDIA = [k for k in PURCHASE if k.startswith("nvidia-")]
@@ -47,8 +45,8 @@ def _merge(parts: Sequence[tuple[Trace, str]], scale: float, name: str) -> Trace
 
 def mixed(n: int, scale: float) -> tuple[Trace, list[ModelDemand]]:
     """Azure conversation (Llama-3.1-70B) + Azure code (Qwen3-32B), `n` requests each, `scale`x faster."""
-    conv = load_azure(DATA / "azure2023_AzureLLMInferenceTrace_conv.csv", limit=n)
-    code = load_azure(DATA / "azure2023_AzureLLMInferenceTrace_code.csv", limit=n)
+    conv = load_azure(DATA_DIR / "azure2023_AzureLLMInferenceTrace_conv.csv", limit=n)
+    code = load_azure(DATA_DIR / "azure2023_AzureLLMInferenceTrace_code.csv", limit=n)
     tr = _merge([(conv, "chat"), (code, "code")], scale, "azure-conv+code")
     return tr, [demand_from_trace(tr, name="chat", spec="llama-3.1-70b", ttft_slo_s=2.0, tpot_slo_s=0.1),
                 demand_from_trace(tr, name="code", spec="qwen3-32b", ttft_slo_s=4.0, tpot_slo_s=0.05)]
@@ -58,9 +56,9 @@ def long_mixed(n: int, scale: float) -> tuple[Trace, list[ModelDemand]]:
     """Azure conversation (Llama-3.1-70B, `n` requests) + the Mooncake trace's long prompts over the
     same span (Qwen3-32B with the code model's SLOs), `scale`x faster. The Azure code trace is not
     long-context (mean prompt 2k tokens, max 7.4k); Mooncake's are (mean ~12k, prefix reuse)."""
-    conv = load_azure(DATA / "azure2023_AzureLLMInferenceTrace_conv.csv", limit=n)
+    conv = load_azure(DATA_DIR / "azure2023_AzureLLMInferenceTrace_conv.csv", limit=n)
     span = conv.requests[-1].arrival
-    moon = load_mooncake(DATA / "mooncake_synthetic_trace.jsonl")
+    moon = load_mooncake(DATA_DIR / "mooncake_synthetic_trace.jsonl")
     moon = Trace([r for r in moon.requests if r.arrival <= span], moon.block_tokens, moon.name)
     tr = _merge([(conv, "chat"), (moon, "long")], scale, "azure-conv+mooncake")
     return tr, [demand_from_trace(tr, name="chat", spec="llama-3.1-70b", ttft_slo_s=2.0, tpot_slo_s=0.1),

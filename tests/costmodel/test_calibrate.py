@@ -11,7 +11,7 @@ from hetmesh.costmodel import CostModel, Efficiency, Sample, accelerator, calibr
 from hetmesh.costmodel.calibrate import relative_errors, splitwise_samples
 from hetmesh.costmodel.efficiency import load_efficiencies, save_efficiencies
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "splitwise_llama2-70b_a100_tp8.csv"  # rows of ../shared/data
+DATA = Path(__file__).resolve().parents[1] / "data" / "splitwise_llama2-70b_a100_tp8.csv"  # rows of data/
 
 
 def _shapes() -> list[tuple[tuple[tuple[int, int], ...], tuple[int, ...]]]:

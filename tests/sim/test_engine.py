@@ -14,7 +14,7 @@ from hetmesh.sim import ClosedLoop, SimConfig, Simulator, Trace, TraceRequest, p
 from hetmesh.sim.__main__ import main
 from hetmesh.sim.traces import load_azure, load_mooncake
 
-DATA = Path(__file__).resolve().parents[1] / "data"  # the first rows of ../shared/data traces
+DATA = Path(__file__).resolve().parents[1] / "data"  # the first rows of data/ traces
 ROOT = Path(__file__).resolve().parents[2]
 
 

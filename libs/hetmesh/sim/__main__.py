@@ -2,7 +2,7 @@
 
     hetmesh-sim --cluster ops/clusters/seed-case-study.toml --policy cost,least_loaded \
         --closed-loop 24 --requests 2000 --input 2048 --output 512 --out results/sim.json --plots results/sim
-    hetmesh-sim --cluster my.toml --trace ../shared/data/mooncake_synthetic_trace.jsonl --rate-sweep 0.5,1,2
+    hetmesh-sim --cluster my.toml --trace data/mooncake_synthetic_trace.jsonl --rate-sweep 0.5,1,2
 """
 
 from __future__ import annotations

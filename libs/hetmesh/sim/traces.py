@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 
 MOONCAKE_BLOCK = 512
+# The public traces kept in the source tree (data/README.md: each file's source and licence).
+DATA_DIR = Path(__file__).resolve().parents[3] / "data"
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """`hetmesh plan`: the planner from the command line.
 
-    hetmesh plan --fleet ops/clusters/seed-case-study.toml --trace ../shared/data/mooncake_synthetic_trace.jsonl
+    hetmesh plan --fleet ops/clusters/seed-case-study.toml --trace data/mooncake_synthetic_trace.jsonl
     hetmesh plan --fleet my.toml --rate 2 --input 2048 --output 256 --out plan/
     hetmesh plan --catalog --spec llama-3.1-70b --rate 8 --slo 2,0.1 --budget 200 --out buy/
 
