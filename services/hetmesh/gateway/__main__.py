@@ -14,7 +14,8 @@ import uvicorn
 from hetmesh import config
 from hetmesh.runtime import setup_process
 
-from .service import Gateway, asgi_app, default_instance
+from .app import asgi_app
+from .service import Gateway, default_instance
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
-"""The gateway's HTTP side: the ASGI app uvicorn runs, the FastAPI routes, the SSE body, error responses.
+"""The gateway's HTTP side: the ASGI app uvicorn runs (`HotPath`) and the FastAPI app behind it.
 
-Everything here reaches the mesh only through `Gateway` (service.py) and `Call` (call.py), which
-import this module; it imports them back for type hints alone, so there is no import cycle.
+Requests flow one way: this module -> `Gateway` (service.py) -> `Call` (call.py) -> the reply stream
+(stream.py) and fan-out (choices.py); the HTTP answers those layers build are in responses.py.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,115 +21,17 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from hetmesh import config
-from hetmesh.protocol import ErrorInfo, TokenChunk
+from hetmesh.protocol import ErrorInfo
 
 from . import core
-from .auth import retry_after_headers
-from .core import Formatter
-from .schemas import ChatCompletionRequest, CompletionRequest, error_body, from_validation
-
-if TYPE_CHECKING:
-    from .service import Call, Gateway
+from .responses import JSON, error_response
+from .schemas import body_model, error_body, from_validation
+from .service import Gateway
 
 log = logging.getLogger("hetmesh.gateway")
 
-JSON = "application/json"
-
-
-def error_response(info: ErrorInfo, headers: dict[str, str] | None = None) -> Response:
-    if info.retry_after_s is not None:
-        headers = {**(headers or {}), **retry_after_headers(info.retry_after_s)}
-    return Response(error_body(info), status_code=info.status, media_type=JSON, headers=headers)
-
-
-class BodyTooLarge(Exception):
-    pass
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused (BodyTooLarge) as soon as it passes `limit` bytes: never held whole."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge
-    parts: list[bytes] = []
-    n = 0
-    async for part in request.stream():
-        n += len(part)
-        if n > limit:
-            raise BodyTooLarge
-        parts.append(part)
-    return b"".join(parts)
-
-
-class ClientGone(Exception):
-    """The client disconnected while its request waited on the mesh."""
-
-
-class SseBody(Response):
-    """A streamed (SSE) body with its own ASGI loop (not StreamingResponse) so that a disconnect is a
-    message in the inbox, not a cancellation: the Cancel publish then runs in a live task. Subclasses
-    write the loop (`__call__`), opening it with `start`."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self) -> None:
-        # No content-length: uvicorn sends the body chunked as it comes.
-        self.status_code = 200
-        self.background = None
-        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                            (b"x-accel-buffering", b"no")]
-
-    async def start(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-
-
-class SseResponse(SseBody):
-    """One request's stream."""
-
-    def __init__(self, call: Call, fmt: Formatter, first: list[TokenChunk]) -> None:
-        super().__init__()
-        self.call = call
-        self.fmt = fmt
-        self.first = first
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        call, fmt = self.call, self.fmt
-        finished = False
-        call.start_stream_span()
-        try:
-            await self.start(send)
-            body = fmt.sse_chunks(self.first, first=True)
-            call.stream.sent()
-            call._first_token()
-            if call.stream.done:
-                body += self._tail()
-                finished = True
-            await send({"type": "http.response.body", "body": body, "more_body": not finished})
-            while not finished:
-                got = await call.pull()
-                if isinstance(got, ErrorInfo):
-                    call._error_event(got)
-                    await send({"type": "http.response.body", "body": core.sse_error(got), "more_body": False})
-                    finished = True  # the mesh ended it; nothing to cancel
-                    call.stream.cancelled = True
-                    return
-                body = fmt.sse_chunks(got, first=False)
-                if call.stream.done:
-                    body += self._tail()
-                    finished = True
-                await send({"type": "http.response.body", "body": body, "more_body": not finished})
-        except ClientGone:
-            pass
-        except OSError:
-            pass
-        finally:
-            if not finished:
-                call._cancel("client_disconnected")
-            call.close()
-
-    def _tail(self) -> bytes:
-        self.call._finished()
-        return self.fmt.sse_end(self.call.usage)
+# The completion routes, path -> chat. HotPath serves them; create_app declares them for /openapi.json only.
+COMPLETION_ROUTES: dict[str, bool] = {"/v1/chat/completions": True, "/v1/completions": False}
 
 
 def create_app(gw: Gateway) -> FastAPI:
@@ -177,20 +79,13 @@ def create_app(gw: Gateway) -> FastAPI:
         log.exception("unhandled error", exc_info=exc)
         return error_response(ErrorInfo(message="internal error in the gateway", type="server_error", status=500))
 
-    # HotPath serves these two POSTs before FastAPI sees them (the body is validated by hand, straight from
-    # bytes); the routes are declared here with their body models so that /openapi.json documents them.
     errors = {str(c): {"description": d} for c, d in ((400, "invalid request"), (401, "no or wrong API key"),
                                                         (404, "unknown model"), (413, "body too large"),
                                                         (429, "rate limited (Retry-After)"),
                                                         (503, "overloaded or no capacity (Retry-After)"))}
-
-    @app.post("/v1/chat/completions", responses=errors)
-    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-        return await gw.handle(request, chat=True)
-
-    @app.post("/v1/completions", responses=errors)
-    async def completions(request: Request, body: CompletionRequest) -> Response:
-        return await gw.handle(request, chat=False)
+    for path, chat in COMPLETION_ROUTES.items():
+        app.add_api_route(path, _documented(path, chat), methods=["POST"], responses=errors,
+                          name=path.removeprefix("/v1/").replace("/", "_"))
 
     def model_card(m: config.ModelConfig) -> dict[str, object]:
         return {"id": m.name, "object": "model", "created": gw.created, "owned_by": "hetmesh",
@@ -237,15 +132,21 @@ def create_app(gw: Gateway) -> FastAPI:
     return app
 
 
+def _documented(path: str, chat: bool) -> Callable[..., Any]:
+    """A route's declaration for /openapi.json, its body schema included: HotPath serves the route
+    (validating the body itself, straight from bytes), so FastAPI never calls this endpoint."""
+
+    async def endpoint(body: Any) -> Response:
+        raise RuntimeError(f"POST {path} is served by HotPath, not FastAPI")
+
+    endpoint.__annotations__ = {"body": body_model(chat), "return": Response}
+    return endpoint
+
+
 class HotPath:
-    """The ASGI app uvicorn runs: POSTs to the two completion routes go straight to the gateway,
-    everything else (models, health, errors, docs) to the FastAPI app.
-
-    Measured on the 2-core box: FastAPI's middleware stack and routing cost ~120 us per request,
-    a third of the HTTP layer's whole cost, on the path every token request takes.
-    """
-
-    ROUTES: ClassVar[dict[str, bool]] = {"/v1/chat/completions": True, "/v1/completions": False}
+    """The ASGI app uvicorn runs: POSTs to the completion routes go straight to the gateway, everything
+    else (models, health, errors, docs) to the FastAPI app, whose middleware stack and routing would
+    cost the path every token request takes a large share of the HTTP layer's time."""
 
     def __init__(self, gw: Gateway, app: FastAPI) -> None:
         self.gw = gw
@@ -253,7 +154,7 @@ class HotPath:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
-            chat = self.ROUTES.get(scope["path"])
+            chat = COMPLETION_ROUTES.get(scope["path"])
             if chat is not None:
                 try:
                     response = await self.gw.handle(Request(scope, receive), chat)

@@ -2,8 +2,9 @@
 
 What to do with each message and each clock reading is decided by the pure `stream.ReplyStream`;
 `Call` only awaits the inbox and carries its actions out (publish a Resume or a Cancel, submit a
-retry, poll the client, hand chunks or the error to the response). `Gateway` (service.py) owns the
-process-wide parts: the bus, the inbox routing, admission.
+retry, poll the client, hand chunks or the error to the response). The process-wide parts (the bus,
+the inbox routing, admission, telemetry) are its `Host`'s: `service.Gateway`, which this module does
+not import.
 """
 
 from __future__ import annotations
@@ -11,27 +12,47 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 import nats.errors
 from fastapi import Request
 from opentelemetry import trace
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from hetmesh import config, subjects
-from hetmesh.bus import REQUEST_ID, decode, encode
+from hetmesh import config, metrics, subjects
+from hetmesh.bus import REQUEST_ID, Bus, decode, encode
 from hetmesh.kvindex.blocks import block_hashes
 from hetmesh.protocol import ErrorInfo, InferenceRequest, Placement, SubmitReply, TokenChunk, Usage
 
-from .app import JSON, ClientGone, SseResponse, error_response
+from . import core
 from .auth import Verdict
 from .core import Formatter, Prepared
+from .responses import JSON, ClientGone, SseBody, error_response
 from .stream import POLL_CLIENT, Fail, ReplyStream, Retry, SendResume, Wait
 
-if TYPE_CHECKING:
-    from .service import Gateway
+
+class Host(Protocol):
+    """What a Call uses of its gateway (service.Gateway)."""
+
+    cfg: config.ClusterConfig
+    bus: Bus | None
+    inboxes: dict[str, Inbox]  # reply-subject key -> the inbox its messages go to
+    reply_prefix: str
+    active: int  # Calls in flight: each counts itself from construction to close()
+    tracing: bool
+    tracer: trace.Tracer
+    metrics: metrics.GatewayMetrics
+
+    def event(self, rid: str, kind: str, **detail: str | int | float | bool | None) -> None: ...
+
+    def cancel(self, rid: str, reason: str) -> None: ...
+
+    def resume(self, reply_subject: str, from_index: int) -> None: ...
+
+    def charge_completion(self, v: Verdict, completion_tokens: int) -> None: ...
 
 
 class Inbox:
@@ -71,7 +92,7 @@ def _wake(fut: asyncio.Future[None]) -> None:
 class Call:
     """One request's life in the gateway: submit, consume the reply stream, retry, cancel."""
 
-    def __init__(self, gw: Gateway, rid: str, model: config.ModelConfig, prep: Prepared, request: Request,
+    def __init__(self, gw: Host, rid: str, model: config.ModelConfig, prep: Prepared, request: Request,
                  verdict: Verdict | None = None, span: trace.Span = trace.INVALID_SPAN) -> None:
         gw.active += 1  # until close()
         self.verdict = verdict or Verdict()
@@ -262,11 +283,11 @@ class Call:
                 return SseResponse(self, fmt, first)
             return await self._collect(fmt)
         except ClientGone:
-            self._cancel("client_disconnected")
+            self.cancel("client_disconnected")
             self.status = 499
             return Response(status_code=499)
         except BaseException:
-            self._cancel("gateway_error")
+            self.cancel("gateway_error")
             raise
         finally:
             if not handed_off:
@@ -287,9 +308,9 @@ class Call:
             if isinstance(got, ErrorInfo):
                 return got
             if self.first_token_at is None:
-                self._first_token()
+                self.record_first_token()
             chunks.extend(got)  # the chunks, not only their text: logprobs ride on them
-        self._finished()
+        self.record_finished()
         return chunks
 
     def _migration_resumed(self) -> None:
@@ -313,11 +334,11 @@ class Call:
             self.stream_span = self.gw.tracer.start_span("stream", context=trace.set_span_in_context(self.span),
                                                          attributes={"hetmesh.sse": self.prep.stream})
 
-    def _first_token(self) -> None:
+    def record_first_token(self) -> None:
         self.first_token_at = time.perf_counter()
         self.gw.event(self.rid, "first_token", ttft_ms=round((self.first_token_at - self.t0) * 1e3, 3))
 
-    def _finished(self) -> None:
+    def record_finished(self) -> None:
         u = self.usage()
         self.gw.charge_completion(self.verdict, u.completion_tokens)
         self.gw.event(self.rid, "finished", finish_reason=self.stream.finish_reason,
@@ -327,16 +348,16 @@ class Call:
                       duration_ms=round((time.perf_counter() - self.t0) * 1e3, 3))
 
     def _error(self, info: ErrorInfo) -> Response:
-        self._error_event(info)
+        self.record_error(info)
         return error_response(info)
 
-    def _error_event(self, info: ErrorInfo) -> None:
+    def record_error(self, info: ErrorInfo) -> None:
         self.status = info.status
         if self.span.is_recording():
             self.span.set_status(trace.Status(trace.StatusCode.ERROR, info.message))
         self.gw.event(self.rid, "error", status=info.status, code=info.code, message=info.message)
 
-    def _cancel(self, reason: str) -> None:
+    def cancel(self, reason: str) -> None:
         if not self.stream.cancelled and self.placement is not None:
             self.stream.cancelled = True
             self.gw.cancel(self.rid, reason)
@@ -360,3 +381,52 @@ class Call:
                 self.span.set_attribute("hetmesh.decode_worker", self.placement.decode_worker)
             self.stream_span.end()
         self.span.end()
+
+
+class SseResponse(SseBody):
+    """One request's stream."""
+
+    def __init__(self, call: Call, fmt: Formatter, first: list[TokenChunk]) -> None:
+        super().__init__()
+        self.call = call
+        self.fmt = fmt
+        self.first = first
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        call, fmt = self.call, self.fmt
+        finished = False
+        call.start_stream_span()
+        try:
+            await self.start(send)
+            body = fmt.sse_chunks(self.first, first=True)
+            call.stream.sent()
+            call.record_first_token()
+            if call.stream.done:
+                body += self._tail()
+                finished = True
+            await send({"type": "http.response.body", "body": body, "more_body": not finished})
+            while not finished:
+                got = await call.pull()
+                if isinstance(got, ErrorInfo):
+                    call.record_error(got)
+                    await send({"type": "http.response.body", "body": core.sse_error(got), "more_body": False})
+                    finished = True  # the mesh ended it; nothing to cancel
+                    call.stream.cancelled = True
+                    return
+                body = fmt.sse_chunks(got, first=False)
+                if call.stream.done:
+                    body += self._tail()
+                    finished = True
+                await send({"type": "http.response.body", "body": body, "more_body": not finished})
+        except ClientGone:
+            pass
+        except OSError:
+            pass
+        finally:
+            if not finished:
+                call.cancel("client_disconnected")
+            call.close()
+
+    def _tail(self) -> bytes:
+        self.call.record_finished()
+        return self.fmt.sse_end(self.call.usage)

@@ -18,8 +18,8 @@ from starlette.types import Receive, Scope, Send
 from hetmesh.protocol import ErrorInfo, TokenChunk, Usage
 
 from . import core
-from .app import JSON, ClientGone, SseBody, error_response
 from .core import Formatter
+from .responses import JSON, ClientGone, SseBody, error_response
 
 if TYPE_CHECKING:
     from .call import Call
@@ -54,12 +54,12 @@ class FanOut:
 
     def cancel(self, reason: str) -> None:
         for c in self.calls:
-            c._cancel(reason)
+            c.cancel(reason)
 
     def fail(self, info: ErrorInfo) -> Response:
         self.cancel("sibling_failed")
         for c in self.calls:
-            c._error_event(info)
+            c.record_error(info)
         return error_response(info)
 
     def close(self) -> None:
@@ -124,9 +124,9 @@ class FanOutSse(SseBody):
                 c.start_stream_span()
                 body += f.sse_chunks(chunks, first=True)
                 c.stream.sent()
-                c._first_token()
+                c.record_first_token()
                 if c.stream.done:
-                    c._finished()
+                    c.record_finished()
                 else:
                     tasks[asyncio.ensure_future(c.pull())] = i
             while True:
@@ -142,7 +142,7 @@ class FanOutSse(SseBody):
                     i = tasks.pop(t)
                     got = t.result()  # ClientGone propagates
                     if isinstance(got, ErrorInfo):
-                        calls[i]._error_event(got)
+                        calls[i].record_error(got)
                         fan.cancel("sibling_failed")
                         finished = True
                         await send({"type": "http.response.body", "body": body + core.sse_error(got),
@@ -150,7 +150,7 @@ class FanOutSse(SseBody):
                         return
                     body += fmts[i].sse_chunks(got, first=False)
                     if calls[i].stream.done:
-                        calls[i]._finished()
+                        calls[i].record_finished()
                     else:
                         tasks[asyncio.ensure_future(calls[i].pull())] = i
         except (ClientGone, OSError):

@@ -177,6 +177,11 @@ class CompletionRequest(_Common):
 _enc = msgspec.json.Encoder()
 
 
+def body_model(chat: bool) -> type[ChatCompletionRequest] | type[CompletionRequest]:
+    """The body a completion route takes: /v1/chat/completions (chat) or /v1/completions."""
+    return ChatCompletionRequest if chat else CompletionRequest
+
+
 def error_body(info: ErrorInfo) -> bytes:
     return _enc.encode({"error": {"message": info.message, "type": info.type, "param": info.param,
                                   "code": info.code}})

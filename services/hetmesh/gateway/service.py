@@ -4,7 +4,7 @@ Replies: one wildcard subscription `hetmesh.resp.<instance>.*` routes every work
 its request's `Inbox` by the subject's last token (`<request_id>-<attempt>`), so a request
 costs no subscribe/unsubscribe round trips and a stale attempt's messages fall on the floor.
 One request's life is a `Call` (call.py), whose decisions about its messages are the pure
-`stream.ReplyStream`'s; the HTTP side (routes, the SSE body, the ASGI app) is in app.py.
+`stream.ReplyStream`'s. The ASGI app (app.py) calls `Gateway.handle`; nothing here imports it.
 """
 
 from __future__ import annotations
@@ -40,19 +40,36 @@ from hetmesh.protocol import (
 )
 
 from . import core
-from .app import BodyTooLarge, error_response, read_body
-from .app import asgi_app as asgi_app  # re-exported: `python -m hetmesh.gateway` imports it from here
-from .app import create_app as create_app
 from .auth import Authenticator, Verdict, decide
 from .call import Call, Inbox
 from .choices import FanOut
 from .core import ApiError, Formatter, Prepared
 from .limits import SharedBuckets
 from .params import Caps, caps_for, prepare_chat, prepare_completion
-from .schemas import ChatCompletionRequest, CompletionRequest, from_validation
+from .responses import error_response
+from .schemas import ChatCompletionRequest, CompletionRequest, body_model, from_validation
 from .stream import BUS_GAP
 
 log = logging.getLogger("hetmesh.gateway")
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused (BodyTooLarge) as soon as it passes `limit` bytes: never held whole."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge
+    parts: list[bytes] = []
+    n = 0
+    async for part in request.stream():
+        n += len(part)
+        if n > limit:
+            raise BodyTooLarge
+        parts.append(part)
+    return b"".join(parts)
 
 
 class Gateway:
@@ -253,8 +270,7 @@ class Gateway:
             return self.reject("", ErrorInfo(message=f"The request body is larger than {gc.max_body_bytes} bytes.",
                                              type="invalid_request_error", code="request_too_large", status=413))
         try:
-            body: ChatCompletionRequest | CompletionRequest = (
-                ChatCompletionRequest if chat else CompletionRequest).model_validate_json(raw)
+            body: ChatCompletionRequest | CompletionRequest = body_model(chat).model_validate_json(raw)
         except ValidationError as exc:
             return self.reject("", from_validation(exc))
         model = self.models.get(body.model)
