@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 import redis.asyncio as aioredis
@@ -15,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetmesh import servers
-from hetmesh.config import ApiKey, AuthConfig, hash_key
+from hetmesh.config import ApiKey, AuthConfig, MeshConfig, hash_key
 from hetmesh.gateway.auth import Authenticator, KeyState, TokenBucket
 from hetmesh.gateway.limits import PREFIX, SharedBuckets, bucket_key
 
@@ -108,13 +110,53 @@ def test_redis_down_falls_back_to_the_gateways_own_buckets() -> None:
         dead = SharedBuckets(aioredis.from_url(f"redis://127.0.0.1:{servers.free_port()}/0", decode_responses=True,
                                                socket_connect_timeout=0.5))
         try:
-            assert [t.wait_s for t in await dead.take(s, 1, 0.0)] == [0]
+            # never saw the shared bucket: the local one starts empty (the other replicas may have spent it)
+            assert (await dead.take(s, 1, 0.0))[0].wait_s > 0
             assert dead.fallbacks == 1 and dead.down_until > 0
-            assert [t.wait_s for t in await dead.take(s, 1, 0.0)] == [0]  # local buckets, no Redis call
-            assert (await dead.take(s, 1, 0.0))[0].wait_s > 0  # still limited: per gateway
+            assert [t.wait_s for t in await dead.take(s, 1, 30.0)] == [0]  # refilled: one request per 30 s
+            assert (await dead.take(s, 1, 31.0))[0].wait_s > 0  # still limited: per gateway, no Redis call
             assert dead.fallbacks == 3
         finally:
             await dead.close()
+
+    run(go())
+
+
+def test_a_fallback_starts_from_the_shared_state_last_seen() -> None:
+    _, s = key_state(rpm=5)
+    rs = servers.start_redis()
+
+    async def go() -> None:
+        gw = SharedBuckets.from_mesh(MeshConfig(redis_url=rs.url))
+        assert gw is not None
+        try:
+            assert [(await gw.take(s, 1, 0.0))[0].wait_s for _ in range(5)] == [0] * 5
+            rs.stop()  # the shared bucket is empty; the local one must not start full
+            refused = await gw.take(s, 1, 0.0)
+            assert gw.fallbacks == 1 and refused[0].wait_s > 0 and refused[0].remaining == 0
+        finally:
+            await gw.close()
+
+    try:
+        run(go())
+    finally:
+        rs.stop()
+
+
+def test_a_burst_waits_for_the_pool_and_grants_the_limit_once(redis_url: str) -> None:
+    """Many more concurrent admissions than the pool has connections: they queue for a connection
+    (none falls back to a local bucket) and the key gets exactly its limit."""
+    _, s = key_state(rpm=20)
+
+    async def go() -> None:
+        gw = SharedBuckets.from_mesh(MeshConfig(redis_url=redis_url))
+        assert gw is not None
+        try:
+            takes = await asyncio.gather(*(gw.take(s, 1, 0.0) for _ in range(150)))
+            assert sum(t[0].wait_s == 0 for t in takes) == 20
+            assert gw.fallbacks == 0
+        finally:
+            await gw.close()
 
     run(go())
 
@@ -147,3 +189,32 @@ def test_a_key_gets_its_limit_once_across_gateway_processes(two_gateways: tuple[
             chat(gw)
         assert e.value.code == "rate_limit_exceeded"
         assert e.value.response.headers["x-ratelimit-remaining-requests"] == "0"
+
+
+@pytest.fixture(scope="module")
+def rpm20(gw_nats: str, peer: FakePeer, redis_url: str,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, GatewayProc]]:
+    key = "sk-" + secrets.token_hex(8)
+    toml = cluster_text("", f'[[auth.keys]]\nname = "burst"\nsha256 = "{hash_key(key)}"\nrpm = 20\n')
+    with run_gateway(gw_nats, tmp_path_factory.mktemp("gw20"), "gw20", cluster_toml=toml,
+                     HETMESH_REDIS_URL=redis_url) as gw:
+        yield key, gw
+
+
+def test_a_burst_of_concurrent_requests_gets_the_limit_once(rpm20: tuple[str, GatewayProc]) -> None:
+    key, gw = rpm20
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+    async def go() -> tuple[list[int], float]:
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+        async with httpx.AsyncClient(base_url=gw.url, limits=limits, timeout=60,
+                                     headers={"authorization": f"Bearer {key}"}) as http:
+            t0 = time.monotonic()
+            rs = await asyncio.gather(*(http.post("/v1/chat/completions", json=body) for _ in range(150)))
+            return [r.status_code for r in rs], time.monotonic() - t0
+
+    codes, took = run(go())
+    assert set(codes) <= {200, 429}, codes
+    # the bucket refills 20 a minute: a burst that took t seconds may get t / 3 more
+    assert 20 <= codes.count(200) <= 20 + int(took * 20 / 60), (codes.count(200), took)
+    assert "limiting per gateway" not in gw.log.read_text()

@@ -42,6 +42,21 @@ class TokenBucket:
     def remaining(self) -> int:
         return max(int(self.level), 0) if not math.isnan(self.level) else int(self.per_minute)
 
+    def follow(self, level: float, now: float) -> None:
+        """Take on a shared bucket's level, seen at `now`; never above what this bucket holds itself, so a
+        later fallback to this bucket is no more permissive than the shared one it last saw."""
+        if math.isnan(self.level):
+            self.level, self.t = level, now
+            return
+        self._refill(now)
+        self.level = min(self.level, level)
+
+    def start_empty(self, now: float) -> None:
+        """A bucket that never saw its shared state starts empty, not full (a fallback must not grant a
+        whole minute's allowance that the other replicas may have spent already)."""
+        if math.isnan(self.level):
+            self.level, self.t = 0.0, now
+
 
 @dataclass(slots=True)
 class KeyState:

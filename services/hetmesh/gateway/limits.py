@@ -8,7 +8,11 @@ times. The clock is Redis's own (`TIME`), shared by every replica. A bucket expi
 be full again, and a missing bucket reads as full.
 
 When Redis does not answer, the gateway falls back to its own buckets for `DOWN_S` and logs it:
-requests keep flowing, limited per replica, rather than failing because of a metadata store.
+requests keep flowing, limited per replica, rather than failing because of a metadata store. Those
+buckets follow the shared levels each answer reports, so a fallback starts from the shared state last
+seen (a key never seen starts empty), never from a full bucket. Calls share a bounded pool and wait for
+a free connection, so a burst of admissions queues rather than failing; a call that finds none within
+the pool's wait uses the local buckets once, without counting Redis as down.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from hetmesh.config import MeshConfig, redis_connection
+from hetmesh.redispool import blocking_client, pool_exhausted
 
 from .auth import KeyState, Take, take_local, wants
 
@@ -79,6 +84,7 @@ class SharedBuckets:
         self._script = client.register_script(_TAKE)
         self.down_until = 0.0
         self.fallbacks = 0  # admissions and charges served by the local buckets because Redis failed
+        self._busy_logged = 0.0  # when a full pool was last logged (once per DOWN_S)
 
     @classmethod
     def from_mesh(cls, mesh: MeshConfig) -> SharedBuckets | None:
@@ -86,8 +92,8 @@ class SharedBuckets:
         if not mesh.redis_url:
             return None
         url, options = redis_connection(mesh)
-        return cls(aioredis.from_url(url, decode_responses=True, socket_timeout=TIMEOUT_S,
-                                     socket_connect_timeout=TIMEOUT_S, **options))
+        return cls(blocking_client(url, decode_responses=True, socket_timeout=TIMEOUT_S,
+                                   socket_connect_timeout=TIMEOUT_S, **options))
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -102,6 +108,11 @@ class SharedBuckets:
         try:
             out = await self._script(keys=[k for k, _, _ in items], args=args)
         except (RedisError, OSError) as e:
+            if pool_exhausted(e):  # this process is busy, Redis is not down: only this call goes local
+                if time.monotonic() - self._busy_logged > DOWN_S:
+                    self._busy_logged = time.monotonic()
+                    log.warning("rate limits: no free Redis connection in time; limiting this admission locally")
+                return None
             self.down_until = time.monotonic() + DOWN_S
             log.warning("rate limits: Redis failed (%r); limiting per gateway for %.0f s", e, DOWN_S)
             return None
@@ -116,7 +127,11 @@ class SharedBuckets:
         out = await self._call("admit", [(bucket_key(s, kind), b.per_minute, n) for kind, b, n in ws], clock)
         if out is None:
             self.fallbacks += 1
+            for _, b, _ in ws:
+                b.start_empty(now)
             return take_local(s, prompt_tokens, now)
+        for i, (_, b, _) in enumerate(ws):
+            b.follow(out[2 * i + 1], now)  # what a fallback would start from
         return [Take(kind, b.per_minute, out[2 * i], max(int(out[2 * i + 1]), 0))
                 for i, (kind, b, _) in enumerate(ws)]
 
@@ -125,6 +140,10 @@ class SharedBuckets:
         b = s.tokens
         if b is None or completion_tokens <= 0:
             return
-        if await self._call("charge", [(bucket_key(s, "tokens"), b.per_minute, completion_tokens)], clock) is None:
+        out = await self._call("charge", [(bucket_key(s, "tokens"), b.per_minute, completion_tokens)], clock)
+        if out is None:
             self.fallbacks += 1
+            b.start_empty(now)
             b.take(completion_tokens, now)
+        else:
+            b.follow(out[1], now)
