@@ -21,8 +21,10 @@ import redis.asyncio as aioredis
 
 from hetmesh.config import MeshConfig, redis_connection
 from hetmesh.protocol import KvEvent
+from hetmesh.redispool import blocking_client
 
 KEY = "hetmesh:kv:"
+POOL_WAIT_S = 1.0  # a lookup waits no longer for a free connection (then it finds nothing: load alone)
 
 # ARGV: model, worker, now, ttl, stored, removed (each a space-separated list of block hashes)
 _APPLY = """
@@ -95,9 +97,10 @@ class PrefixIndex:
     @classmethod
     def from_url(cls, url: str, ttl_s: float = 600.0, **options: Any) -> PrefixIndex:
         """`options`: more redis.asyncio.from_url() arguments (credentials, TLS)."""
-        # Short socket timeouts: a lookup against a dead Redis must fail fast so placement goes on.
+        # Short socket timeouts: a lookup against a dead Redis must fail fast so placement goes on. A bounded
+        # pool that calls wait on: many concurrent placements queue for a connection rather than fail.
         options = {"socket_connect_timeout": 0.5, "socket_timeout": 1.0, **options}
-        return cls(aioredis.from_url(url, decode_responses=True, **options), ttl_s)
+        return cls(blocking_client(url, wait_s=POOL_WAIT_S, decode_responses=True, **options), ttl_s)
 
     @classmethod
     def for_mesh(cls, mesh: MeshConfig, ttl_s: float = 600.0) -> PrefixIndex:

@@ -4,7 +4,9 @@ Workers' KV events are mirrored into the index by one writer (each worker's stor
 order), and placement looks prefixes up in it. Redis is optional at run time: while it is unreachable
 events are dropped and lookups find nothing (placement runs on load alone), and when it is back (or
 restarted empty) every worker is asked to republish its whole prefix cache (`hetmesh.kv.resync`), which
-rebuilds the index. Kept apart from placement and the cluster view, which only call it.
+rebuilds the index. Only a failure of Redis itself counts as down: a call that found no free connection in
+this process's pool (many placements at once) degrades alone (a lookup finds nothing, the writer tries the
+event again), with no resync. Kept apart from placement and the cluster view, which only call it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from hetmesh import subjects
 from hetmesh.bus import Bus, EventBatcher
 from hetmesh.kvindex.index import PrefixIndex
 from hetmesh.protocol import KvEvent, KvResync, ServiceEvent
+from hetmesh.redispool import pool_exhausted
 
 log = logging.getLogger("hetmesh.scheduler")
 
@@ -35,8 +38,12 @@ class PrefixMirror:
         self.ok = False  # Redis answered the last probe and no call failed since
         self.run_id = ""  # a different one means Redis restarted (empty: no persistence)
         self.queue: asyncio.Queue[KvEvent] = asyncio.Queue(maxsize=100_000)
+        self.busy = 0  # calls that found no free Redis connection in time (not counted as Redis down)
 
     def down(self, exc: BaseException) -> None:
+        if pool_exhausted(exc):  # busy here, not down there
+            self.busy += 1
+            return
         if self.ok:
             log.warning("Redis unreachable (%s): placing on load alone until it is back", exc)
             self.events.add(ServiceEvent(service="scheduler", instance=self.instance, request_id="",
@@ -75,12 +82,12 @@ class PrefixMirror:
         # One writer keeps each worker's stored/removed events in order.
         while True:
             ev = await self.queue.get()
-            if not self.ok:
-                continue
-            try:
-                await self.index.apply(ev)
-            except Exception as exc:
-                self.down(exc)
+            while self.ok:
+                try:
+                    await self.index.apply(ev)
+                    break
+                except Exception as exc:
+                    self.down(exc)  # a full pool leaves `ok` set: the same event again, in order
 
     async def lookup(self, model: str, hashes: Sequence[int], live_workers: Iterable[str]) -> dict[str, int]:
         """Cached blocks per worker for the prompt's block hashes; none while Redis is unreachable."""
