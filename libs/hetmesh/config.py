@@ -69,6 +69,7 @@ class GatewayConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     # Admission: requests past this many in flight get 503 + Retry-After instead of a queue slot.
     max_inflight: int = 2048
     max_body_bytes: int = 4 << 20  # a bigger body gets 413 before it is read whole
+    max_header_bytes: int = 64 << 10  # a bigger request line + headers get 431 while they arrive
     # No scheduler subscribed (restarting): a new request waits this long for one, then gets 503.
     scheduler_wait_s: float = 15.0
     retry_after_s: float = 1.0  # what Retry-After says when the mesh is overloaded
@@ -251,6 +252,9 @@ class WorkerGroup(Struct, kw_only=True, forbid_unknown_fields=True):
     kv_blocks: int = 0  # 0: as many as fit in memory after weights (cost model)
     step_tokens: int = 8192  # one engine step's token budget (vLLM's max_num_batched_tokens)
     prefill_order: str = "fcfs"  # sim engine: which queued prompt starts next, fcfs | shortest
+    # sim engine: its steps really take this many times the cost model's (a wrong prior, a degraded chip) ...
+    sim_slowdown: float = 1.0
+    sim_slowdown_after_s: float = 0.0  # ... from this many engine seconds after it starts
     vllm: VllmWorkerConfig = field(default_factory=VllmWorkerConfig)
 
     @property
@@ -364,6 +368,9 @@ class ClusterConfig(Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ValueError(f"worker group {g.name!r}: step_tokens must be >= max_batch")
             if g.parallel not in PARALLEL or g.prefill_order not in ("fcfs", "shortest"):
                 raise ValueError(f"worker group {g.name!r}: parallel is tp | ep | dp, prefill_order fcfs | shortest")
+            if not g.sim_slowdown > 0 or g.sim_slowdown_after_s < 0 or (g.sim_slowdown != 1.0 and g.engine != "sim"):
+                raise ValueError(f"worker group {g.name!r}: sim_slowdown must be > 0 and sim_slowdown_after_s >= 0, "
+                                 "and only the sim engine takes them")
             if why := g.layout_problem():
                 raise ValueError(why)
         if self.scheduler.options:  # checked here so every service refuses the file, not just the scheduler

@@ -60,6 +60,7 @@ from hetmesh.costmodel import (
     load_efficiencies,
     server_model,
 )
+from hetmesh.costmodel.learn import Learner, StepSample, WorkerKey
 from hetmesh.costmodel.model import COEFFICIENTS, step_seconds_many, transfer_time
 from hetmesh.placement.admission import DEFAULT_HOLD_S, DEFAULT_MARGIN, admit, over_slo, quiet_s, refusal
 from hetmesh.placement.fleet import PREFILL, Fleet
@@ -108,6 +109,7 @@ class CostPolicy:
         admission_margin: float = DEFAULT_MARGIN,
         admission_margins: Mapping[str, float] | None = None,
         admission_hold_s: float = DEFAULT_HOLD_S,
+        learn: bool = True,
     ) -> None:
         if objective not in ("throughput", "latency"):
             raise ValueError("objective must be 'throughput' or 'latency'")
@@ -127,6 +129,9 @@ class CostPolicy:
         self.effs: Mapping[str, Efficiency] = dict(efficiencies or {})
         self.window = share_window_s
         self.top_k = top_k
+        # Each worker's speed learned from its engine's step times (None: price every worker at its prior)
+        self.learner = Learner() if learn else None
+        self._own: dict[str, tuple[tuple[str, str, int, str], int]] = {}  # worker id -> (its shape, its own row)
         self._cms: dict[tuple[str, str, int, str], int] = {}  # server shape -> row of _coef / _cm_list
         self._cm_list: list[CostModel] = []
         self._coef = np.zeros((0, len(COEFFICIENTS)))
@@ -153,6 +158,12 @@ class CostPolicy:
     # ---- helpers ----
     def _cm_row(self, w: WorkerView) -> int:
         key = (w.accelerator, w.model, w.devices, w.parallel)
+        own = self._own.get(w.worker_id)
+        if own is not None and own[0] == key:
+            return own[1]
+        return self._shape_row(key, w)
+
+    def _shape_row(self, key: tuple[str, str, int, str], w: WorkerView) -> int:
         row = self._cms.get(key)
         if row is None:
             cm = server_model(w.accelerator, self.models.get(w.model, w.model), devices=w.devices,
@@ -164,6 +175,39 @@ class CostPolicy:
 
     def _cm(self, w: WorkerView) -> CostModel:
         return self._cm_list[self._cm_row(w)]
+
+    # ---- learning ----
+    def observe(self, w: WorkerView, steps: Sequence[StepSample], now: float, instance: str = "") -> Efficiency | None:
+        """A worker's engine steps (engine time `now`): its learned factors, when they moved enough to reprice
+        it (the worker's own cost-model row from then on); None otherwise or with learning off."""
+        if self.learner is None:
+            return None
+        key = (w.accelerator, w.model, w.devices, w.parallel)
+        prior = self._cm_list[self._shape_row(key, w)]
+        eff = self.learner.observe(w.worker_id, WorkerKey(*key), prior, steps, now, instance)
+        if eff is None:
+            return None
+        cm = CostModel(prior.accel, prior.model, devices=prior.devices, parallel=prior.parallel, dtype=prior.dtype,
+                       efficiency=eff)
+        own = self._own.get(w.worker_id)
+        if own is not None and own[0] == key:
+            row = own[1]
+            self._cm_list[row] = cm
+            self._coef[row] = cm.coefficients()
+        else:
+            row = len(self._cm_list)
+            self._cm_list.append(cm)
+            self._coef = np.vstack([self._coef, np.array(cm.coefficients())])
+            self._own[w.worker_id] = (key, row)
+        self._fleet.recost(w.worker_id)
+        return eff
+
+    def forget(self, worker_id: str) -> None:
+        """A worker gone for good: its learned speed goes (its pool's stays, the prior of its successor)."""
+        if self.learner is not None:
+            self.learner.forget(worker_id)
+        if self._own.pop(worker_id, None) is not None:
+            self._fleet.recost(worker_id)
 
     def _slot(self, wid: str) -> int:
         s = self._slots.get(wid)

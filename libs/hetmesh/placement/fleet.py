@@ -77,6 +77,15 @@ class Fleet:
             self.model_code[i] = self.models.setdefault(w.model, len(self.models))
             self._derive()
 
+    def recost(self, worker_id: str) -> None:
+        """A worker's cost-model row changed (its learned speed): reread its row and coefficients."""
+        i = self.index.get(worker_id)
+        if i is None:
+            return
+        self.rows[i] = self._row_of(self.views[i])
+        self.coef[:, i] = self._table()[self.rows[i]]
+        self._derive()
+
     def _rebuild(self, workers: Sequence[WorkerView]) -> None:
         n = len(workers)
         self.views = list(workers)

@@ -27,6 +27,8 @@ class Gated:
         self.predictor = predictor
         self.margin = margin  # None: the predictor's own (per model)
         self.name = f"{inner.name}+admission"
+        self.learner = predictor.learner  # the admission prices with what the predictor learned
+        self.observe = predictor.observe
 
     def place(self, req: RequestInfo, workers: Sequence[WorkerView]) -> Decision | None:
         d = self.inner.place(req, workers)

@@ -21,6 +21,8 @@ from msgspec.structs import replace
 
 from hetmesh.batching import Core, Kind, Seq, Settings, Step, following
 from hetmesh.costmodel import CostModel, link_bandwidth, server_model
+from hetmesh.costmodel.learn import StepLog, StepSample
+from hetmesh.costmodel.truth import Truth
 from hetmesh.kvindex.blocks import leading_blocks
 from hetmesh.placement import REFUSED, Policy, RequestInfo, WorkerView
 from hetmesh.placement.admission import hold_wait_s, retry_wait_s
@@ -57,12 +59,18 @@ class _Req:
 
 
 class _Worker:
-    __slots__ = ("busy", "busy_time", "cm", "core", "decode_tokens", "inbound", "index", "kicked", "nic_free",
-                 "prefill_tokens", "span", "spec", "step", "step_start", "steps", "ver")
+    __slots__ = ("busy", "busy_time", "cm", "core", "decode_tokens", "inbound", "index", "kicked", "log", "nic_free",
+                 "prefill_tokens", "reported", "span", "spec", "step", "step_start", "steps", "truth", "ver")
 
     def __init__(self, spec: WorkerSpec, cm: CostModel, settings: Settings) -> None:
         self.spec = spec
-        self.cm = cm
+        self.truth = spec.truth or Truth()
+        # the step times it really has: its true factors where the spec says (the policy prices the prior)
+        self.cm = cm if spec.truth is None or spec.truth.efficiency is None else CostModel(
+            cm.accel, cm.model, devices=cm.devices, parallel=cm.parallel, dtype=cm.dtype,
+            efficiency=spec.truth.efficiency)
+        self.log = StepLog()
+        self.reported = 0.0
         self.core = Core(settings, track_decodes=False)
         self.busy = False
         self.kicked = False
@@ -101,6 +109,8 @@ class Simulator:
         self.refused = 0  # refused by the policy's admission (hetmesh.placement.admission), retries exhausted
         self.retried = 0  # refusals a client retried after Retry-After (SimConfig.client_retries)
         self.held = 0  # refusals held and placed again (Decision.hold_s)
+        # Each worker's engine steps go to a policy that learns from them, every report_s (its heartbeat)
+        self._observe = getattr(policy, "observe", None) if getattr(policy, "learner", None) is not None else None
 
     def _build(self, hash_tokens: int) -> None:
         cms: dict[tuple, CostModel] = {}
@@ -256,7 +266,11 @@ class Simulator:
             return
         if w.steps is not None:
             w.steps.append(step.signature())
-        end = self.now + w.cm.step_seconds(step)
+        fac = w.truth.factor(self.now)
+        dt = w.cm.step_seconds(step) * fac
+        end = self.now + dt
+        if self._observe is not None:
+            w.log.add(StepSample.of(step, dt))
         # Plain decode steps ahead (nothing queued, no ends, blocks to spare) run as one event; their end
         # times are kept, so a request that arrives meanwhile cuts the run at the step it lands in.
         k = core.quiet(step, MAX_SPAN)
@@ -264,7 +278,7 @@ class Simulator:
             span = [end]
             nxt, n, seconds = following(step, 1), step.n_decode, w.cm.step_seconds
             for _ in range(k):  # one scratch step, its context grown by the batch each time (`following`)
-                end += seconds(nxt)
+                end += seconds(nxt) * fac
                 span.append(end)
                 nxt.decode_context += n
             w.span = span
@@ -281,13 +295,20 @@ class Simulator:
         w.busy_time += now - w.step_start
         step = w.step
         assert step is not None
-        k = len(w.span) - 1 if w.span is not None else 0
+        span = w.span
+        k = len(span) - 1 if span is not None else 0
         w.span = None
         out = w.core.skip(step, k)
         w.prefill_tokens += step.prefill_tokens
         w.decode_tokens += step.n_decode * (k + 1)
         if k and w.steps is not None:
             w.steps.extend(following(step, j).signature() for j in range(1, k + 1))
+        if self._observe is not None:
+            if k:  # the span's last step, as its heartbeat would report it
+                w.log.add(StepSample.of(following(step, k), span[k] - span[k - 1]))
+            if now - w.reported >= self.cfg.report_s:
+                w.reported = now
+                self._observe(self._view_list[w.index], w.log.drain(), now)
         reqs = self.reqs
         for s in out.sampled:
             r = reqs[s.rid]

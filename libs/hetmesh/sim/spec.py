@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from hetmesh.config import ClusterConfig, GatewayConfig, SchedulerConfig
 from hetmesh.costmodel import Efficiency
 from hetmesh.costmodel.model import DEFAULT_LINK_LATENCY_S
+from hetmesh.costmodel.truth import Truth
 from hetmesh.protocol import Role
 
 
@@ -30,6 +31,7 @@ class WorkerSpec:
     block_size: int = 16
     step_tokens: int = 8192
     prefill_order: str = "fcfs"
+    truth: Truth | None = None  # what it really runs at (None: its prior, as the scheduler prices it)
 
 
 def workers_from_config(cfg: ClusterConfig) -> list[WorkerSpec]:
@@ -40,7 +42,9 @@ def workers_from_config(cfg: ClusterConfig) -> list[WorkerSpec]:
             out.append(WorkerSpec(worker_id=wid, pool=g.name, model=m.name, spec=m.spec, accelerator=g.accelerator,
                                   devices=g.devices, role=g.role, max_batch=g.max_batch, parallel=g.parallel,
                                   dtype=m.dtype, kv_tokens=g.kv_blocks * m.block_size, block_size=m.block_size,
-                                  step_tokens=g.step_tokens, prefill_order=g.prefill_order))
+                                  step_tokens=g.step_tokens, prefill_order=g.prefill_order,
+                                  truth=Truth(slowdown=g.sim_slowdown, after_s=g.sim_slowdown_after_s)
+                                  if g.sim_slowdown != 1.0 else None))
     return out
 
 
@@ -68,3 +72,4 @@ class SimConfig:
     # A refusal the policy holds (Decision.hold_s) is placed again while the request has waited at most this
     # long in all, as the live scheduler does (hetmesh.placement.admission.hold_wait_s).
     hold_limit_s: float = GatewayConfig().hold_limit_s
+    report_s: float = 0.5  # each worker reports its engine's steps to the policy this often (its heartbeat)

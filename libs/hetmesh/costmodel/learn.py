@@ -1,0 +1,294 @@
+"""Online fit of a worker's efficiency factors to the step times its engine reports. Pure.
+
+The state is theta = (1/compute, 1/memory, overhead_s, per_seq_s). Given theta, a step's time is linear
+in it: each kernel kind (dense, expert, attention) contributes its compute or its memory time, whichever
+bounds it, so t - comm = h . theta with h = (compute s of the compute-bound kinds, memory s of the
+memory-bound ones, 1, sequences), all at 100% efficiency (`CostModel.features`). A Kalman filter tracks
+theta: a random walk between reports (drift: a throttled or shared chip) and a measurement noise
+proportional to the step time (step times vary relatively). Each report is one batch update in
+information form, linearised at the current estimate twice (the bound kind of a kernel may flip).
+Residuals are Huber-weighted, so a GC pause or a preemption moves the fit by a bounded amount; absurd
+samples (not finite, <= 0, or 100x off the prediction) are dropped and counted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+from hetmesh.costmodel.efficiency import Efficiency
+from hetmesh.costmodel.model import CostModel
+
+PARAMS = ("inv_compute", "inv_memory", "overhead_s", "per_seq_s")
+_LO = np.array([1 / 1.5, 1 / 1.5, 0.0, 0.0])  # the bounds of a valid Efficiency
+_HI = np.array([1e4, 1e4, 10.0, 1.0])
+_FLOOR = np.array([0.0, 0.0, 1e-3, 5e-5])  # the prior's std is relative, but never below these (s)
+ABSURD = 100.0  # a sample this many times off the prediction (either way) is dropped, not fitted
+IMPOSTOR_S = 5.0  # engine seconds a run owns its worker id after its last report
+
+
+class StepSample(msgspec.Struct, frozen=True, array_like=True):
+    """One engine step's totals and its wall seconds (in engine time): compact on the bus as an array."""
+
+    prefill_tokens: int
+    prefill_seqs: int
+    prefill_pairs: float
+    prefill_cached: int
+    n_decode: int
+    decode_context: int
+    seconds: float
+
+    @classmethod
+    def of(cls, step: object, seconds: float) -> StepSample:
+        """From anything with hetmesh.batching.Step's totals."""
+        s = step
+        return cls(s.prefill_tokens, s.prefill_seqs, float(s.prefill_pairs), s.prefill_cached,  # type: ignore[attr-defined]
+                   s.n_decode, s.decode_context, float(seconds))  # type: ignore[attr-defined]
+
+
+class StepLog:
+    """A bounded buffer of an engine's steps between two reports: at most `cap`, spread evenly over the steps
+    taken (every k-th once full), and the count of the rest. The worker drains it into each heartbeat."""
+
+    def __init__(self, cap: int = 64) -> None:
+        self.cap = cap
+        self._buf: list[StepSample] = []
+        self._seen = 0
+        self._stride = 1
+
+    def add(self, sample: StepSample) -> None:
+        self._seen += 1
+        if (self._seen - 1) % self._stride:
+            return
+        self._buf.append(sample)
+        if len(self._buf) >= 2 * self.cap:  # keep every other one from now on
+            self._buf = self._buf[::2]
+            self._stride *= 2
+
+    def drain(self) -> list[StepSample]:
+        out = self._buf[-self.cap:] if len(self._buf) > self.cap else self._buf
+        self._buf, self._seen, self._stride = [], 0, 1
+        return out
+
+
+def features(cm: CostModel, samples: Sequence[StepSample]) -> np.ndarray:
+    """(n, 8) per-step (dense_c, dense_m, expert_c, expert_m, attn_c, attn_m, comm, seqs) at 100% efficiency."""
+    return np.array([cm.features(s.prefill_tokens + s.n_decode, s.prefill_seqs + s.n_decode, s.prefill_pairs,
+                                 s.decode_context, s.prefill_cached + s.decode_context, s.prefill_seqs + s.n_decode)
+                     for s in samples], dtype=float).reshape(len(samples), 8)
+
+
+def _design(f: np.ndarray, theta: np.ndarray) -> np.ndarray:
+    """Each step's h at `theta`: which of compute or memory bounds each kernel kind picks its column."""
+    ic, im = theta[0], theta[1]
+    h = np.zeros((len(f), 4))
+    for c, m in ((0, 1), (2, 3), (4, 5)):
+        comp = f[:, c] * ic >= f[:, m] * im
+        h[:, 0] += np.where(comp, f[:, c], 0.0)
+        h[:, 1] += np.where(comp, 0.0, f[:, m])
+    h[:, 2] = 1.0
+    h[:, 3] = f[:, 7]
+    return h
+
+
+def predict(f: np.ndarray, theta: np.ndarray) -> np.ndarray:
+    return _design(f, theta) @ theta + f[:, 6]
+
+
+def theta_of(e: Efficiency) -> np.ndarray:
+    return np.array([1.0 / e.compute, 1.0 / e.memory, e.overhead_s, e.per_seq_s])
+
+
+def efficiency_of(theta: np.ndarray) -> Efficiency:
+    t = np.clip(theta, _LO, _HI)
+    return Efficiency(compute=float(1.0 / t[0]), memory=float(1.0 / t[1]), overhead_s=float(t[2]),
+                      per_seq_s=float(t[3]))
+
+
+@dataclass(frozen=True)
+class FitSettings:
+    prior_rel_std: float = 1.0  # the catalog prior's std, relative to each factor
+    drift_rel_per_s: float = 0.05  # random walk of each factor per sqrt(second) of engine time, relative
+    noise_rel: float = 0.1  # a step's time varies by this much (relative std) around the model
+    huber: float = 3.0  # residuals beyond this many std are down-weighted (Huber)
+
+
+class Fit:
+    """One Kalman filter over theta, started from a prior."""
+
+    def __init__(self, prior: Efficiency, settings: FitSettings = FitSettings(), cov: np.ndarray | None = None,
+                 theta: np.ndarray | None = None) -> None:
+        self.s = settings
+        self.prior = theta_of(prior)
+        self.scale = np.maximum(np.abs(self.prior), _FLOOR)
+        self.theta = self.prior.copy() if theta is None else theta.copy()
+        self.cov = np.diag((settings.prior_rel_std * self.scale) ** 2) if cov is None else cov.copy()
+        self.t = math.nan  # engine time of the last update
+        self.samples = 0
+        self.dropped = 0
+        self.downweighted = 0
+
+    def copy_as_prior(self, floor_rel: float = 0.2) -> Fit:
+        """A new worker's start from this (pooled) fit: its estimate, its spread widened to at least floor_rel."""
+        cov = self.cov.copy()
+        np.fill_diagonal(cov, np.maximum(np.diag(cov), (floor_rel * np.maximum(np.abs(self.theta), _FLOOR)) ** 2))
+        f = Fit(efficiency_of(self.prior), self.s, cov=cov, theta=self.theta)
+        return f
+
+    @property
+    def efficiency(self) -> Efficiency:
+        return efficiency_of(self.theta)
+
+    @property
+    def std(self) -> np.ndarray:
+        return np.sqrt(np.maximum(np.diag(self.cov), 0.0))
+
+    def update(self, f: np.ndarray, seconds: np.ndarray, now: float) -> int:
+        """Fold in steps (features `f`, measured `seconds`) reported at engine time `now`; returns how many were
+        used (the rest were absurd and are counted in `dropped`)."""
+        if not math.isnan(self.t) and now > self.t:
+            q = (self.s.drift_rel_per_s * self.scale) ** 2 * (now - self.t)
+            self.cov = self.cov + np.diag(q)
+        if math.isnan(self.t) or now > self.t:
+            self.t = now
+        ok = np.isfinite(seconds) & (seconds > 0) & np.isfinite(f).all(axis=1)
+        if ok.any():
+            pred = predict(f[ok], self.theta)
+            ratio = seconds[ok] / np.maximum(pred, 1e-12)
+            sane = (ratio < ABSURD) & (ratio > 1.0 / ABSURD)
+            idx = np.flatnonzero(ok)
+            ok[idx[~sane]] = False
+        self.dropped += int((~ok).sum())
+        if not ok.any():
+            return 0
+        f, y_all = f[ok], seconds[ok]
+        y = y_all - f[:, 6]
+        r_var = (self.s.noise_rel * y_all) ** 2
+        p_inv = np.linalg.inv(self.cov)
+        prior_theta = self.theta
+        theta = prior_theta
+        for _ in range(2):  # relinearise once: the bound kind of a kernel may flip with theta
+            h = _design(f, theta)
+            resid = y - h @ prior_theta
+            spread = r_var + np.einsum("ij,jk,ik->i", h, self.cov, h)
+            z = np.abs(resid) / np.sqrt(spread)
+            w = np.where(z > self.s.huber, self.s.huber / np.maximum(z, 1e-12), 1.0)
+            wr = w / r_var
+            info = p_inv + (h * wr[:, None]).T @ h
+            cov = np.linalg.inv(info)
+            theta = np.clip(cov @ (p_inv @ prior_theta + h.T @ (wr * y)), _LO, _HI)
+        self.theta, self.cov = theta, 0.5 * (cov + cov.T)
+        self.samples += len(y)
+        self.downweighted += int((w < 1.0).sum())
+        return len(y)
+
+
+class WorkerKey(msgspec.Struct, frozen=True):
+    """The pool a worker's fit is shared with: one kind of server serving one model."""
+
+    accelerator: str
+    model: str
+    devices: int
+    parallel: str
+
+
+class Learner:
+    """Per-worker fits, and one pooled fit per server kind as a new worker's prior. `observe` returns the
+    worker's new efficiency when it moved by more than `republish_rel` on any factor since last returned."""
+
+    def __init__(self, settings: FitSettings = FitSettings(), republish_rel: float = 0.02,
+                 degraded_ratio: float = 1.5) -> None:
+        self.s = settings
+        self.republish_rel = republish_rel
+        self.degraded_ratio = degraded_ratio
+        self.fits: dict[str, Fit] = {}
+        self.pools: dict[WorkerKey, Fit] = {}
+        self.key_of: dict[str, WorkerKey] = {}
+        self.models: dict[str, CostModel] = {}  # worker id -> the prior cost model the features come from
+        self._published: dict[str, np.ndarray] = {}
+        self._runs: dict[str, tuple[str, float]] = {}  # worker id -> (the run reporting under it, when)
+        self.rejected_reports = 0  # reports of a second process under a worker's id
+
+    def observe(self, worker_id: str, key: WorkerKey, cm: CostModel, samples: Iterable[StepSample],
+                now: float, instance: str = "") -> Efficiency | None:
+        """Fold in a report of `worker_id` (of kind `key`, run `instance`) at engine time `now`. A report from
+        another run than the one reporting within IMPOSTOR_S is dropped (two processes under one id)."""
+        samples = list(samples)
+        run, last_t = self._runs.get(worker_id, ("", -math.inf))
+        if instance and run and instance != run and now - last_t < IMPOSTOR_S:
+            self.rejected_reports += 1
+            return None
+        if instance:
+            self._runs[worker_id] = (instance, now)
+        if self.key_of.get(worker_id, key) != key:
+            self.forget(worker_id)  # a new model or layout (a re-plan): start again from its pool
+        pool = self.pools.get(key)
+        if pool is None:
+            pool = self.pools[key] = Fit(cm.eff, self.s)
+        fit = self.fits.get(worker_id)
+        if fit is None:
+            fit = self.fits[worker_id] = pool.copy_as_prior()
+            self.key_of[worker_id] = key
+            self.models[worker_id] = cm
+        if not samples:
+            return None
+        f = features(self.models[worker_id], samples)
+        secs = np.array([s.seconds for s in samples], dtype=float)
+        if not fit.update(f, secs, now):
+            return None
+        pool.update(f, secs, now)
+        last = self._published.get(worker_id)
+        if last is not None and (np.abs(fit.theta - last) <= self.republish_rel * np.abs(last)).all():
+            return None
+        self._published[worker_id] = fit.theta.copy()
+        return fit.efficiency
+
+    def forget(self, worker_id: str) -> None:
+        self.fits.pop(worker_id, None)
+        self.key_of.pop(worker_id, None)
+        self.models.pop(worker_id, None)
+        self._published.pop(worker_id, None)
+
+    def efficiency(self, worker_id: str) -> Efficiency | None:
+        fit = self.fits.get(worker_id)
+        return fit.efficiency if fit is not None and fit.samples else None
+
+    def speed(self, worker_id: str, prior: Efficiency) -> float:
+        """How fast the worker runs against `prior` on its own typical step (> 1: faster), 1.0 when unknown."""
+        fit = self.fits.get(worker_id)
+        cm = self.models.get(worker_id)
+        if fit is None or cm is None or not fit.samples:
+            return 1.0
+        f = _reference(cm)
+        return float(predict(f, theta_of(prior))[0] / predict(f, fit.theta)[0])
+
+    def degraded(self, worker_id: str) -> float:
+        """The worker's step time over its pool's on the reference step (> degraded_ratio: alarm), 1.0 if unknown."""
+        fit, key, cm = self.fits.get(worker_id), self.key_of.get(worker_id), self.models.get(worker_id)
+        if fit is None or key is None or cm is None or not fit.samples:
+            return 1.0
+        peers = [self.fits[w] for w, k in self.key_of.items() if k == key and w != worker_id and self.fits[w].samples]
+        if not peers:
+            return 1.0
+        f = _reference(cm)
+        mine = float(predict(f, fit.theta)[0])
+        theirs = float(np.median([predict(f, p.theta)[0] for p in peers]))
+        return mine / theirs if theirs > 0 else 1.0
+
+    def report(self, worker_id: str) -> dict[str, float]:
+        fit = self.fits.get(worker_id)
+        if fit is None:
+            return {}
+        e = fit.efficiency
+        rel = fit.std / np.maximum(np.abs(fit.theta), _FLOOR)
+        return {"compute": e.compute, "memory": e.memory, "overhead_s": e.overhead_s, "per_seq_s": e.per_seq_s,
+                "rel_std": float(rel.max()), "samples": float(fit.samples), "dropped": float(fit.dropped)}
+
+
+def _reference(cm: CostModel) -> np.ndarray:
+    """A typical mixed step: a 512-token prefill chunk beside 16 decodes at 2,048 tokens of context."""
+    return features(cm, [StepSample(512, 1, 512 * 513 / 2, 0, 16, 16 * 2048, 0.0)])

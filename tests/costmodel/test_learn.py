@@ -1,0 +1,122 @@
+"""The online fit: it finds a worker's true speed from its step times, tracks drift, shrugs off outliers."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from hetmesh.costmodel import CostModel, Efficiency, accelerator, model_spec
+from hetmesh.costmodel.learn import Learner, StepLog, StepSample, WorkerKey, features, predict
+from hetmesh.costmodel.truth import Truth
+from hetmesh.protocol import Role
+from hetmesh.sim import Slo, pool, simulate, synthetic
+
+PRIOR = Efficiency(compute=0.45, memory=0.6, overhead_s=0.008, per_seq_s=0.0002)
+TRUE = Efficiency(compute=0.15, memory=0.2, overhead_s=0.024, per_seq_s=0.0006)  # 3x slower on every factor
+KEY = WorkerKey("nvidia-h100", "llama-3.1-70b", 8, "tp")
+
+
+def _cm(eff: Efficiency) -> CostModel:
+    return CostModel(accelerator("nvidia-h100"), model_spec("llama-3.1-70b"), devices=8, efficiency=eff)
+
+
+def _steps(cm: CostModel, n: int, rng: np.random.Generator, noise: float = 0.1) -> list[StepSample]:
+    out = []
+    for _ in range(n):
+        new = int(rng.integers(16, 4096)) if rng.random() < 0.5 else 0
+        nd = int(rng.integers(0 if new else 1, 64))
+        ctx = nd * int(rng.integers(100, 4000))
+        pairs = new * (new + 1) / 2
+        t = cm.step_time_totals(new, int(new > 0), pairs, 0, nd, ctx) * rng.lognormal(0.0, noise)
+        out.append(StepSample(new, int(new > 0), pairs, 0, nd, ctx, t))
+    return out
+
+
+def _error(learner: Learner, wid: str, test: list[StepSample]) -> float:
+    f = features(_cm(PRIOR), test)
+    y = np.array([s.seconds for s in test])
+    return float(np.median(np.abs(predict(f, learner.fits[wid].theta) / y - 1.0)))
+
+
+def test_learns_a_3x_wrong_prior_within_a_few_reports() -> None:
+    rng = np.random.default_rng(1)
+    truth, prior = _cm(TRUE), _cm(PRIOR)
+    test = _steps(truth, 300, rng, noise=0.0)
+    lr = Learner()
+    lr.observe("w0", KEY, prior, [], 0.0)
+    before = _error(lr, "w0", test)
+    for i in range(10):
+        lr.observe("w0", KEY, prior, _steps(truth, 8, rng), 0.5 * (i + 1))
+    after = _error(lr, "w0", test)
+    assert before > 0.5 and after < 0.08, (before, after)
+    assert lr.speed("w0", PRIOR) == pytest.approx(1 / 3, rel=0.25)
+
+
+def test_drift_is_relearned_and_outliers_do_not_poison_it() -> None:
+    rng = np.random.default_rng(2)
+    prior = _cm(PRIOR)
+    lr = Learner()
+    for i in range(20):
+        lr.observe("w0", KEY, prior, _steps(prior, 32, rng), 0.5 * i)
+    theta = lr.fits["w0"].theta.copy()
+    # a GC pause, a preemption: a burst of steps 10x too long, and absurd reports
+    burst = [StepSample(100, 1, 5050.0, 0, 10, 10_000, 5.0)] * 20
+    bad = [StepSample(100, 1, 5050.0, 0, 10, 10_000, s) for s in (0.0, -1.0, math.nan, math.inf, 1e9)]
+    lr.observe("w0", KEY, prior, burst + bad, 10.5)
+    assert np.allclose(lr.fits["w0"].theta, theta, rtol=0.05)
+    assert lr.fits["w0"].dropped >= len(bad)
+    # the chip slows 2x: back within 15% in well under 30 s of engine time
+    slow = _cm(Efficiency(compute=PRIOR.compute / 2, memory=PRIOR.memory / 2, overhead_s=2 * PRIOR.overhead_s,
+                          per_seq_s=2 * PRIOR.per_seq_s))
+    test = _steps(slow, 300, rng, noise=0.0)
+    t = 11.0
+    while _error(lr, "w0", test) > 0.15:
+        lr.observe("w0", KEY, prior, _steps(slow, 32, rng), t)
+        t += 0.5
+        assert t < 11.0 + 30.0
+
+
+def test_a_second_process_under_one_id_is_dropped_and_pooled_prior_seeds_new_workers() -> None:
+    rng = np.random.default_rng(3)
+    truth, prior = _cm(TRUE), _cm(PRIOR)
+    lr = Learner()
+    for i in range(10):
+        lr.observe("w0", KEY, prior, _steps(truth, 16, rng), 0.5 * i, instance="run-a")
+    fit = lr.fits["w0"].theta.copy()
+    lr.observe("w0", KEY, prior, _steps(prior, 64, rng), 5.0, instance="impostor")
+    assert lr.rejected_reports == 1 and np.array_equal(lr.fits["w0"].theta, fit)
+    # a new worker of the same kind starts from what its pool learned, not from the catalog
+    lr.observe("w1", KEY, prior, [], 5.0)
+    assert lr.speed("w1", PRIOR) == 1.0  # no samples of its own yet
+    assert np.allclose(lr.fits["w1"].theta, lr.pools[KEY].theta)
+    assert lr.fits["w1"].theta[0] > 2.0 / PRIOR.compute
+
+
+def test_step_log_is_bounded_and_spread() -> None:
+    log = StepLog(cap=8)
+    for i in range(1000):
+        log.add(StepSample(i, 1, 0.0, 0, 0, 0, 0.01))
+    got = log.drain()
+    assert 1 <= len(got) <= 8
+    assert got[-1].prefill_tokens > 850 and got[0].prefill_tokens < 150  # spread over all the steps taken
+    assert log.drain() == []
+
+
+def test_simulated_slow_worker_is_priced_at_its_real_speed() -> None:
+    """Two identical workers, one truly 2x slower than its prior: the learning cost policy serves within the SLO
+    what the policy pricing both at the prior serves late; with a right prior, learning changes nothing."""
+    kw = {"model": "llama-3.1-70b", "devices": 8, "max_batch": 64}
+    trace = synthetic(n=600, rate=6.0, input_mean=2048, output_mean=128, seed=1)
+    slo = Slo(ttft_s=2.0, tpot_s=0.1)
+    right = pool("a", 2, "nvidia-h100", Role.BOTH, **kw)
+    _, lres = simulate(right, "cost", trace, slo=slo)
+    _, bres = simulate(right, "cost", trace, slo=slo, learn=False)
+    assert [(r.prefill_worker, r.decode_worker, r.finish) for r in lres.records] == [
+        (r.prefill_worker, r.decode_worker, r.finish) for r in bres.records]
+    ws = pool("fast", 1, "nvidia-h100", **kw) + pool("slow", 1, "nvidia-h100", truth=Truth(slowdown=2.0), **kw)
+    learned, _ = simulate(ws, "cost", trace, slo=slo)
+    blind, _ = simulate(ws, "cost", trace, slo=slo, learn=False)
+    assert learned["slo_attainment"] > 0.9 > blind["slo_attainment"]
+    assert learned["goodput_tok_s"] > 1.5 * blind["goodput_tok_s"], (learned["goodput_tok_s"], blind["goodput_tok_s"])
