@@ -70,6 +70,7 @@ class GatewayConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     max_inflight: int = 2048
     max_body_bytes: int = 4 << 20  # a bigger body gets 413 before it is read whole
     max_header_bytes: int = 64 << 10  # a bigger request line + headers get 431 while they arrive
+    max_header_bytes: int = 64 << 10  # a bigger request line + headers get 431 while they arrive
     # No scheduler subscribed (restarting): a new request waits this long for one, then gets 503.
     scheduler_wait_s: float = 15.0
     retry_after_s: float = 1.0  # what Retry-After says when the mesh is overloaded

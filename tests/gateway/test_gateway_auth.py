@@ -3,9 +3,12 @@ plays scheduler and workers): 401 / 429 / 503 / 413 in OpenAI's error shape, wit
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
 import time
 from collections.abc import Iterator
+from urllib.parse import urlparse
 
 import httpx
 import openai
@@ -140,3 +143,40 @@ def test_oversized_body_is_413(authed: GatewayProc) -> None:
                    headers={"authorization": f"Bearer {OPEN}", "content-type": "application/json"})
     assert_openai_error(r, 413, code="request_too_large")
     assert authed.alive
+
+
+def raw_exchange(url: str, head: bytes) -> bytes:
+    """Send a request head over a plain socket (as much of it as the gateway reads) and return its answer."""
+    u = urlparse(url)
+    with socket.create_connection((u.hostname, u.port), timeout=10) as sock:
+        with contextlib.suppress(OSError):  # the gateway may close before the whole head is sent
+            sock.sendall(head)
+        out = b""
+        with contextlib.suppress(OSError):
+            while chunk := sock.recv(65536):
+                out += chunk
+    return out
+
+
+def test_oversized_headers_are_431_with_a_short_body(authed: GatewayProc) -> None:
+    big = "x" * (100 << 10)
+    r = httpx.post(authed.url + "/v1/chat/completions", timeout=10, headers={"x-filler": big},
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
+    assert_openai_error(r, 431, code="request_header_fields_too_large")
+    assert len(r.content) < 300
+    # a 20 MB Authorization header is cut off once past the limit, not read whole and echoed
+    answer = raw_exchange(authed.url, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-"
+                          + b"k" * (20 << 20) + b"\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 431 ") and len(answer) < 500, answer[:500]
+    # headers under the limit are served as before
+    r = httpx.get(authed.url + "/v1/models", headers={"authorization": f"Bearer {OPEN}", "x-filler": "y" * (32 << 10)},
+                  timeout=10)
+    assert r.status_code == 200
+    assert authed.alive
+
+
+def test_a_wrong_key_is_echoed_only_by_its_first_characters(authed: GatewayProc) -> None:
+    key = "sk-abcdef" + "z" * (40 << 10)
+    r = httpx.get(authed.url + "/v1/models", headers={"authorization": f"Bearer {key}"}, timeout=10)
+    err = assert_openai_error(r, 401, code="invalid_api_key")
+    assert "sk-ab..." in str(err["message"]) and "sk-abc" not in str(err["message"]) and len(r.content) < 300

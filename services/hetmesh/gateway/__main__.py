@@ -15,6 +15,7 @@ from hetmesh import config
 from hetmesh.runtime import setup_process
 
 from .app import asgi_app
+from .httpserver import uvicorn_http
 from .service import Gateway, default_instance
 
 
@@ -36,9 +37,10 @@ def main() -> None:
     host = args.host or cfg.gateway.host
     port = cfg.gateway.port if args.port is None else args.port
     gw = Gateway(cfg, args.instance or default_instance())
-    # loop/http "auto": uvloop and httptools when installed (they cut per-request overhead a lot).
-    uvicorn.run(asgi_app(gw), host=host, port=port, loop="auto", http="auto", log_level="warning",
-                access_log=False, timeout_graceful_shutdown=2, lifespan="on")
+    # loop "auto": uvloop when installed; httptools when installed (both cut per-request overhead a lot), with
+    # request heads limited in size (431).
+    uvicorn.run(asgi_app(gw), host=host, port=port, loop="auto", log_level="warning", access_log=False,
+                timeout_graceful_shutdown=2, lifespan="on", **uvicorn_http(cfg.gateway.max_header_bytes))
 
 
 if __name__ == "__main__":

@@ -82,7 +82,8 @@ MISSING = ("You didn't provide an API key. You need to provide your API key in a
 
 
 def _redact(key: str) -> str:
-    return key[:3] + "*" * max(len(key) - 7, 0) + key[-4:] if len(key) > 8 else "*" * len(key)
+    """A few leading characters of a wrong key, whatever its length (the 401 echoes no more than that)."""
+    return key[:5] + "..." if len(key) > 8 else "***"
 
 
 class Authenticator:
