@@ -28,6 +28,8 @@ from hetmesh.launcher import Mesh
 
 from .conftest import scrape
 
+pytestmark = pytest.mark.mesh  # every test here runs processes (a mesh, or Python with an environment to probe)
+
 # The cost policy with two decode workers: a split placement always, with two candidates to weigh.
 CLUSTER = """
 [mesh]

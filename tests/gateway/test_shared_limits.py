@@ -122,6 +122,7 @@ def test_redis_down_falls_back_to_the_gateways_own_buckets() -> None:
     run(go())
 
 
+@pytest.mark.mesh  # its own redis-server
 def test_a_fallback_starts_from_the_shared_state_last_seen() -> None:
     _, s = key_state(rpm=5)
     rs = servers.start_redis()

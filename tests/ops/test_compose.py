@@ -217,6 +217,7 @@ def compose_as_processes(tmp: Path) -> Iterator[tuple[str, dict[str, int]]]:
                     p.wait()
 
 
+@pytest.mark.mesh  # nats-server, redis-server and the services as processes
 def test_the_compose_services_serve_the_api(tmp_path: Path) -> None:
     cfg = config.load(ROOT / "ops" / "clusters" / "default.toml")
     workers = sum(g.count for g in cfg.workers)

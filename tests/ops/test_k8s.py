@@ -182,6 +182,7 @@ def test_overlay_runs_what_the_code_reads(overlay: Path) -> None:
         assert {g.vendor for g in cfg.workers} == set(VENDOR_RESOURCE)
 
 
+@pytest.mark.mesh  # runs kubectl
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed: kustomize rendering skipped "
                     "(the resources are still validated one by one above)")
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)

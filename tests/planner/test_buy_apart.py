@@ -22,6 +22,7 @@ def _kinds(count: int) -> list[ServerGroup]:
             ServerGroup(name="mi300x", accelerator="amd-mi300x", count=count)]
 
 
+@pytest.mark.slow
 def test_two_models_are_bought_apart_on_servers_numbered_apart() -> None:
     kinds = _kinds(4)
     tr = demand_trace(DEMANDS, 60.0)
@@ -38,6 +39,7 @@ def test_two_models_are_bought_apart_on_servers_numbered_apart() -> None:
     assert {a.model for a in both.assignments} == {"chat", "code"}
 
 
+@pytest.mark.slow
 def test_parts_the_counts_cannot_hold_fall_back_to_the_joint_search() -> None:
     kinds = _kinds(1)  # each model alone would take the cheaper kind's only server
     tr = demand_trace(DEMANDS, 60.0)

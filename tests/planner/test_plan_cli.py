@@ -28,6 +28,7 @@ def test_fleet_plan_writes_a_cluster_file_that_loads(tmp_path: Path, capsys: pyt
     assert (tmp_path / "plan.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_catalog_plan_finds_the_cheapest_servers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--catalog", "--spec", "llama-3.1-70b", "--rate", "2", "--accelerators",
                  "nvidia-h200,amd-mi300x", "--max-servers", "4", "--out", str(tmp_path)]) == 0

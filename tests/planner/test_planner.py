@@ -197,6 +197,7 @@ def test_cheapest_purchase_meets_the_slos() -> None:
     assert best.usd_per_hour == pytest.approx(sum(best.servers.values()) * 8 * device_usd_per_hour("nvidia-h200"))
 
 
+@pytest.mark.slow
 def test_the_capacity_plan_is_never_dearer_than_a_kind_alone() -> None:
     # 4 req/s of 512 in / 512 out: one H200 server meets the SLOs alone. The share search sizes every
     # kind for one share of the demand, and the solver kept picking MI300X (its short-trace measured
@@ -220,6 +221,7 @@ def test_the_capacity_plan_is_never_dearer_than_a_kind_alone() -> None:
                          for a, b in itertools.pairwise(front))
 
 
+@pytest.mark.slow
 def test_a_decode_chip_that_cannot_serve_long_prompts_alone_is_measured_as_a_decoder() -> None:
     # 24k-token prompts within 4 s: an MI308X server cannot prefill them in time, so a pool of it serving
     # them aggregated meets nothing. Its decode options are measured behind a prefill partner instead
@@ -266,6 +268,7 @@ def test_a_model_forecast_to_have_no_demand_gets_no_requests() -> None:
     assert tr.requests and {r.model for r in tr.requests} == {"m"}
 
 
+@pytest.mark.slow
 def test_the_check_counts_a_request_refused_by_admission_as_a_miss() -> None:
     # One MI300X server offered many times what it holds: admission (on by default, as in the mesh)
     # refuses much of it; the planner's attainment is of every request offered, not only those let in.
@@ -324,6 +327,7 @@ def test_the_local_search_steps_drop_swap_for_cheaper_kinds_in_the_role_or_move_
         (0.0, [*h200, *rest[:3], ("b-3", "n", Role.BOTH, "tp")])]
 
 
+@pytest.mark.slow
 def test_the_local_search_takes_back_what_the_demand_does_not_need_and_simulates_each_shape_once() -> None:
     from hetmesh.planner import buy
 
@@ -354,6 +358,7 @@ def test_the_local_search_takes_back_what_the_demand_does_not_need_and_simulates
     assert len(shapes) == len(set(shapes)) and buy._shape(lay) not in shapes
 
 
+@pytest.mark.slow
 def test_the_local_search_may_cross_a_plateau_to_reach_a_drop() -> None:
     from hetmesh.planner import buy
 
@@ -426,6 +431,7 @@ def test_layout_variants_move_a_tied_pool_whole_and_ignore_how_the_fleet_is_grou
     assert _layout_variants(pf, groups, options(groups, d)) == []
 
 
+@pytest.mark.slow
 def test_the_plan_simulates_the_tied_layouts_and_keeps_the_best() -> None:
     groups, d = _tie_case()
     idle = plan(groups, [d[0].scaled(0.1)], check_duration_s=30)  # all served within the SLOs: nothing to refine

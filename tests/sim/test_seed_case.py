@@ -43,6 +43,7 @@ def test_the_gain_depends_on_the_workload() -> None:
     assert r["ratio"] < 1.2
 
 
+@pytest.mark.slow
 def test_feasibility_map_says_which_assumptions_still_reproduce_the_seed() -> None:
     # benchmarks/seed_feasibility.py maps these; here one point of each kind, short runs
     kw = {"seeds": (1,), "requests_per_client": 12}
