@@ -116,6 +116,14 @@ class WorkerStatus(Struct, kw_only=True):
     moving_model: str = ""  # the model it is switching to (ModelSwitch: drain, reload); empty: it keeps its model
     parallel: str = "tp"  # its layout over its devices now (tp | ep | dp; a ModelSwitch may change it)
     wedged: bool = False  # running requests, heartbeats on, no token in or out for mesh.wedge_timeout_s: placed on no more
+    # Its speed learned from its engine's steps, against the catalog prior (> 1: faster; 1.0 until it reports),
+    # that fit's largest relative std, the steps it was fitted on, and its step time over its peers' (degraded
+    # past the scheduler's alarm ratio)
+    speed: float = 1.0
+    speed_rel_std: float = 0.0
+    fitted_steps: int = 0
+    vs_peers: float = 1.0
+    degraded: bool = False
 
 
 class SchedulerStatus(Struct, kw_only=True):
@@ -223,6 +231,25 @@ class Finished(Struct, kw_only=True):
 FinishedBatch = list[Finished]
 
 
+class StepSample(Struct, frozen=True, array_like=True):
+    """One engine step's totals and its wall seconds (in engine time): compact on the bus as an array."""
+
+    prefill_tokens: int
+    prefill_seqs: int
+    prefill_pairs: float
+    prefill_cached: int
+    n_decode: int
+    decode_context: int
+    seconds: float
+
+    @classmethod
+    def of(cls, step: object, seconds: float) -> StepSample:
+        """From anything with hetmesh.batching.Step's totals."""
+        s = step
+        return cls(s.prefill_tokens, s.prefill_seqs, float(s.prefill_pairs), s.prefill_cached,  # type: ignore[attr-defined]
+                   s.n_decode, s.decode_context, float(seconds))  # type: ignore[attr-defined]
+
+
 class Heartbeat(Struct, kw_only=True):
     worker_id: str
     model: str
@@ -255,6 +282,9 @@ class Heartbeat(Struct, kw_only=True):
     # This run of the worker process (new at every start): a worker back under the same id faster than the
     # heartbeat timeout holds none of what its last run held, and only this tells the scheduler so.
     instance: str = ""
+    # A bounded sample of its engine's steps since the last heartbeat (totals and engine seconds, an array each):
+    # what the scheduler learns this worker's speed from (hetmesh.costmodel.learn)
+    steps: list[StepSample] = field(default_factory=list)
 
 
 class KvEvent(Struct, kw_only=True):

@@ -51,7 +51,7 @@ def test_learns_a_3x_wrong_prior_within_a_few_reports() -> None:
         lr.observe("w0", KEY, prior, _steps(truth, 8, rng), 0.5 * (i + 1))
     after = _error(lr, "w0", test)
     assert before > 0.5 and after < 0.08, (before, after)
-    assert lr.speed("w0", PRIOR) == pytest.approx(1 / 3, rel=0.25)
+    assert lr.speed("w0") == pytest.approx(1 / 3, rel=0.25)
 
 
 def test_drift_is_relearned_and_outliers_do_not_poison_it() -> None:
@@ -89,7 +89,7 @@ def test_a_second_process_under_one_id_is_dropped_and_pooled_prior_seeds_new_wor
     assert lr.rejected_reports == 1 and np.array_equal(lr.fits["w0"].theta, fit)
     # a new worker of the same kind starts from what its pool learned, not from the catalog
     lr.observe("w1", KEY, prior, [], 5.0)
-    assert lr.speed("w1", PRIOR) == 1.0  # no samples of its own yet
+    assert lr.speed("w1") == 1.0  # no samples of its own yet
     assert np.allclose(lr.fits["w1"].theta, lr.pools[KEY].theta)
     assert lr.fits["w1"].theta[0] > 2.0 / PRIOR.compute
 

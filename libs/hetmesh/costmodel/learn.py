@@ -22,6 +22,7 @@ import numpy as np
 
 from hetmesh.costmodel.efficiency import Efficiency
 from hetmesh.costmodel.model import CostModel
+from hetmesh.protocol import StepSample
 
 PARAMS = ("inv_compute", "inv_memory", "overhead_s", "per_seq_s")
 _LO = np.array([1 / 1.5, 1 / 1.5, 0.0, 0.0])  # the bounds of a valid Efficiency
@@ -29,25 +30,6 @@ _HI = np.array([1e4, 1e4, 10.0, 1.0])
 _FLOOR = np.array([0.0, 0.0, 1e-3, 5e-5])  # the prior's std is relative, but never below these (s)
 ABSURD = 100.0  # a sample this many times off the prediction (either way) is dropped, not fitted
 IMPOSTOR_S = 5.0  # engine seconds a run owns its worker id after its last report
-
-
-class StepSample(msgspec.Struct, frozen=True, array_like=True):
-    """One engine step's totals and its wall seconds (in engine time): compact on the bus as an array."""
-
-    prefill_tokens: int
-    prefill_seqs: int
-    prefill_pairs: float
-    prefill_cached: int
-    n_decode: int
-    decode_context: int
-    seconds: float
-
-    @classmethod
-    def of(cls, step: object, seconds: float) -> StepSample:
-        """From anything with hetmesh.batching.Step's totals."""
-        s = step
-        return cls(s.prefill_tokens, s.prefill_seqs, float(s.prefill_pairs), s.prefill_cached,  # type: ignore[attr-defined]
-                   s.n_decode, s.decode_context, float(seconds))  # type: ignore[attr-defined]
 
 
 class StepLog:
@@ -257,14 +239,14 @@ class Learner:
         fit = self.fits.get(worker_id)
         return fit.efficiency if fit is not None and fit.samples else None
 
-    def speed(self, worker_id: str, prior: Efficiency) -> float:
-        """How fast the worker runs against `prior` on its own typical step (> 1: faster), 1.0 when unknown."""
+    def speed(self, worker_id: str) -> float:
+        """How fast the worker runs against its catalog prior on a typical step (> 1: faster), 1.0 when unknown."""
         fit = self.fits.get(worker_id)
         cm = self.models.get(worker_id)
         if fit is None or cm is None or not fit.samples:
             return 1.0
         f = _reference(cm)
-        return float(predict(f, theta_of(prior))[0] / predict(f, fit.theta)[0])
+        return float(predict(f, fit.prior)[0] / predict(f, fit.theta)[0])
 
     def degraded(self, worker_id: str) -> float:
         """The worker's step time over its pool's on the reference step (> degraded_ratio: alarm), 1.0 if unknown."""

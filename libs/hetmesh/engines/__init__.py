@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from hetmesh.config import ClusterConfig, ModelConfig, WorkerGroup
 from hetmesh.costmodel import CostModel
+from hetmesh.costmodel.truth import Truth
 from hetmesh.engines.base import Engine, EngineError, EngineOutput, EngineRequest, EngineStats, KvEventBatch
 
 __all__ = ["Engine", "EngineError", "EngineOutput", "EngineRequest", "EngineStats", "KvEventBatch", "create"]
@@ -22,7 +23,8 @@ def create(cfg: ClusterConfig, group: WorkerGroup, cost: CostModel) -> Engine:
         from hetmesh.engines.simulated import SimEngine
 
         return SimEngine(tokenizer.load(model.tokenizer), cost, wiring.settings(cfg, group, cost),
-                         time_scale=cfg.mesh.time_scale)
+                         time_scale=cfg.mesh.time_scale,
+                         truth=Truth(slowdown=group.sim_slowdown, after_s=group.sim_slowdown_after_s))
     if group.engine == "vllm":
         return vllm_engine(cfg, group, model)
     raise EngineError(f"engine {group.engine!r} is not available (sim | vllm)")

@@ -16,7 +16,7 @@ from msgspec import Struct, field
 
 from hetmesh.batching.cache import KvEventBatch
 from hetmesh.kvstream import KvSink
-from hetmesh.protocol import Phase, SamplingParams, TokenLogprob
+from hetmesh.protocol import Phase, SamplingParams, StepSample, TokenLogprob
 
 
 class EngineError(Exception):
@@ -97,6 +97,11 @@ class Engine(Protocol):
         ...
 
     def stats(self) -> EngineStats: ...
+
+    def step_log(self) -> list[StepSample]:
+        """Drain the engine steps since the previous call (a bounded sample: hetmesh.costmodel.learn.StepLog), each
+        with its totals and seconds, for the scheduler's online fit of this worker's speed."""
+        ...
 
     def kv_events(self) -> KvEventBatch:
         """Drain the prefix cache's stored/removed block hashes since the previous call."""

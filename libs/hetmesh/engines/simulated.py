@@ -17,6 +17,8 @@ from typing import Protocol
 import msgspec
 
 from hetmesh.batching import Core, Kind, KvEventBatch, Seq, Settings, State, Step
+from hetmesh.costmodel.learn import StepLog, StepSample
+from hetmesh.costmodel.truth import Truth
 from hetmesh.engines.base import EngineError, EngineOutput, EngineRequest, EngineStats
 from hetmesh.engines.sampling import Completion, Sampler
 from hetmesh.kvstream import DroppedKv, KvSink
@@ -89,7 +91,7 @@ class SimEngine:
     name = "sim"
 
     def __init__(self, tokenizer: Tokenizer, timer: StepTimer, settings: Settings | None = None,
-                 time_scale: float = 1.0) -> None:
+                 time_scale: float = 1.0, truth: Truth | None = None) -> None:
         if time_scale <= 0:
             raise ValueError("time_scale must be > 0")
         self.tok = tokenizer
@@ -106,6 +108,9 @@ class SimEngine:
         self.aborted = 0
         self.busy_s = 0.0
         self.steps: list[tuple[object, ...]] | None = None  # Step.signature() of every step, when recording
+        self.truth = truth or Truth()  # what this simulated chip really runs at (the scheduler prices the prior)
+        self._log = StepLog()  # the steps since the last heartbeat, with their engine seconds
+        self._t0 = -1.0  # loop time of the first step: the truth's clock
 
     @property
     def cache(self):  # type: ignore[no-untyped-def]  # the core's KV memory (tests read its free blocks)
@@ -203,6 +208,9 @@ class SimEngine:
                            tokens_generated=st.tokens_generated, prompt_tokens_computed=st.prompt_tokens_computed,
                            prompt_tokens_cached=st.prompt_tokens_cached, aborted=self.aborted,
                            preempted=st.preempted, steps=st.steps, busy_s=self.busy_s)
+
+    def step_log(self) -> list[StepSample]:
+        return self._log.drain()
 
     def kv_events(self) -> KvEventBatch:
         return self.core.cache.drain()
@@ -313,9 +321,13 @@ class SimEngine:
                 continue
             if self.steps is not None:
                 self.steps.append(step.signature())
-            dt = self.timer.step_seconds(step) / self.time_scale
-            self.busy_s += dt
             now = loop.time()
+            if self._t0 < 0:
+                self._t0 = now
+            engine_s = self.timer.step_seconds(step) * self.truth.factor((now - self._t0) * self.time_scale)
+            self._log.add(StepSample.of(step, engine_s))
+            dt = engine_s / self.time_scale
+            self.busy_s += dt
             target = max(target, now - MAX_LAG_S) + dt
             owed = target - now
             if owed > MIN_SLEEP_S:

@@ -35,7 +35,7 @@ import msgspec
 
 from hetmesh.engines.base import EngineError, EngineOutput, EngineRequest, EngineStats, KvEventBatch
 from hetmesh.kvstream import KvSink
-from hetmesh.protocol import Phase
+from hetmesh.protocol import Phase, StepSample
 
 from . import vllm_detok
 from .vllm_args import VllmConfig, check_tp_pairings, engine_args, sampling_params
@@ -275,6 +275,9 @@ class VllmEngine:
                            kv_blocks_cached=len(self._mapper.digests), block_size=self.config.block_size,
                            tokens_generated=self.tokens_generated, prompt_tokens_computed=self.prompt_tokens_computed,
                            prompt_tokens_cached=self.prompt_tokens_cached, aborted=self.aborted, steps=s.steps)
+
+    def step_log(self) -> list[StepSample]:
+        return []  # no per-step telemetry from this engine yet: the scheduler keeps its prior
 
     def kv_events(self) -> KvEventBatch:
         import zmq

@@ -198,6 +198,10 @@ class ClusterState:
             self._views = [self._view(e) for e in self._workers.values() if not e.wedged]
         return self._views
 
+    def view(self, worker_id: str) -> WorkerView | None:
+        e = self._workers.get(worker_id)
+        return None if e is None else self._view(e)
+
     def every_view(self) -> list[WorkerView]:
         """Every worker known, wedged ones too (for status)."""
         return [self._view(e) for e in self._workers.values()]

@@ -20,7 +20,7 @@ from rich.table import Table
 
 from hetmesh import config, subjects
 from hetmesh.cli import plan
-from hetmesh.protocol import PlanProposal, SchedulerStatus
+from hetmesh.protocol import PlanProposal, SchedulerStatus, WorkerStatus
 
 DEFAULT_NATS = "nats://127.0.0.1:4222"
 
@@ -52,12 +52,22 @@ async def fetch_status(url: str, timeout_s: float) -> SchedulerStatus:
         await nc.close()
 
 
+def speed(w: WorkerStatus) -> str:
+    """Its learned speed against the catalog prior (x1.00 = as priced), +-the fit's spread; "degraded" when much
+    slower than its peers; "prior" until its engine has reported steps."""
+    if not w.fitted_steps:
+        return "prior"
+    out = f"x{w.speed:.2f} ±{100 * w.speed_rel_std:.0f}%"
+    return out + (f" degraded ({w.vs_peers:.1f}x peers)" if w.degraded else "")
+
+
 def table(status: SchedulerStatus) -> Table:
     t = Table(title=f"scheduler {status.instance} · policy {status.policy} · {len(status.details)} workers · "
                     f"{status.in_flight} requests in flight")
     for col, justify in [("worker", "left"), ("model", "left"), ("accelerator", "left"), ("role", "left"),
                          ("engine", "left"), ("queue", "right"), ("running", "right"), ("KV blocks", "right"),
-                         ("KV use", "right"), ("KV port", "left"), ("tokens", "right"), ("heartbeat", "right")]:
+                         ("KV use", "right"), ("KV port", "left"), ("tokens", "right"), ("speed", "right"),
+                         ("heartbeat", "right")]:
         t.add_column(col, justify=justify)  # type: ignore[arg-type]
     for w in status.details:
         kv = f"{w.kv_blocks_used}/{w.kv_blocks_total}" if w.kv_blocks_total else "-"
@@ -68,7 +78,7 @@ def table(status: SchedulerStatus) -> Table:
         role += " (wedged)" if w.wedged else ""
         model = f"{w.model} -> {w.moving_model}" if w.moving_model else w.model
         t.add_row(w.worker_id, model, accel, role, w.engine, str(w.queue_depth),
-                  f"{w.running}/{w.max_batch}", kv, use, w.kv_endpoint or "-", str(w.tokens_generated),
+                  f"{w.running}/{w.max_batch}", kv, use, w.kv_endpoint or "-", str(w.tokens_generated), speed(w),
                   f"{w.heartbeat_age_s:.1f}s ago")
     return t
 

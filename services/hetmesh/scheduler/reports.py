@@ -6,7 +6,8 @@ apart from the service's handlers, which only call them and send the result.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from opentelemetry import trace
 
@@ -48,8 +49,10 @@ def metric_rows(state: ClusterState, prices: Mapping[str, float], in_flight: int
     return rows
 
 
-def status(state: ClusterState, instance: str, policy: str, in_flight: int, now: float) -> SchedulerStatus:
-    """The answer on the status subject: every worker in the view (`now`: wall time, for heartbeat ages)."""
+def status(state: ClusterState, instance: str, policy: str, in_flight: int, now: float,
+           fit: Callable[[str], Mapping[str, Any]] = lambda _w: {}) -> SchedulerStatus:
+    """The answer on the status subject: every worker in the view (`now`: wall time, for heartbeat ages), with
+    `fit(worker)`: its learned speed (WorkerStatus's fields)."""
     details = []
     for v in sorted(state.every_view(), key=lambda v: v.worker_id):
         hb = state.heartbeat(v.worker_id)
@@ -60,7 +63,8 @@ def status(state: ClusterState, instance: str, policy: str, in_flight: int, now:
             kv_blocks_used=v.kv_blocks_used, kv_blocks_total=v.kv_blocks_total,
             heartbeat_age_s=max(now - hb.ts, 0.0), tokens_generated=hb.tokens_generated,
             kv_endpoint=hb.kv_endpoint, draining=hb.draining, moving_to=hb.moving_to,
-            moving_model=hb.moving_model, parallel=hb.parallel, wedged=state.is_wedged(v.worker_id)))
+            moving_model=hb.moving_model, parallel=hb.parallel, wedged=state.is_wedged(v.worker_id),
+            **fit(v.worker_id)))
     return SchedulerStatus(instance=instance, policy=policy, workers=[d.worker_id for d in details],
                            details=details, in_flight=in_flight)
 

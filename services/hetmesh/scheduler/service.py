@@ -58,6 +58,7 @@ from hetmesh.protocol import (
 from hetmesh.runtime import run_service
 from hetmesh.workqueue import WorkQueue, msg_id
 
+from .learning import Learning
 from .prefix_mirror import PrefixMirror
 from .reports import metric_rows, placement_attributes, status
 
@@ -82,6 +83,7 @@ class Scheduler:
         self.state = ClusterState(cfg.mesh.heartbeat_timeout_s, cfg.mesh.wedge_s)
         sc = cfg.scheduler
         self.policy = wiring.policy(cfg)
+        self.learning = Learning(self.policy, cfg.mesh.time_scale)  # each worker's speed from its engine's steps
         self.uses_prefix = sc.policy in PREFIX_POLICIES
         self.block_size = {m.name: m.block_size for m in cfg.models}
         self.inflight: dict[str, _InFlight] = {}
@@ -146,11 +148,12 @@ class Scheduler:
         return {"ready": ok, "instance": self.instance, "workers": len(self.state)}
 
     def _snapshot(self) -> list[metrics.Row]:
-        return metric_rows(self.state, self.cfg.prices, len(self.inflight), self.prefix.queue.qsize())
+        return (metric_rows(self.state, self.cfg.prices, len(self.inflight), self.prefix.queue.qsize())
+                + self.learning.rows())
 
     async def on_status(self, m: Msg) -> None:
         await self.bus.respond(m, status(self.state, self.instance, self.policy.name, len(self.inflight),
-                                         time.time()))
+                                         time.time(), self.learning.status))
 
     # --- cluster view -------------------------------------------------------------------
     async def on_heartbeat(self, hb: Heartbeat, _m: Msg) -> None:
@@ -164,6 +167,10 @@ class Scheduler:
         if seen:
             log.info("worker %s %s (%s x%d, %s)", hb.worker_id, seen, hb.accelerator, hb.devices, hb.role)
             await self._event("", "worker_joined", worker_id=hb.worker_id, accelerator=hb.accelerator)
+        if hb.steps and (alarm := self.learning.heartbeat(hb, self.state.view(hb.worker_id), time.monotonic())):
+            ratio = self.learning.status(hb.worker_id).get("vs_peers", 1.0)
+            log.warning("worker %s %s: its steps take %.2fx its peers'", hb.worker_id, alarm, ratio)
+            await self._event("", f"worker_{alarm}", worker_id=hb.worker_id, vs_peers=round(ratio, 3))
 
     async def _on_reconnect(self) -> None:
         # The workers reconnect too, each on its own backoff: one more heartbeat timeout from now before

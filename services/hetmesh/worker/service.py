@@ -427,7 +427,8 @@ class Worker:
             kv_endpoint=self.kv_port.endpoint if self.kv_port is not None else "", parallel=g.parallel,
             step_tokens=g.step_tokens, draining=self.book.draining,
             moving_to=self.switch.moving_to.value if self.switch.moving_to is not None else "",
-            moving_model=self.switch.moving_model, ready_in_s=self.switch.ready_in_s(), instance=self.instance))
+            moving_model=self.switch.moving_model, ready_in_s=self.switch.ready_in_s(), instance=self.instance,
+            steps=self.engine.step_log()))
         return s
 
     async def _heartbeat_loop(self) -> None:
