@@ -22,6 +22,7 @@ from hetmesh.protocol import (
     ResponseEvent,
     Role,
     SamplingParams,
+    SchedulerStatus,
     SubmitReply,
     TurnedAway,
     WorkerLost,
@@ -178,4 +179,45 @@ async def test_full_pool_is_refused_with_retry_after(bus: Bus) -> None:
     await asyncio.sleep(0.4)
     reply = await submit(bus, request("r-room", [1, 2, 3]))
     assert reply.placement is not None and reply.placement.decode_worker == "a-0"
+    beater.task.cancel()
+
+
+async def in_flight(bus: Bus) -> int:
+    return (await bus.request(subjects.SCHED_STATUS, b"", SchedulerStatus, timeout_s=2)).in_flight
+
+
+async def until_in_flight(bus: Bus, n: int, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (got := await in_flight(bus)) != n:
+        assert time.monotonic() < deadline, f"{got} requests in flight, expected {n}"
+        await asyncio.sleep(0.1)
+
+
+async def test_in_flight_is_reconciled_with_what_workers_hold(bus: Bus) -> None:
+    """A Finished lost on the bus (here: never sent) leaves no request in flight for good: once its worker's
+    heartbeats have said for a while that it holds nothing, the scheduler forgets the request; a worker
+    that says it is busy keeps its own (its loss still sends WorkerLost for them)."""
+    await until_in_flight(bus, 0)  # the other tests' workers have gone silent and were lost
+    lost: asyncio.Queue[ResponseEvent] = asyncio.Queue()
+
+    async def on_reply(ev: ResponseEvent, _m: object) -> None:
+        await lost.put(ev)
+
+    await bus.subscribe(subjects.reply("r-busy"), ResponseEvent, on_reply)
+    beater = Beater(bus, ["a-0", "a-1"])
+    beater.load.update({"a-0": 0, "a-1": 30})
+    await asyncio.sleep(0.4)
+    busy = await submit(bus, request("r-busy", [5, 6, 7]))
+    assert busy.placement is not None and busy.placement.decode_worker == "a-0"
+    beater.load.update({"a-0": 30, "a-1": 0})
+    await asyncio.sleep(0.4)
+    idle = await submit(bus, request("r-idle", [8, 9, 10]))
+    assert idle.placement is not None and idle.placement.decode_worker == "a-1"
+    assert await in_flight(bus) == 2
+    await until_in_flight(bus, 1)  # a-1 says it holds nothing: r-idle is over
+    assert lost.empty()  # ... and r-busy is the one left (a-0 was not lost meanwhile)
+    beater.wids.discard("a-0")  # a-0 goes silent: r-busy was still on the books
+    ev = await asyncio.wait_for(lost.get(), 10)
+    assert isinstance(ev, WorkerLost) and ev.request_id == "r-busy" and ev.worker_id == "a-0"
+    await until_in_flight(bus, 0)
     beater.task.cancel()

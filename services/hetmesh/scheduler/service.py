@@ -60,6 +60,7 @@ from hetmesh.workqueue import WorkQueue, msg_id
 
 from .learning import Learning
 from .prefix_mirror import PrefixMirror
+from .reconcile import IdleWatch
 from .reports import metric_rows, placement_attributes, status
 
 log = logging.getLogger("hetmesh.scheduler")
@@ -69,11 +70,12 @@ TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, passed on un
 
 
 class _InFlight:
-    __slots__ = ("reply_subject", "workers")
+    __slots__ = ("reply_subject", "sent", "workers")
 
     def __init__(self, reply_subject: str, workers: set[str]) -> None:
         self.reply_subject = reply_subject
         self.workers = workers
+        self.sent = time.monotonic()
 
 
 class Scheduler:
@@ -89,6 +91,7 @@ class Scheduler:
         self.inflight: dict[str, _InFlight] = {}
         self.by_worker: dict[str, set[str]] = defaultdict(set)
         self.draining: set[str] = set()  # workers whose heartbeats say they are draining: placed on no more
+        self.idle = IdleWatch(4 * cfg.mesh.heartbeat_timeout_s)  # drops in-flight entries whose Finished was lost
         self.tracer = telemetry.setup("scheduler", instance)
         # Spans, context extraction and injection cost more than the rest of a placement; without an
         # exporter nobody sees them, so then the scheduler only passes the caller's trace headers on.
@@ -162,6 +165,7 @@ class Scheduler:
         elif self.draining:
             self.draining.discard(hb.worker_id)
         seen = self.state.observe(hb, time.monotonic())
+        self.idle.observe(hb.worker_id, hb.running + hb.queue_depth, time.monotonic())
         if seen == "restarted":  # back before its silence expired: the last run's requests are lost all the same
             await self.worker_lost(hb.worker_id, seen)
         if seen:
@@ -176,6 +180,7 @@ class Scheduler:
         # The workers reconnect too, each on its own backoff: one more heartbeat timeout from now before
         # silence counts again, rather than failing their streams for the bus's outage.
         self.state.touch_all(time.monotonic() + self.cfg.mesh.heartbeat_timeout_s)
+        self.idle.reset()
 
     async def _expire_loop(self) -> None:
         period = max(self.cfg.mesh.heartbeat_interval_s / 2, 0.05)
@@ -194,6 +199,20 @@ class Scheduler:
                 await self.worker_lost(worker_id)
             for worker_id in self.state.wedged(now):
                 await self.worker_lost(worker_id, "wedged")
+            self._reconcile()
+
+    def _reconcile(self) -> None:
+        """Forget what the workers' heartbeats say they no longer hold (their Finished lost on the bus)."""
+        stale = self.idle.stale(self.by_worker, lambda rid: fl.sent if (fl := self.inflight.get(rid)) else None)
+        for rid, worker_id in stale:
+            self.by_worker[worker_id].discard(rid)
+            fl = self.inflight.get(rid)
+            if fl is not None:
+                fl.workers.discard(worker_id)
+                if not fl.workers:
+                    del self.inflight[rid]
+        if stale:
+            log.info("in flight: %d request(s) no worker holds any more dropped (Finished lost)", len(stale))
 
     async def worker_lost(self, worker_id: str, why: str = "silent") -> None:
         """Every request `worker_id` held gets a WorkerLost (its gateway migrates or resubmits it). `why`:
