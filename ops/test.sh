@@ -1,9 +1,28 @@
 #!/usr/bin/env bash
-# The test command: set up, lint, then the whole suite against real nats-server/redis-server
-# processes that the fixtures start on free ports.
+# The test command: set up, lint (ruff; the import boundaries with lint-imports where .importlinter
+# exists), then pytest. Arguments other than --fast go to pytest.
+#
+#   ops/test.sh          the whole suite against real nats-server/redis-server processes that the
+#                        fixtures start on free ports (what CI runs, .ci/run)
+#   ops/test.sh --fast   the fast lane: -m "unit and not slow", about a minute on 2 cores
+#
+# Lanes (markers, given in tests/conftest.py): unit (pure code, no processes, no network), mesh (real
+# nats/redis/services), failure (fault injection, tests/failures), vllm (vLLM's CPU build, tests/vllm),
+# slow (long unit tests). E.g. ops/test.sh -m mesh, ops/test.sh -m "unit and slow".
 set -euo pipefail
 cd "$(dirname "$0")/.."
+fast=0
+args=()
+for a in "$@"; do
+  if [ "$a" = --fast ]; then fast=1; else args+=("$a"); fi
+done
 ops/setup.sh
 VPY="${HETMESH_VENV:-.venv}/bin"
 "$VPY/ruff" check libs services tests benchmarks
-exec "$VPY/python" -m pytest -q "$@"
+if [ -f .importlinter ]; then
+  "$VPY/lint-imports" --no-logo --no-cache .importlinter
+fi
+if [ "$fast" = 1 ]; then
+  exec "$VPY/python" -m pytest -q -m "unit and not slow" "${args[@]}"
+fi
+exec "$VPY/python" -m pytest -q "${args[@]}"
