@@ -1,17 +1,14 @@
 """Worker: the asyncio shell around one engine (one accelerator instance: a GPU or a server).
 
-It takes WorkItems from its direct and pool subjects through their durable consumers on the
-JetStream work queue (`hetmesh.workqueue`: acked once the engine has taken the item, a redelivered
-or re-published copy acked and dropped), streams TokenChunks straight to the
-gateway, heartbeats its load, publishes its prefix cache's KV events, aborts on Cancel, and
-plays its part in disaggregated serving: a PREFILL item ends by shipping the KV (straight to the
-decode worker's KV port, which came with the placement or from kv-transfer, or relayed by
-kv-transfer); a DECODE item waits until its KV has landed, then continues the same completion.
+It takes WorkItems from its direct and pool subjects on the JetStream work queue (`hetmesh.workqueue`),
+streams TokenChunks straight to the gateway, heartbeats its load, publishes its prefix cache's KV
+events, aborts on Cancel; a PREFILL item ends by shipping the KV to the decode worker, a DECODE item
+waits until its KV has landed, then continues the same completion.
 
 This module is the wiring: subscriptions, tasks, timers. The rules live in pure state
 (`requests.RequestBook`: intake, cancel, supersede, the KV wait; `kv`: landed KV, the prefix-cache
 mirror, transfer planning); serving an item is `phases`, shipping KV `transfer`, what goes out
-`outbox`, and the planner's role and model switches `switch`.
+`outbox`, its Prometheus rows `scrape`, and the planner's role and model switches `switch`.
 """
 
 from __future__ import annotations
@@ -51,7 +48,7 @@ from hetmesh.protocol import (
 from hetmesh.runtime import run_service
 from hetmesh.workqueue import RecentIds, WorkQueue, msg_id
 
-from . import intake
+from . import intake, scrape
 from .kv import CacheMirror, KvInbox
 from .outbox import Outbox
 from .phases import Phases, Run
@@ -230,32 +227,8 @@ class Worker:
         return {"ready": ok, "worker_id": self.worker_id, "role": self.role.value, "engine": self.engine.name}
 
     def _snapshot(self) -> list[metrics.Row]:
-        s = self.engine.stats()
-        g: dict[str, str] = {}  # no labels: Prometheus adds the target
-        return [
-            ("hetmesh_worker_queue_depth", "Requests waiting: in the engine's queue or for their KV", "gauge", g,
-             s.waiting + self.book.kv_waiting),
-            ("hetmesh_worker_running_requests", "Requests in the running batch", "gauge", g, s.running),
-            ("hetmesh_worker_max_batch", "Running batch limit", "gauge", g, s.max_batch),
-            ("hetmesh_worker_kv_blocks_used", "KV blocks pinned by running requests", "gauge", g, s.kv_blocks_used),
-            ("hetmesh_worker_kv_blocks_cached", "KV blocks holding a prefix", "gauge", g, s.kv_blocks_cached),
-            ("hetmesh_worker_kv_blocks_total", "KV blocks of the engine", "gauge", g, s.kv_blocks_total),
-            ("hetmesh_worker_generated_tokens", "Tokens generated", "counter", g, s.tokens_generated),
-            # Prefix hit rate: rate(prompt_cached) / (rate(prompt_cached) + rate(prompt_computed)).
-            ("hetmesh_worker_prompt_tokens_computed", "Prompt tokens prefilled", "counter", g,
-             s.prompt_tokens_computed),
-            ("hetmesh_worker_prompt_tokens_cached", "Prompt tokens served from the prefix cache", "counter", g,
-             s.prompt_tokens_cached),
-            ("hetmesh_worker_preempted_requests", "Requests whose KV was dropped to make room", "counter", g,
-             s.preempted),
-            ("hetmesh_worker_aborted_requests", "Requests aborted in the engine", "counter", g, s.aborted),
-            ("hetmesh_worker_kv_transfer_sent_bytes", "KV bytes shipped to decode workers", "counter", g,
-             self.shipper.bytes_sent),
-            ("hetmesh_worker_kv_transfer_received_bytes", "KV bytes landed from prefill workers", "counter", g,
-             self.inbox.bytes_received),
-            ("hetmesh_worker_kv_landed_unclaimed", "Transfers landed here that no decode has taken yet", "gauge", g,
-             len(self.inbox)),
-        ]
+        return scrape.rows(self.engine.stats(), self.book.kv_waiting, self.shipper.bytes_sent,
+                           self.inbox.bytes_received, len(self.inbox))
 
     # ------------------------------------------------------------------ work intake
     async def on_work_msg(self, m: Msg) -> None:
