@@ -29,6 +29,7 @@ from opentelemetry.context import Context
 
 from hetmesh import config, engines, kvstream, metrics, subjects, telemetry, wiring
 from hetmesh.bus import Bus, decode
+from hetmesh.costmodel.model import CostModel
 from hetmesh.engines.base import Engine, EngineError, EngineStats
 from hetmesh.placement.state import progress
 from hetmesh.protocol import (
@@ -128,7 +129,7 @@ class Worker:
         await self._take_work()
         await nc.flush()
         self._loops = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._kv_event_loop())]
-        await self._heartbeat()
+        await self.heartbeat()
         self.http = metrics.serve_from_env(self.metrics.registry, self._ready)
         log.info("worker %s up: %s x%d, role %s, engine %s, subject %s", self.worker_id, self.group.accelerator,
                  self.group.devices, self.role, self.engine.name, self.work_subject)
@@ -142,7 +143,7 @@ class Worker:
         t0 = time.monotonic()
         await self.switch.cancel()  # a role or model switch's drain gives way to this one
         self.out.event("", "draining", running=len(self._pending_tasks()), drain_timeout_s=self.drain_timeout_s)
-        handed = await self._drain_work()
+        handed = await self.drain_work()
         self.out.event("", "drained", handed_over=handed, seconds=round(time.monotonic() - t0, 3))
         if self.http is not None:
             self.http.close()
@@ -150,15 +151,13 @@ class Worker:
             t.cancel()
         if self.kv_port is not None:
             await self.kv_port.close()
-        for sink in self.inbox.drain():
-            sink.discard()
-        await self.engine.close()
+        await self.release_engine()
         with contextlib.suppress(Exception):
             await self._publish_kv_events()
         await self.out.close()
         await self.bus.close()
 
-    async def _drain_work(self, settle_s: float | None = None) -> int:
+    async def drain_work(self, settle_s: float | None = None) -> int:
         """Take no new work and say so at once in a heartbeat (the scheduler places nothing more here), leave
         the pool, let running requests finish within worker.drain_timeout_s and hand the rest over, then let
         go of the direct subscription once its consumer is empty, and not before `settle_s` (default: one
@@ -168,7 +167,7 @@ class Worker:
         self.book.draining = True
         t0 = time.monotonic()
         with contextlib.suppress(Exception):
-            await self._heartbeat()
+            await self.heartbeat()
         direct, pool = self._work_subs or [None, None]
         self._work_subs = []
         await intake.leave(self.queue, pool, self.pool_subject)
@@ -211,8 +210,42 @@ class Worker:
         self._work_subs = [await self.queue.consume(self.work_subject, False, self.on_work_msg),
                            await self.queue.consume(self.pool_subject, True, self.on_work_msg)]
 
+    # ------------------------------------------------------------------ moves (switch.Host: what a Switch uses)
+    @property
+    def draining(self) -> bool:
+        return self.book.draining
+
+    async def serve(self, role: Role) -> None:
+        """Serve `role` from now on (after drain_work): its KV port if it takes decodes, its work subjects."""
+        self.role = role
+        await self._open_kv_port()
+        await self._take_work()
+
+    async def rejoin(self) -> None:
+        """Take work again after a move's drain (reading the work subjects unless the move already does)."""
+        if not self._work_subs:
+            await self._take_work()
+        self.book.draining = False
+
+    async def release_engine(self) -> None:
+        """Let go of the engine and the KV it held (landed for decodes that will not come here now)."""
+        for sink in self.inbox.drain():
+            sink.discard()
+        await self.engine.close()
+
+    async def adopt_engine(self, group: config.WorkerGroup, cost: CostModel, engine: Engine) -> None:
+        """Serve `group` on `engine` (started) from now on, the old one released: rewire the parts that call
+        the engine. Its prefix cache starts empty, so the index forgets what the old one held."""
+        self.group, self.model, self.cost, self.engine = group, self.cfg.model(group.model), cost, engine
+        self.book.model = group.model
+        self.cache = CacheMirror()
+        sent = self.shipper.bytes_sent
+        self._wire_engine()
+        self.shipper.bytes_sent = sent  # a counter: it goes on across engines
+        await self._publish_kv_events(force_cleared=True)
+
     def _wire_engine(self) -> None:
-        """The parts that call the engine; made again when a ModelSwitch replaced it (switch.py)."""
+        """The parts that call the engine; made again when a ModelSwitch replaced it (adopt_engine)."""
         self.shipper = KvShipper(self.cfg.kv_transfer, self.bus, self.worker_id, self.engine,
                                  self.cost.kv_bytes_per_token(), self.out, self.metrics, self.tracer, self.tracing)
         self.phases = Phases(self.worker_id, self.engine, self.book, self.inbox, self.out, self.shipper, self.metrics,
@@ -386,7 +419,7 @@ class Worker:
         self._landed(KvLanded.of(header, ok=False, error=why))
 
     # ------------------------------------------------------------------ heartbeats and KV events
-    async def _heartbeat(self) -> EngineStats:
+    async def heartbeat(self) -> EngineStats:
         """Publish this worker's heartbeat; the engine stats it was made from."""
         s = self.engine.stats()
         g = self.group
@@ -411,7 +444,7 @@ class Worker:
         while True:
             await asyncio.sleep(mesh.heartbeat_interval_s)
             try:
-                stats = await self._heartbeat()
+                stats = await self.heartbeat()
                 self._sweep()
                 beats += 1
                 if beats % every == 0:

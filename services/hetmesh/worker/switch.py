@@ -23,28 +23,64 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
 from nats.aio.msg import Msg
 
 from hetmesh import engines, wiring
-from hetmesh.config import WorkerGroup
-from hetmesh.costmodel.model import PARALLEL
+from hetmesh.config import ClusterConfig, WorkerGroup
+from hetmesh.costmodel.model import PARALLEL, CostModel
+from hetmesh.engines.base import Engine
 from hetmesh.protocol import ModelSwitch, Role, WorkerCommand
 
-from .kv import CacheMirror
-
-if TYPE_CHECKING:
-    from .service import Worker
+from .outbox import Outbox
 
 log = logging.getLogger("hetmesh.worker")
+
+
+class Host(Protocol):
+    """What a move uses of its worker (service.Worker). The switch reads the worker's state and changes
+    it only through these methods."""
+
+    cfg: ClusterConfig
+    worker_id: str
+    drain_timeout_s: float
+    out: Outbox
+
+    @property
+    def group(self) -> WorkerGroup: ...
+
+    @property
+    def role(self) -> Role: ...
+
+    @property
+    def draining(self) -> bool: ...
+
+    async def drain_work(self) -> int:
+        """Take no new work and finish or hand over the running requests (SIGTERM's drain); how many were
+        handed over."""
+
+    async def serve(self, role: Role) -> None:
+        """Serve `role` after the drain: its KV port, its work subjects."""
+
+    async def rejoin(self) -> None:
+        """Take work again after the drain."""
+
+    async def heartbeat(self) -> object:
+        """Publish a heartbeat now (it carries this switch's moving_to, moving_model, ready_in_s)."""
+
+    async def release_engine(self) -> None:
+        """Close the engine and drop the KV landed for it."""
+
+    async def adopt_engine(self, group: WorkerGroup, cost: CostModel, engine: Engine) -> None:
+        """Serve `group` on `engine` (started) from now on."""
 
 
 class Switch:
     """The move under way on one worker, if any, and how to make one."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Host) -> None:
         self.w = worker
         self.moving_to: Role | None = None  # the role being switched to
         self.moving_model = ""  # the model being switched to ("": the same model)
@@ -75,7 +111,7 @@ class Switch:
             w.out.event("", f"{kind}_refused", to_role=cmd.role.value, to_model=model, planner=cmd.planner,
                         reason=f"already moving to {self.moving_model or w.group.model}/{self.moving_to}")
             return
-        if w.book.draining:  # shutting down
+        if w.draining:  # shutting down
             return
         if reload:
             try:
@@ -104,12 +140,10 @@ class Switch:
     async def _rejoin(self) -> None:
         """Take work again (whatever role and model the move ended in) and say so in a heartbeat at once."""
         w = self.w
-        if not w._work_subs:
-            await w._take_work()
-        w.book.draining = False
+        await w.rejoin()
         self.moving_to, self.moving_model = None, ""
         with contextlib.suppress(Exception):
-            await w._heartbeat()
+            await w.heartbeat()
 
     async def switch_role(self, role: Role, planner: str = "", reason: str = "") -> None:
         """Serve `role` from now on, without reloading the engine: drain the old role's work, then read
@@ -120,10 +154,8 @@ class Switch:
         w.out.event("", "role_switching", from_role=old.value, to_role=role.value, planner=planner, reason=reason)
         handed = -1
         try:
-            handed = await w._drain_work()  # as SIGTERM's; lets go of the old subjects
-            w.role = role
-            await w._open_kv_port()
-            await w._take_work()
+            handed = await w.drain_work()  # as SIGTERM's; lets go of the old subjects
+            await w.serve(role)
         except Exception:
             log.exception("role switch to %s failed; serving %s", role, w.role)
         await self._rejoin()
@@ -146,19 +178,19 @@ class Switch:
                     planner=planner, reason=reason, expected_seconds=expected_s)
         handed, loaded_s, error = -1, 0.0, ""
         try:
-            handed = await w._drain_work()  # as SIGTERM's; lets go of the old subjects
+            handed = await w.drain_work()  # as SIGTERM's; lets go of the old subjects
             t_load = time.monotonic()
             self.ready_at = t_load + load_s
+            new_role = role
             try:
                 await self._reload(new_group)
-                w.role = role
             except Exception as exc:  # the new model's engine cannot be built: serve the old one again
                 log.exception("loading model %s failed; loading %s again", model, old_group.model)
                 error = repr(exc)[:300]
+                new_role = old_role
                 await self._reload(old_group)
             loaded_s = time.monotonic() - t_load
-            await w._open_kv_port()
-            await w._take_work()
+            await w.serve(new_role)
         except Exception as exc:
             log.exception("model switch to %s failed", model)
             error = error or repr(exc)[:300]
@@ -178,20 +210,12 @@ class Switch:
         return wiring.cost_model(cfg, group).weights_bytes() / cfg.worker.storage_bytes_per_s / cfg.mesh.time_scale
 
     async def _reload(self, group: WorkerGroup) -> None:
-        """Release the engine (and the KV it held), build and start `group`'s, rewire the worker to it."""
+        """Release the engine (and the KV it held), build and start `group`'s, hand it to the worker."""
         w = self.w
-        for sink in w.inbox.drain():  # KV landed for decodes that will not come here now
-            sink.discard()
-        await w.engine.close()
+        await w.release_engine()
         cost = wiring.cost_model(w.cfg, group)
         engine = engines.create(w.cfg, group, cost)
         if engine.name == "sim":  # loads nothing: spend the time the weights would take
             await asyncio.sleep(self._load_s(group))
         await engine.start()
-        w.group, w.model, w.cost, w.engine = group, w.cfg.model(group.model), cost, engine
-        w.book.model = group.model
-        w.cache = CacheMirror()  # the new engine's cache starts empty ...
-        sent = w.shipper.bytes_sent
-        w._wire_engine()
-        w.shipper.bytes_sent = sent  # a counter: it goes on across engines
-        await w._publish_kv_events(force_cleared=True)  # ... and the index forgets what the old one held
+        await w.adopt_engine(group, cost, engine)
