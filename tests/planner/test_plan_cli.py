@@ -17,25 +17,37 @@ MOONCAKE = str(ROOT / "tests" / "data" / "mooncake_head50.jsonl")
 
 def test_fleet_plan_writes_a_cluster_file_that_loads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--fleet", SEED, "--trace", MOONCAKE, "--out", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert "goodput" in out and "per million good tokens" in out
-    cfg = config.load(tmp_path / "cluster.toml")
+    got = capsys.readouterr()
+    assert "per million good tokens" in got.out
+    # one goodput: the layout table's title and the summary under it say the same figure
+    title = next(line for line in got.out.splitlines() if "plan: the" in line)
+    summary = next(line for line in got.out.splitlines() if line.startswith("goodput "))
+    assert title.split("goodput ")[1].split()[0] == summary.split()[1]
+    assert "requests refused (" in got.out  # this fleet refuses much of the trace, and says so
+    # not a terminal: a line per simulation on stderr
+    assert "planning: simulating the current layout on 50 requests" in got.err
+    out = tmp_path / "plan"
+    cfg = config.load(out / "cluster.toml")
     seed = config.load(SEED)
     assert sum(g.count for g in cfg.workers) <= sum(g.count for g in seed.workers)
     assert {g.accelerator for g in cfg.workers} <= {g.accelerator for g in seed.workers}
-    plan = json.loads((tmp_path / "plan.json").read_text())
+    plan = json.loads((out / "plan.json").read_text())
     assert plan["chosen"] in {c["name"] for c in plan["candidates"]}
-    assert (tmp_path / "plan.png").stat().st_size > 0
+    assert all(c["what"] for c in plan["candidates"])  # every candidate says how it was found
+    assert (out / "plan.png").stat().st_size > 0
 
 
 @pytest.mark.slow
 def test_catalog_plan_finds_the_cheapest_servers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--catalog", "--spec", "llama-3.1-70b", "--rate", "2", "--accelerators",
                  "nvidia-h200,amd-mi300x", "--max-servers", "4", "--out", str(tmp_path)]) == 0
-    res = json.loads((tmp_path / "plan.json").read_text())
+    got = capsys.readouterr()
+    res = json.loads((tmp_path / "buy" / "plan.json").read_text())
     assert res["cheapest"]["meets"] and res["cheapest"]["slo_attainment"] >= 0.9
     assert set(res["cheapest"]["servers"]) <= {"nvidia-h200", "amd-mi300x"}
-    assert (tmp_path / "pareto.png").stat().st_size > 0
+    assert (tmp_path / "buy" / "pareto.png").stat().st_size > 0
+    assert "{" not in got.out and "x nvidia-h200" in got.out + "x amd-mi300x"  # server mixes as text, not dicts
+    assert "capacity planning: " in got.err
 
 
 @pytest.mark.parametrize(("args", "says"), [
@@ -56,5 +68,6 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], says: str, tmp_path: 
     empty.write_text("")
     args = [str(empty) if a == "EMPTY" else a for a in args]
     assert main(["plan", *args]) == 2
-    err = capsys.readouterr().err.strip()
-    assert says in err and len(err.splitlines()) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    # the one line of the error, after any progress lines of what was simulated before it was found
+    assert says in err[-1] and not any(line.startswith("hetmesh plan") for line in err[:-1])

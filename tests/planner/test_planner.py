@@ -26,7 +26,7 @@ from hetmesh.planner import (
 from hetmesh.planner.buy import cheapest, pareto, reprice, restrict
 from hetmesh.planner.capacity import capacity, ceiling, mdl_utilization
 from hetmesh.planner.measure import calibrate
-from hetmesh.planner.plan import LAYOUT_TIE, MIN_LIVES, _layout_variants, current_layout, score
+from hetmesh.planner.plan import LAYOUT_TIE, MIN_LIVES, _layout_variants, current_layout, score, workers_for
 from hetmesh.planner.solve import Option, solve
 from hetmesh.protocol import Role
 from hetmesh.sim import SimConfig, Slo, pool, simulate
@@ -281,16 +281,21 @@ def test_the_check_counts_a_request_refused_by_admission_as_a_miss() -> None:
     assert sm["slo_attainment"] == pytest.approx(sm["offered_slo_attainment"])
 
 
-def test_score_is_good_tokens_per_second_of_offered_arrivals_not_of_the_drain() -> None:
-    # Two layouts with the same 2,000 good tokens of a 10 s trace: one drains by 20 s, one by 40 s.
-    fast = {"goodput_tok_s": 100.0, "duration_s": 20.0, "offered_span_s": 10.0}
-    slow = {"goodput_tok_s": 50.0, "duration_s": 40.0, "offered_span_s": 10.0}
-    d = [_demand(1.0, priority=2.0)]
-    assert score(fast, d) == score(slow, d) == pytest.approx(400.0)  # 2 x 2,000 tokens / 10 s
+def test_goodput_is_good_tokens_per_second_of_offered_arrivals_not_of_the_drain() -> None:
+    # The simulator's own goodput is per simulated second, drain after the last arrival included: a layout
+    # that refused work or finished sooner would show more for the same good tokens. The planner's is per
+    # second of the offered arrivals, and its score weighs that by priority.
     g = [ServerGroup(name="g", accelerator="amd-mi300x", model="m")]
-    tr = demand_trace([_demand(1.0)], 20.0)
-    sm = evaluate(current_layout(g), [_demand(1.0)], g, tr)
+    d = _demand(1.0, priority=2.0)
+    tr = demand_trace([d], 20.0)
+    sm = evaluate(current_layout(g), [d], g, tr)
     assert sm is not None and sm["offered_span_s"] == pytest.approx(tr.requests[-1].arrival - tr.requests[0].arrival)
+    raw, _ = simulate(workers_for(current_layout(g), [d], g), "cost", tr, SimConfig(), slo=Slo(d.ttft_slo_s, d.tpot_slo_s))
+    assert raw["duration_s"] > sm["offered_span_s"]  # it drains after the last arrival
+    assert sm["goodput_tok_s"] * sm["offered_span_s"] == pytest.approx(raw["goodput_tok_s"] * raw["duration_s"])
+    assert score(sm, [d]) == pytest.approx(2.0 * sm["goodput_tok_s"])
+    assert sm["usd_per_good_mtok"] == pytest.approx(usd_per_mtok(sm["usd_per_hour"], sm["goodput_tok_s"]))
+    assert sm["offered_requests"] == len(tr.requests) and sm["refused_requests"] == sm["rejected"]
 
 
 def test_the_local_search_steps_drop_swap_for_cheaper_kinds_in_the_role_or_move_layout() -> None:
@@ -420,12 +425,13 @@ def test_layout_variants_move_a_tied_pool_whole_and_ignore_how_the_fleet_is_grou
     assert both["tp"] == pytest.approx(both["dp"], rel=LAYOUT_TIE) and "ep" not in both  # the premise
     mixed = [Assignment(f"g-{i}", "g", "nvidia-h200", 8, "b", Role.BOTH, p) for i, p in enumerate(("tp", "dp", "dp"))]
     got = _layout_variants(mixed, groups, options(groups, d))
-    assert sorted(tuple(a.parallel for a in v) for v in got) == [("dp",) * 3, ("tp",) * 3]
+    assert sorted(tuple(a.parallel for a in v) for v, _ in got) == [("dp",) * 3, ("tp",) * 3]
+    assert sorted(what for _, what in got) == ["b both on nvidia-h200 in dp", "b both on nvidia-h200 in tp"]
     # one group per server (as a re-planned fleet is): the same pool, the same variants
     split = [msgspec.structs.replace(groups[0], name=a.server, count=1) for a in mixed]
     renamed = [msgspec.structs.replace(a, group=a.server) for a in mixed]
     got_split = _layout_variants(renamed, split, options(split, d))
-    assert sorted(tuple(a.parallel for a in v) for v in got_split) == [("dp",) * 3, ("tp",) * 3]
+    assert sorted(tuple(a.parallel for a in v) for v, _ in got_split) == [("dp",) * 3, ("tp",) * 3]
     # a layout the cost model prices clearly lower is no tie: prefill on tp is ~20% under dp
     pf = [Assignment("g-0", "g", "nvidia-h200", 8, "b", Role.PREFILL, "dp")]
     assert _layout_variants(pf, groups, options(groups, d)) == []

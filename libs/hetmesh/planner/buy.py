@@ -26,13 +26,15 @@ STARTS = 3  # purchases the local search (`trim`) starts from
 class Purchase(msgspec.Struct, frozen=True):
     servers: dict[str, int]  # group name -> servers to buy
     usd_per_hour: float
-    goodput_tok_s: float  # simulated
+    goodput_tok_s: float  # simulated, per second of the offered arrivals (`evaluate`)
     slo_attainment: float  # simulated, of all the requests offered
     served_share: float  # the demand share the solver was asked to serve (> 1: headroom it needed)
     assignments: list[Assignment]
     meets: bool  # every model's attainment >= the target
     worst_attainment: float  # simulated, of the worst-served model's requests (`attained`)
     model_attainment: dict[str, float] = msgspec.field(default_factory=dict)
+    refused: int = 0  # requests offered and not served (admission, or no server for their model)
+    offered: int = 0
 
 
 def attained(sm: Mapping[str, Any], demands: Sequence[ModelDemand]) -> float:
@@ -56,7 +58,8 @@ def _purchase(groups: Sequence[ServerGroup], lay: list[Assignment], sm: dict, sh
     return Purchase(servers=bought, usd_per_hour=sm["usd_per_hour"], goodput_tok_s=sm["goodput_tok_s"],
                     slo_attainment=sm["slo_attainment"], served_share=share,
                     assignments=[a for a in lay if a.model], meets=worst >= target, worst_attainment=worst,
-                    model_attainment={m: v["slo_attainment"] for m, v in sm.get("models", {}).items()})
+                    model_attainment={m: v["slo_attainment"] for m, v in sm.get("models", {}).items()},
+                    refused=sm["refused_requests"], offered=sm["offered_requests"])
 
 
 def _steps(lay: Sequence[Assignment], kinds: Sequence[ServerGroup], opts: Sequence[Option],

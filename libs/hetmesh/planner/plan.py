@@ -33,6 +33,11 @@ LAYOUT_TIE = 0.05
 # overloaded layout (one H200 on Llama-3.1-70B at 20 req/s, life ~28 s: 9.8 req/s good on 300 requests,
 # 8.5 on 1,000, 7.7 on 3,000, 7.5 on 10,000; docs/planner.md). The check keeps at least this many lives.
 MIN_LIVES = 4.0
+# The candidate layouts `plan` simulates besides its variants, and how each is found
+CANDIDATES = {"flexible": "the solver's best (a both server may also prefill or decode for others)",
+              "static-roles": "the solver's best with fixed roles (a both server serves requests whole)",
+              "aggregated": "the solver's best with every request served whole on one server",
+              "current": "the layout the fleet runs now"}
 
 
 class Assignment(msgspec.Struct, frozen=True):
@@ -56,9 +61,12 @@ class Move(msgspec.Struct, frozen=True):
 class CandidateResult(msgspec.Struct, frozen=True):
     name: str
     score: float  # priority-weighted SLO goodput, output tokens/s, simulated, less what its moves cost
-    goodput_tok_s: float
+    goodput_tok_s: float  # SLO-meeting output tokens per second of the offered arrivals (`evaluate`)
     slo_attainment: float
     usd_per_hour: float
+    what: str = ""  # how the layout was found, for people
+    refused: int = 0  # requests offered and not served (admission, or no server for their model)
+    offered: int = 0
 
 
 class Plan(msgspec.Struct, frozen=True):
@@ -195,21 +203,18 @@ def workers_for(layout: Sequence[Assignment], demands: Sequence[ModelDemand],
             for a in layout if a.model]
 
 
-def good_tokens(summary: Mapping[str, Any], demands: Sequence[ModelDemand]) -> float:
-    """Priority-weighted SLO-meeting output tokens of a simulated summary."""
+def score(summary: Mapping[str, Any], demands: Sequence[ModelDemand]) -> float:
+    """Priority-weighted SLO goodput of a summary, in its own unit: per second of the offered arrivals
+    for one from `evaluate`, per simulated second for a simulator's own."""
     per = summary.get("models")
     if not per:
-        rate = summary["goodput_tok_s"] * (demands[0].priority if len(demands) == 1 else 1.0)
-    else:
-        rate = sum(d.priority * per.get(d.name, {}).get("goodput_tok_s", 0.0) for d in demands)
-    return rate * summary["duration_s"]
+        return summary["goodput_tok_s"] * (demands[0].priority if len(demands) == 1 else 1.0)
+    return sum(d.priority * per.get(d.name, {}).get("goodput_tok_s", 0.0) for d in demands)
 
 
-def score(summary: Mapping[str, Any], demands: Sequence[ModelDemand]) -> float:
-    """Priority-weighted SLO goodput: good output tokens per second of the offered trace's arrivals (as
-    `evaluate` records them). Not per simulated second: that includes the drain after the last arrival,
-    so a layout that refused work or finished sooner would score higher for the same good tokens."""
-    return good_tokens(summary, demands) / summary.get("offered_span_s", summary["duration_s"])
+def good_tokens(summary: Mapping[str, Any], demands: Sequence[ModelDemand]) -> float:
+    """Priority-weighted SLO-meeting output tokens of a simulated summary."""
+    return score(summary, demands) * summary.get("offered_span_s", summary["duration_s"])
 
 
 def evaluate(layout: Sequence[Assignment], demands: Sequence[ModelDemand], groups: Sequence[ServerGroup],
@@ -230,11 +235,19 @@ def evaluate(layout: Sequence[Assignment], demands: Sequence[ModelDemand], group
     # too small would pass the check by refusing work; so is a request for a model nobody serves
     missed = len(trace.requests) - len(tr.requests)
     summary["unserved_requests"] = missed
+    summary["offered_requests"] = len(trace.requests)
+    summary["refused_requests"] = summary["rejected"] + missed
     arrivals = [r.arrival for r in trace.requests]
     span = max(arrivals) - min(arrivals)
     summary["offered_span_s"] = span if span > 0 else summary["duration_s"]
+    # Goodput per second of the offered arrivals, not per simulated second: that includes the drain after
+    # the last arrival, so a layout that refused work or finished sooner would show more for the same tokens
+    per_span = summary["duration_s"] / summary["offered_span_s"]
+    summary["goodput_tok_s"] *= per_span
+    summary["usd_per_good_mtok"] = usd_per_mtok(summary["usd_per_hour"], summary["goodput_tok_s"])
     summary["slo_attainment"] = summary["offered_slo_attainment"] * len(tr.requests) / len(trace.requests)
     for per in summary.get("models", {}).values():
+        per["goodput_tok_s"] *= per_span
         per["slo_attainment"] = per["offered_slo_attainment"]
     if len(served) == 1 and len(demands) > 1:
         summary["models"] = {next(iter(served)): {"goodput_tok_s": summary["goodput_tok_s"],
@@ -243,11 +256,11 @@ def evaluate(layout: Sequence[Assignment], demands: Sequence[ModelDemand], group
 
 
 def _layout_variants(lay: Sequence[Assignment], groups: Sequence[ServerGroup],
-                     opts: Sequence[Option]) -> list[list[Assignment]]:
+                     opts: Sequence[Option]) -> list[tuple[list[Assignment], str]]:
     """`lay` with one pool (the servers of one kind running one model in one role) moved whole onto
     another parallel layout whose capacity is within LAYOUT_TIE of the best its servers run now. A kind
     is a server's hardware (accelerator, devices, batch limits), not its group: a fleet split into more
-    groups has the same variants."""
+    groups has the same variants. Each comes with what it changed."""
     def kind(g: ServerGroup) -> tuple:
         return g.accelerator, g.devices, g.max_batch, g.step_tokens, g.layouts
 
@@ -259,37 +272,40 @@ def _layout_variants(lay: Sequence[Assignment], groups: Sequence[ServerGroup],
     for a in lay:
         if a.model:
             pools.setdefault((by_name[a.group], a.model, a.role), set()).add(a.parallel)
-    out: list[list[Assignment]] = []
+    out: list[tuple[list[Assignment], str]] = []
     for pool, used in pools.items():
         alts = {k[3]: c for k, c in cap.items() if k[:3] == pool}
         top = max(alts.get(p, 0.0) for p in used)
         for par, c in sorted(alts.items()):
             if c >= (1.0 - LAYOUT_TIE) * top and used != {par}:
-                out.append([msgspec.structs.replace(a, parallel=par) if a.model and
-                            (by_name[a.group], a.model, a.role) == pool else a for a in lay])
+                kind, model, role = pool
+                out.append(([msgspec.structs.replace(a, parallel=par) if a.model and
+                             (by_name[a.group], a.model, a.role) == pool else a for a in lay],
+                            f"{model} {role} on {kind[0]} in {par}"))
     return out
 
 
 def _neighbours(lay: list[Assignment], sm: dict[str, Any], best: float, demands: Sequence[ModelDemand],
                 groups: Sequence[ServerGroup], opts: Sequence[Option], trace: Trace, budget: int,
                 priced: Any, prices: Mapping[str, float] | None,
-                efficiencies: Mapping[str, Efficiency] | None) -> list[tuple[list[Assignment], dict[str, Any]]]:
+                efficiencies: Mapping[str, Efficiency] | None) -> list[tuple[list[Assignment], dict[str, Any], str]]:
     """Greedy local search: hand one server from the best-served model to the worst-served one while
-    the simulated score improves; every layout tried is returned (with its summary)."""
-    tried: list[tuple[list[Assignment], dict[str, Any]]] = []
+    the simulated score improves; every layout tried is returned (with its summary and the move)."""
+    tried: list[tuple[list[Assignment], dict[str, Any], str]] = []
     gi = {g.name: i for i, g in enumerate(groups)}
     while len(tried) < budget:
         per = sm.get("models", {})
         att = {d.name: per.get(d.name, {}).get("slo_attainment", 0.0) for d in demands}
         worst = min(att, key=lambda m: att[m])
         donors = sorted((m for m in att if m != worst and sum(a.model == m for a in lay) > 1), key=lambda m: -att[m])
-        moved = None
+        moved, what = None, ""
         for donor in donors:
             for a in reversed(lay):
                 fit = [o for o in opts if o.group == gi[a.group] and o.model == worst and o.role == Role.BOTH]
                 if a.model == donor and fit:
                     moved = [b if b.server != a.server else msgspec.structs.replace(
                         b, model=worst, role=Role.BOTH, parallel=fit[0].parallel) for b in lay]
+                    what = f"{a.server} from {donor} to {worst}"
                     break
             if moved:
                 break
@@ -298,7 +314,7 @@ def _neighbours(lay: list[Assignment], sm: dict[str, Any], best: float, demands:
         new = evaluate(moved, demands, groups, trace, prices, efficiencies)
         if new is None:
             break
-        tried.append((moved, new))
+        tried.append((moved, new, what))
         got = priced("", moved, new).score
         if got <= best:
             break
@@ -338,11 +354,12 @@ def plan(groups: Sequence[ServerGroup], demands: Sequence[ModelDemand], *, trace
     layouts: dict[str, list[Assignment]] = {k: _servers(groups, opts, s.counts) for k, s in sols.items()}
     if any(g.model for g in groups):
         layouts["current"] = current_layout(groups)
-    def priced(name: str, lay: list[Assignment], sm: dict[str, Any]) -> CandidateResult:
+    def priced(name: str, lay: list[Assignment], sm: dict[str, Any], what: str = "") -> CandidateResult:
         """The simulated score less the goodput the layout's moves take out of service over the horizon."""
         out_s = sum(m.seconds for m in moves(groups, lay, demands, storage_bytes_per_s))
         return CandidateResult(name, score(sm, demands) * (1.0 - min(out_s / horizon_s / n_servers, 1.0)),
-                               sm["goodput_tok_s"], sm["slo_attainment"], sm["usd_per_hour"])
+                               sm["goodput_tok_s"], sm["slo_attainment"], sm["usd_per_hour"],
+                               what or CANDIDATES.get(name, ""), sm["refused_requests"], sm["offered_requests"])
 
     results: list[CandidateResult] = []
     summaries: dict[str, dict[str, Any]] = {}
@@ -362,24 +379,25 @@ def plan(groups: Sequence[ServerGroup], demands: Sequence[ModelDemand], *, trace
         refine = 0
     if refine:  # ties the cost model cannot break, one pool at a time
         seen = {_signature(v) for v in layouts.values()}
-        fresh = [v for v in _layout_variants(layouts[start.name], groups, opts) if _signature(v) not in seen]
-        for k, lay in enumerate(fresh[:refine]):
+        fresh = [v for v in _layout_variants(layouts[start.name], groups, opts) if _signature(v[0]) not in seen]
+        for k, (lay, what) in enumerate(fresh[:refine]):
             if progress:
                 progress(f"simulating layout variant {k + 1} of {min(len(fresh), refine)}")
             sm = evaluate(lay, demands, groups, tr, prices, efficiencies)
             if sm is not None:
                 name = f"layout-{k + 1}"
                 layouts[name], summaries[name] = lay, sm
-                results.append(priced(name, lay, sm))
+                results.append(priced(name, lay, sm, f"{start.name} with {what}"))
     if refine and len(demands) > 1:
         start = max(results, key=lambda r: r.score)
         if progress:
             progress(f"local search from the {start.name} layout")
-        for k, (lay, sm) in enumerate(_neighbours(layouts[start.name], summaries[start.name], start.score, demands,
-                                                  groups, opts, tr, refine, priced, prices, efficiencies)):
+        for k, (lay, sm, what) in enumerate(_neighbours(layouts[start.name], summaries[start.name], start.score,
+                                                        demands, groups, opts, tr, refine, priced, prices,
+                                                        efficiencies)):
             name = f"refined-{k + 1}"
             layouts[name], summaries[name] = lay, sm
-            results.append(priced(name, lay, sm))
+            results.append(priced(name, lay, sm, f"{start.name} with server {what}"))
     # the most weighted goodput; at a tie (within 1%) the current layout (no moves), then the cheaper
     top = max(r.score for r in results)
     best = min((r for r in results if r.score >= 0.99 * top),
@@ -387,7 +405,6 @@ def plan(groups: Sequence[ServerGroup], demands: Sequence[ModelDemand], *, trace
     lay = layouts[best.name]
     sol = sols.get(best.name)
     pred = summaries[best.name]
-    pred["usd_per_good_mtok"] = usd_per_mtok(pred["usd_per_hour"], pred["goodput_tok_s"])
     return Plan(assignments=lay, moves=moves(groups, lay, demands, storage_bytes_per_s), chosen=best.name,
                 predicted=pred, candidates=results, served=sol.served if sol else {},
                 headroom=sol.headroom if sol else 0.0)

@@ -1,23 +1,29 @@
 """`hetmesh plan`: the planner from the command line.
 
     hetmesh plan --fleet ops/clusters/seed-case-study.toml --trace data/mooncake_synthetic_trace.jsonl
-    hetmesh plan --fleet my.toml --rate 2 --input 2048 --output 256 --out plan/
-    hetmesh plan --catalog --spec llama-3.1-70b --rate 8 --slo 2,0.1 --budget 200 --out buy/
+    hetmesh plan --fleet my.toml --rate 2 --input 2048 --output 256 --out /tmp/plans
+    hetmesh plan --catalog --spec llama-3.1-70b --rate 8 --slo 2,0.1 --budget 200
 
 --fleet: the best layout of the servers in a cluster file (its worker groups, their current model and
-role) for the demand, as a table, a JSON file, a PNG and a cluster file ready for `hetmesh up`.
---catalog: the cheapest servers to buy that meet the SLOs, and the Pareto front ($/hour vs goodput).
-The demand is a trace (--trace; every request for the one model, or each naming its model) or a
-synthetic description (--rate, --input, --output mean lengths). Bad input: one line, exit 2.
+role) for the demand, as tables, and in OUT/plan/ a JSON file, a PNG and a cluster file ready for
+`hetmesh up`. --catalog: the cheapest servers to buy that meet the SLOs, and the Pareto front ($/hour
+vs goodput), in OUT/buy/. OUT is --out (default ./hetmesh-out). The demand is a trace (--trace; every
+request for the one model, or each naming its model) or a synthetic description (--rate, --input,
+--output mean lengths). What is being simulated goes to stderr (a line per step when it is not a
+terminal). Bad input: one line, exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import sys
+import textwrap
+import time
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +34,7 @@ from rich.table import Table
 
 from hetmesh import config, wiring
 from hetmesh.costmodel import accelerators, model_spec
-from hetmesh.planner import ModelDemand, Plan, ServerGroup, demand_from_trace, plan
+from hetmesh.planner import ModelDemand, Plan, ServerGroup, demand_from_trace, plan, report
 from hetmesh.planner.buy import Purchase, cheapest, pareto
 from hetmesh.sim.traces import Trace, load
 
@@ -58,7 +64,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-servers", type=int, default=32, help="--catalog: most servers of one kind")
     p.add_argument("--budget", type=float, help="--catalog: $/hour cap of the Pareto front")
     p.add_argument("--attainment", type=float, default=0.9, help="--catalog: SLO attainment that counts as met")
-    p.add_argument("--out", help="folder for plan.json, plan.png and (with --fleet) cluster.toml")
+    p.add_argument("--out", default="hetmesh-out", help="folder for the results: plan/ (--fleet: plan.json, "
+                   "plan.png, cluster.toml) or buy/ (--catalog: plan.json, pareto.png); default ./hetmesh-out")
 
 
 def _trace(path: str) -> Trace:
@@ -130,13 +137,25 @@ def cluster_file(p: Plan, cfg: config.ClusterConfig, source: str) -> str:
 
 
 def _fleet_table(p: Plan) -> Table:
-    chosen = next(c for c in p.candidates if c.name == p.chosen)
-    t = Table(title=f"plan: the {p.chosen} layout (simulated weighted SLO goodput {chosen.score:.1f} tok/s; "
-              + ", ".join(f"{c.name} {c.score:.1f}" for c in p.candidates) + ")")
+    t = Table(title=f"plan: the {p.chosen} layout, goodput {p.predicted['goodput_tok_s']:,.1f} tok/s (simulated)")
     for col in ("group", "model", "role", "parallel", "servers"):
         t.add_column(col)
     for (group, model, role, parallel), n in sorted(p.layout().items()):
         t.add_row(group, model, str(role), parallel, str(n))
+    return t
+
+
+def _candidates_table(p: Plan) -> Table:
+    t = Table(title="candidate layouts, simulated",
+              caption="score: goodput weighted by model priority, less what the moves cost; the plan keeps the "
+                      "best score (at a tie within 1%: the current layout, then the cheaper)")
+    for col, justify in [("layout", "left"), ("how it was found", "left"), ("goodput tok/s", "right"),
+                         ("SLO attainment", "right"), ("refused", "right"), ("$/h", "right"), ("score", "right")]:
+        t.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for c in p.candidates:
+        t.add_row(c.name + (" (chosen)" if c.name == p.chosen else ""), c.what, f"{c.goodput_tok_s:,.1f}",
+                  f"{c.slo_attainment:.1%}", f"{c.refused:,} of {c.offered:,}", f"{c.usd_per_hour:,.2f}",
+                  f"{c.score:,.1f}")
     return t
 
 
@@ -196,68 +215,115 @@ def catalog(args: argparse.Namespace,
     return best, front
 
 
-def _plot(path: Path, front: list[Purchase], best: Purchase | None = None, p: Plan | None = None) -> None:
+def _plot_fleet(path: Path, p: Plan) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    if p is not None:
-        names = [c.name for c in p.candidates]
-        ax.bar(names, [c.score for c in p.candidates], color=["C1" if n == p.chosen else "C0" for n in names])
-        ax.set_ylabel("simulated weighted SLO goodput (tok/s)")
-        ax.set_title("candidate layouts")
-    else:
-        ax.plot([f.usd_per_hour for f in front], [f.goodput_tok_s for f in front], "o-", label="Pareto front")
-        if best is not None:
-            ax.plot([best.usd_per_hour], [best.goodput_tok_s], "r*", ms=12, label="cheapest meeting the SLOs")
-        ax.set_xlabel("$ / hour")
-        ax.set_ylabel("simulated SLO goodput (tok/s)")
-        ax.legend()
+    cs = p.candidates
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.7 * len(cs)))
+    ys = range(len(cs))[::-1]
+    ax.barh(list(ys), [c.goodput_tok_s for c in cs], color=["C1" if c.name == p.chosen else "C0" for c in cs])
+    ax.set_yticks(list(ys), ["\n".join(textwrap.wrap(f"{c.name}: {c.what}", 40)) for c in cs], fontsize=8)
+    for y, c in zip(ys, cs, strict=True):
+        ax.text(c.goodput_tok_s, y, f" {c.goodput_tok_s:,.0f} tok/s, {c.slo_attainment:.0%} in SLO, "
+                f"${c.usd_per_hour:,.0f}/h", va="center", fontsize=8)
+    ax.set_xlim(0, max((c.goodput_tok_s for c in cs), default=1.0) * 1.6 or 1.0)
+    ax.set_xlabel("simulated SLO goodput (output tokens/s)")
+    ax.set_title("candidate layouts of the fleet")
+    ax.legend(handles=[Patch(color="C1", label="chosen"), Patch(color="C0", label="other candidates")],
+              loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.3 / len(cs)), ncol=2, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
+def _plot_buy(path: Path, front: list[Purchase], best: Purchase, devices: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ax.plot([f.usd_per_hour for f in front], [f.goodput_tok_s for f in front], "o-", color="C0",
+            label="Pareto front: the most goodput each budget buys")
+    for f in front:
+        ax.annotate(report.servers(f.servers), (f.usd_per_hour, f.goodput_tok_s), textcoords="offset points",
+                    xytext=(6, -10), fontsize=7)
+    ax.plot([best.usd_per_hour], [best.goodput_tok_s], "*", color="C3", ms=14,
+            label=f"cheapest meeting the SLOs: {report.servers(best.servers)}")
+    ax.set_xlabel("fleet price ($ per hour)")
+    ax.set_ylabel("simulated SLO goodput (output tokens/s)")
+    ax.set_title(f"servers to buy ({devices} devices each): price against goodput")
+    ax.margins(x=0.25, y=0.1)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@contextlib.contextmanager
+def _progress(stage: str) -> Iterator[Callable[[str], None]]:
+    """What is being simulated, on stderr: a live status line on a terminal, else a line per step."""
+    err = Console(stderr=True)
+    if err.is_terminal:
+        with err.status(stage, spinner="dots") as st:
+            yield lambda what: st.update(f"{stage}: {what}")
+        return
+    t0 = time.monotonic()
+
+    def say(what: str) -> None:
+        print(f"[{time.monotonic() - t0:5.0f} s] {stage}: {what}", file=sys.stderr, flush=True)
+
+    yield say
+
+
 def run(args: argparse.Namespace) -> int:
-    console = Console(width=140)
-    out = Path(args.out) if args.out else None
-    if out:
-        out.mkdir(parents=True, exist_ok=True)
+    console = Console(width=160)
     if args.fleet:
-        with console.status("planning", spinner="dots") as st:
-            p, cfg = fleet(args, lambda what: st.update(f"planning: {what}"))
+        with _progress("planning") as say:
+            p, cfg = fleet(args, say)
         console.print(_fleet_table(p))
-        pr = p.predicted
-        console.print(f"goodput {pr['goodput_tok_s']:.1f} tok/s, SLO attainment {pr['slo_attainment']:.1%}, "
-                      f"${pr['usd_per_hour']:.2f}/h, ${pr['usd_per_good_mtok']:.2f} per million good tokens")
+        for line in report.summary(p.predicted):
+            console.print(line, soft_wrap=True)
+        console.print(_candidates_table(p))
         for m in p.moves:
             console.print(f"move {m.server}: {m.before} -> {m.after} ({m.change}, {m.seconds:.0f} s out)")
         for line in _afd_lines(cfg):
-            console.print(line)
-        if out:
-            (out / "plan.json").write_bytes(msgspec.json.format(msgspec.json.encode(p)))
-            (out / "cluster.toml").write_text(cluster_file(p, cfg, args.fleet))
-            _plot(out / "plan.png", [], p=p)
-            console.print(f"wrote {out}/plan.json, plan.png, cluster.toml")
+            console.print(line, soft_wrap=True)
+        out = Path(args.out) / "plan"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "plan.json").write_bytes(msgspec.json.format(msgspec.json.encode(p)))
+        (out / "cluster.toml").write_text(cluster_file(p, cfg, args.fleet))
+        _plot_fleet(out / "plan.png", p)
+        console.print(f"wrote {out}/plan.json, plan.png, cluster.toml (hetmesh up --cluster {out}/cluster.toml)",
+                      soft_wrap=True)
         return 0
-    with console.status("capacity planning", spinner="dots") as st:
-        best, front = catalog(args, lambda what: st.update(f"capacity planning: {what}"))
+    with _progress("capacity planning") as say:
+        best, front = catalog(args, say)
     assert best is not None
     t = Table(title="cheapest servers meeting the SLOs")
-    for col in ("accelerator", "servers"):
-        t.add_column(col)
+    for col, justify in [("accelerator", "left"), ("servers", "right")]:
+        t.add_column(col, justify=justify)  # type: ignore[arg-type]
     for k, n in sorted(best.servers.items()):
         t.add_row(k, str(n))
     console.print(t)
-    console.print(f"${best.usd_per_hour:.2f}/h, goodput {best.goodput_tok_s:.1f} tok/s, "
-                  f"SLO attainment {best.slo_attainment:.1%}")
-    for f in front:
-        console.print(f"  budget front: ${f.usd_per_hour:.2f}/h -> {f.goodput_tok_s:.1f} tok/s {f.servers}")
-    if out:
-        (out / "plan.json").write_text(json.dumps({"cheapest": msgspec.to_builtins(best),
-                                                   "pareto": msgspec.to_builtins(front)}, indent=1))
-        _plot(out / "pareto.png", front, best)
-        console.print(f"wrote {out}/plan.json, pareto.png")
+    console.print(f"${best.usd_per_hour:,.2f}/h, goodput {best.goodput_tok_s:,.1f} tok/s; "
+                  + report.attainment(best.slo_attainment, best.refused, best.offered), soft_wrap=True)
+    f = Table(title="Pareto front: the most goodput each budget buys (simulated)")
+    for col, justify in [("$/h", "right"), ("goodput tok/s", "right"), ("SLO attainment", "right"),
+                         ("refused", "right"), ("servers", "left")]:
+        f.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for q in front:
+        f.add_row(f"{q.usd_per_hour:,.2f}", f"{q.goodput_tok_s:,.1f}", f"{q.slo_attainment:.1%}",
+                  f"{q.refused:,} of {q.offered:,}", report.servers(q.servers))
+    console.print(f)
+    out = Path(args.out) / "buy"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps({"cheapest": msgspec.to_builtins(best),
+                                               "pareto": msgspec.to_builtins(front)}, indent=1))
+    _plot_buy(out / "pareto.png", front, best, args.devices)
+    console.print(f"wrote {out}/plan.json, pareto.png", soft_wrap=True)
     return 0
