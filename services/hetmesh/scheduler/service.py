@@ -35,9 +35,8 @@ from opentelemetry import trace
 from hetmesh import config, metrics, subjects, telemetry, wiring
 from hetmesh.bus import REQUEST_ID, Bus, EventBatcher, encode, headers_for
 from hetmesh.kvindex.index import PrefixIndex
-from hetmesh.placement import REFUSED, ClusterState, Decision, RequestInfo, aggregated, pool_full
-from hetmesh.placement.admission import hold_wait_s, retry_wait_s
-from hetmesh.placement.state import back_in_s, moving
+from hetmesh.placement import REFUSED, ClusterState, Decision, RequestInfo, aggregated, refusals
+from hetmesh.placement.admission import hold_wait_s
 from hetmesh.planner.live import DemandWindow
 from hetmesh.protocol import (
     Cancel,
@@ -297,13 +296,8 @@ class Scheduler:
         if self.uses_prefix and req.block_hashes and self.prefix.ok:
             cached = await self.prefix.lookup(req.model, req.block_hashes, self.state.worker_ids())
         views = self.state.views()
-        if pool_full(req.model, views, sc.queue_factor):
-            self.refused += 1
-            self.metrics.rejected.labels("overloaded").inc()
-            self._demand_refused(req)
-            return SubmitReply(request_id=req.request_id, error=ErrorInfo(
-                message=f"The workers of model {req.model!r} are at capacity; please retry.", type="server_error",
-                code="overloaded", status=503, retry_after_s=sc.retry_after_s))
+        if no := refusals.over_capacity(req.model, views, sc.queue_factor, sc.retry_after_s):
+            return self._refuse(req, no)
         info = RequestInfo(
             request_id=req.request_id, model=req.model, prompt_len=len(req.prompt_tokens),
             max_tokens=req.sampling.max_tokens, cached_blocks=cached,
@@ -321,25 +315,9 @@ class Scheduler:
             decision = self.policy.place(info, views)
         if decision is not None and decision.mode == REFUSED and decision.hold_s is not None:
             decision = await self._hold(info, decision)
-        if decision is not None and decision.mode == REFUSED:
-            # SLO-aware admission: served this late it would miss its SLO and delay the requests behind it.
-            self.refused += 1
-            self.metrics.rejected.labels("slo").inc()
-            self._demand_refused(req)
-            wait = retry_wait_s(decision, sc.retry_after_s)
-            return SubmitReply(request_id=req.request_id, error=ErrorInfo(
-                message=f"The workers of model {req.model!r} cannot serve this request within its latency SLO "
-                        f"now ({decision.reason}); please retry.", type="server_error", code="slo_unattainable",
-                status=429, retry_after_s=wait))
-        if decision is None and (busy := moving(req.model, self.state.heartbeats())):
-            # The model's workers are switching role or model (the planner): no use waiting a heartbeat.
-            self.metrics.rejected.labels("moving").inc()
-            self._demand_refused(req)
-            return SubmitReply(request_id=req.request_id, error=ErrorInfo(
-                message=f"no worker can take a request of model {req.model!r} right now: " + ", ".join(
-                    f"{hb.worker_id} is switching to {hb.moving_model or hb.model}/{hb.moving_to}" for hb in busy)
-                + "; please retry.", type="server_error", code="model_moving", status=503,
-                retry_after_s=back_in_s(req.model, busy, sc.retry_after_s)))
+        if no := (refusals.refused(req.model, decision, sc.retry_after_s)
+                  or refusals.switching(req.model, decision, self.state.heartbeats(), sc.retry_after_s)):
+            return self._refuse(req, no)
         if decision is None:
             # Nobody fit in the view (workers restarting, the bus just came back, the one left excluded):
             # wait one heartbeat timeout for heartbeats rather than refuse at once.
@@ -347,20 +325,14 @@ class Scheduler:
             while decision is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
                 decision = self.policy.place(info, self.state.views())
-        if decision is None:
-            self.metrics.rejected.labels("no_capacity").inc()
-            self._demand_refused(req)
-            return SubmitReply(request_id=req.request_id, error=ErrorInfo(
-                message=f"no live worker can serve model {req.model!r} right now", type="server_error",
-                code="no_capacity", status=503))
+        if no := refusals.no_worker(req.model, decision):
+            return self._refuse(req, no)
+        assert decision is not None
         if decision.prefill_worker is not None and req.sampling.structured is not None:
             # A structured-output grammar would restart on the decode side after the first token: one worker.
             decision = aggregated(decision, info, self.state.views())
             if decision is None:
-                return SubmitReply(request_id=req.request_id, error=ErrorInfo(
-                    message=f"structured outputs need a worker of model {req.model!r} that serves both roles "
-                            "(prefill and decode)", type="invalid_request_error", code="unsupported_parameter",
-                    param="response_format", status=400))
+                return self._refuse(req, refusals.structured_split(req.model))
         kv_endpoint = ""
         if decision.prefill_worker is not None:
             # The decode worker's KV port rides the placement: the prefill worker streams there at once.
@@ -394,6 +366,14 @@ class Scheduler:
         if decision.predicted_tpot_s:
             m.predicted.labels("tpot").observe(decision.predicted_tpot_s)
         return SubmitReply(request_id=req.request_id, placement=placement)
+
+    def _refuse(self, req: InferenceRequest, no: refusals.Refusal) -> SubmitReply:
+        if no.admission:
+            self.refused += 1
+        if no.counted:
+            self.metrics.rejected.labels(no.reason).inc()
+            self._demand_refused(req)
+        return SubmitReply(request_id=req.request_id, error=no.error)
 
     async def _dispatch(self, req: InferenceRequest, d: Decision, placement: Placement,
                         headers: dict[str, str] | None) -> None:
