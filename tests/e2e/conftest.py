@@ -23,50 +23,18 @@ from hetmesh.bus import decode_events
 from hetmesh.launcher import Mesh
 from hetmesh.protocol import ServiceEvent
 
-CLUSTER = """
-[mesh]
-time_scale = {time_scale}
-heartbeat_interval_s = 0.2
-heartbeat_timeout_s = 1.0
-stall_timeout_s = 20.0
-
-[scheduler]
-policy = "prefix_aware"
-
-[[models]]
-name = "tiny-agg"
-spec = "tiny-llama"
-max_context = 4096
-block_size = 16
-
-[[models]]
-name = "tiny-pd"
-spec = "tiny-llama"
-max_context = 4096
-block_size = 16
-
-[[workers]]
-name = "h100"
-model = "tiny-agg"
-accelerator = "nvidia-h100"
-role = "both"
-count = 2
-
-[[workers]]
-name = "cpx"
-model = "tiny-pd"
-accelerator = "nvidia-rubin-cpx"
-role = "prefill"
-
-[[workers]]
-name = "vr200"
-model = "tiny-pd"
-accelerator = "nvidia-rubin-vr200"
-role = "decode"
-"""
+from ..clusters import cluster_toml, group, model
 
 # Slow enough that a long generation takes seconds (cancel / kill tests), fast enough for CI.
 TIME_SCALE = 0.5
+CLUSTER = cluster_toml(
+    mesh={"time_scale": TIME_SCALE, "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.0, "stall_timeout_s": 20.0},
+    scheduler={"policy": "prefix_aware"},
+    models=[model("tiny-agg", spec="tiny-llama", max_context=4096, block_size=16),
+            model("tiny-pd", spec="tiny-llama", max_context=4096, block_size=16)],
+    workers=[group("h100", "tiny-agg", "nvidia-h100", role="both", count=2),
+             group("cpx", "tiny-pd", "nvidia-rubin-cpx", role="prefill"),
+             group("vr200", "tiny-pd", "nvidia-rubin-vr200", role="decode")])
 
 
 @contextlib.contextmanager
@@ -87,7 +55,7 @@ def running_mesh(d: Path, cluster: str, ready_timeout_s: float = 90, **kw: objec
 @pytest.fixture(scope="session")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     # Its own nats-server and redis-server: other tests' schedulers and workers must not join.
-    with running_mesh(tmp_path_factory.mktemp("mesh"), CLUSTER.format(time_scale=TIME_SCALE)) as m:
+    with running_mesh(tmp_path_factory.mktemp("mesh"), CLUSTER) as m:
         yield m
 
 

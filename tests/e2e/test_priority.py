@@ -12,30 +12,14 @@ import pytest
 
 from hetmesh.launcher import Mesh
 
+from ..clusters import cluster_toml, group, model
 from .conftest import running_mesh
 
-CLUSTER = """
-[mesh]
-time_scale = 0.5
-heartbeat_interval_s = 0.2
-heartbeat_timeout_s = 2.0
-
-[scheduler]
-policy = "least_loaded"
-
-[[models]]
-name = "one-slot"
-spec = "tiny-llama"
-max_context = 4096
-block_size = 16
-
-[[workers]]
-name = "h100"
-model = "one-slot"
-accelerator = "nvidia-h100"
-role = "both"
-max_batch = 1
-"""
+CLUSTER = cluster_toml(
+    mesh={"time_scale": 0.5, "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0},
+    scheduler={"policy": "least_loaded"},
+    models=[model("one-slot", spec="tiny-llama", max_context=4096, block_size=16)],
+    workers=[group("h100", "one-slot", "nvidia-h100", role="both", max_batch=1)])
 
 
 @pytest.fixture(scope="module")

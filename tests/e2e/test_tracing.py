@@ -26,32 +26,18 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from hetmesh import servers
 from hetmesh.launcher import Mesh
 
+from ..clusters import cluster_toml, group, model
 from .conftest import scrape
 
 pytestmark = pytest.mark.mesh  # every test here runs processes (a mesh, or Python with an environment to probe)
 
 # The cost policy with two decode workers: a split placement always, with two candidates to weigh.
-CLUSTER = """
-[mesh]
-time_scale = 100.0
-heartbeat_interval_s = 0.2
-[scheduler]
-policy = "cost"
-[[models]]
-name = "tiny-pd"
-spec = "tiny-llama"
-[[workers]]
-name = "cpx"
-model = "tiny-pd"
-accelerator = "nvidia-rubin-cpx"
-role = "prefill"
-[[workers]]
-name = "vr200"
-model = "tiny-pd"
-accelerator = "nvidia-rubin-vr200"
-role = "decode"
-count = 2
-"""
+CLUSTER = cluster_toml(
+    mesh={"time_scale": 100.0, "heartbeat_interval_s": 0.2},
+    scheduler={"policy": "cost"},
+    models=[model("tiny-pd", spec="tiny-llama")],
+    workers=[group("cpx", "tiny-pd", "nvidia-rubin-cpx", role="prefill"),
+             group("vr200", "tiny-pd", "nvidia-rubin-vr200", role="decode", count=2)])
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN = "b7ad6b7169203331"

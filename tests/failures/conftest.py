@@ -24,72 +24,30 @@ from hetmesh.launcher import Mesh
 from hetmesh.protocol import SamplingParams, ServiceEvent
 from hetmesh.tokenizer import ByteTokenizer
 
+from ..clusters import cluster_toml, group, model
 from ..e2e.conftest import EventLog, collect_events, running_mesh
 
 TOK = ByteTokenizer()
 KV_LANDED_TIMEOUT_S = 8.0
 DRAIN_TIMEOUT_S = 3.0
-CLUSTER = f"""
-[mesh]
-time_scale = 0.05
-heartbeat_interval_s = 0.2
-heartbeat_timeout_s = 1.0
-stall_timeout_s = 30.0
-wedge_timeout_s = 10.0  # a busy engine's counters stand still this long: wedged (an 8K-token prefill step on an H100 is ~5.5 s here)
-max_attempts = 3
-migration_limit = 3
-
-[worker]
-drain_timeout_s = {DRAIN_TIMEOUT_S}
-storage_bytes_per_s = 3.2e11   # a model switch loads llama-3.1-8b's 16 GB in 0.05 engine s: 1 s of wall time
-
-[gateway]
-scheduler_wait_s = 30.0
-
-[planner]
-interval_s = 1.0   # the scheduler's demand reports and the test_replanning planners' rounds
-lease_ttl_s = 4.0   # renewed every 1.3 s: a planner starved that long on a busy machine keeps its lease
-window_s = 20.0
-
-[scheduler]
-policy = "prefix_aware"
-
-[kv_transfer]
-max_wire_bytes = 134217728   # 128 MiB: a long prompt's transfer takes a while, but not forever
-
-[[models]]
-name = "pd"
-spec = "llama-3.1-8b"
-max_context = 8192
-block_size = 16
-
-[[models]]
-name = "agg"
-spec = "llama-3.1-8b"
-max_context = 8192
-block_size = 16
-
-[[workers]]
-name = "cpx"
-model = "pd"
-accelerator = "nvidia-rubin-cpx"
-role = "prefill"
-count = 2
-
-[[workers]]
-name = "vr200"
-model = "pd"
-accelerator = "nvidia-rubin-vr200"
-role = "decode"
-count = 2
-
-[[workers]]
-name = "h100"
-model = "agg"
-accelerator = "nvidia-h100"
-role = "both"
-count = 2
-"""
+CLUSTER = cluster_toml(
+    mesh={"time_scale": 0.05, "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.0, "stall_timeout_s": 30.0,
+          # a busy engine's counters stand still this long: wedged (an 8K-token prefill step on an H100 is ~5.5 s here)
+          "wedge_timeout_s": 10.0,
+          "max_attempts": 3, "migration_limit": 3},
+    # storage: a model switch loads llama-3.1-8b's 16 GB in 0.05 engine s: 1 s of wall time
+    worker={"drain_timeout_s": DRAIN_TIMEOUT_S, "storage_bytes_per_s": 3.2e11},
+    gateway={"scheduler_wait_s": 30.0},
+    planner={"interval_s": 1.0,  # the scheduler's demand reports and the test_replanning planners' rounds
+             "lease_ttl_s": 4.0,  # renewed every 1.3 s: a planner starved that long on a busy machine keeps its lease
+             "window_s": 20.0},
+    scheduler={"policy": "prefix_aware"},
+    kv_transfer={"max_wire_bytes": 134217728},  # 128 MiB: a long prompt's transfer takes a while, but not forever
+    models=[model("pd", spec="llama-3.1-8b", max_context=8192, block_size=16),
+            model("agg", spec="llama-3.1-8b", max_context=8192, block_size=16)],
+    workers=[group("cpx", "pd", "nvidia-rubin-cpx", role="prefill", count=2),
+             group("vr200", "pd", "nvidia-rubin-vr200", role="decode", count=2),
+             group("h100", "agg", "nvidia-h100", role="both", count=2)])
 
 
 @pytest.fixture(scope="package")

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,40 +43,20 @@ from hetmesh.protocol import (
     Working,
 )
 
+from ..clusters import cluster_toml, group, model
+
 MAX_CONTEXT = 256
-CLUSTER = f"""
-[mesh]
-heartbeat_interval_s = 0.2
-heartbeat_timeout_s = 1.5
-stall_timeout_s = 1.5
-max_attempts = 2
-
-[gateway]
-submit_timeout_s = 1.0
-{{gateway_extra}}
-
-[[models]]
-name = "tiny"
-tokenizer = "byte"
-max_context = {MAX_CONTEXT}
-block_size = 16
-
-[[models]]
-name = "dead"
-tokenizer = "byte"
-max_context = {MAX_CONTEXT}
-
-[[workers]]
-name = "fake"
-model = "tiny"
-accelerator = "nvidia-h100"
-{{extra}}
-"""
 
 
 def cluster_text(gateway_extra: str = "", extra: str = "") -> str:
-    """The test cluster file, with more `[gateway]` settings and more tables (e.g. `[auth]`) when given."""
-    return CLUSTER.replace("{gateway_extra}", gateway_extra).replace("{extra}", extra)
+    """The test cluster file, with more `[gateway]` settings and more tables (e.g. `[auth]`) when given (TOML)."""
+    return cluster_toml(
+        mesh={"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.5, "stall_timeout_s": 1.5, "max_attempts": 2},
+        gateway={"submit_timeout_s": 1.0, **tomllib.loads(gateway_extra)},
+        models=[model("tiny", tokenizer="byte", max_context=MAX_CONTEXT, block_size=16),
+                model("dead", tokenizer="byte", max_context=MAX_CONTEXT)],
+        workers=[group("fake", "tiny", "nvidia-h100")],
+        extra=extra)
 
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"

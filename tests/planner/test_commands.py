@@ -13,47 +13,18 @@ from hetmesh.costmodel import server_model
 from hetmesh.planner import Assignment, Move, Plan, plan
 from hetmesh.planner.commands import commands, model_moves, plan_fleet
 from hetmesh.protocol import ModelDemandStats, Role, WorkerStatus
+from tests.clusters import cluster_toml, group, load_cluster, model
 
-CLUSTER = """
-[scheduler]
-ttft_slo_s = 2.0
-tpot_slo_s = 0.1
-
-[[models]]
-name = "a"
-spec = "llama-3.1-8b"
-
-[[models]]
-name = "b"
-spec = "llama-3.1-8b"
-
-[[models]]
-name = "idle"
-spec = "llama-3.1-8b"
-
-[[workers]]
-name = "h"
-model = "a"
-accelerator = "nvidia-h100"
-count = 2
-
-[[workers]]
-name = "g"
-model = "b"
-accelerator = "nvidia-h100"
-
-[[workers]]
-name = "q"
-model = "idle"
-accelerator = "nvidia-h100"
-"""
+CLUSTER = cluster_toml(
+    scheduler={"ttft_slo_s": 2.0, "tpot_slo_s": 0.1},
+    models=[model("a", spec="llama-3.1-8b"), model("b", spec="llama-3.1-8b"), model("idle", spec="llama-3.1-8b")],
+    workers=[group("h", "a", "nvidia-h100", count=2), group("g", "b", "nvidia-h100"),
+             group("q", "idle", "nvidia-h100")])
 
 
 @pytest.fixture
 def cfg(tmp_path: Path) -> config.ClusterConfig:
-    p = tmp_path / "c.toml"
-    p.write_text(CLUSTER)
-    return config.load(p)
+    return load_cluster(tmp_path, CLUSTER)
 
 
 def worker(wid: str, model: str) -> WorkerStatus:

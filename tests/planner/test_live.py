@@ -12,29 +12,18 @@ from hetmesh import config
 from hetmesh.planner import Move, plan
 from hetmesh.planner.live import DemandWindow, demand, fleet, plan_models, role_moves, to_send
 from hetmesh.protocol import ModelDemandStats, Role, WorkerStatus
+from tests.clusters import cluster_toml, group, load_cluster, model
 
-CLUSTER = """
-[scheduler]
-ttft_slo_s = 2.0
-tpot_slo_s = 0.1
 
-[[models]]
-name = "m"
-spec = "llama-3.1-8b"
-
-[[workers]]
-name = "h"
-model = "m"
-accelerator = "nvidia-h100"
-count = 3
-"""
+def cluster(**tables: dict[str, object]) -> str:
+    """One model on three H100 workers; `tables`: more of the file (e.g. planner={...})."""
+    return cluster_toml(scheduler={"ttft_slo_s": 2.0, "tpot_slo_s": 0.1}, **tables,
+                        models=[model("m", spec="llama-3.1-8b")], workers=[group("h", "m", "nvidia-h100", count=3)])
 
 
 @pytest.fixture
 def cfg(tmp_path: Path) -> config.ClusterConfig:
-    p = tmp_path / "c.toml"
-    p.write_text(CLUSTER)
-    return config.load(p)
+    return load_cluster(tmp_path, cluster())
 
 
 def worker(wid: str, role: Role = Role.BOTH, model: str = "m", **kw: object) -> WorkerStatus:
@@ -214,12 +203,9 @@ def test_forecast_last_and_trend() -> None:
 
 
 def test_config_checks_the_forecast_option(tmp_path: Path) -> None:
-    p = tmp_path / "c.toml"
-    p.write_text('[planner]\nforecast = "trend"\n' + CLUSTER)
-    assert config.load(p).planner.forecast == "trend"
-    p.write_text('[planner]\nforecast = "crystal-ball"\n' + CLUSTER)
+    assert load_cluster(tmp_path, cluster(planner={"forecast": "trend"})).planner.forecast == "trend"
     with pytest.raises(ValueError, match=r"planner\.forecast"):
-        config.load(p)
+        load_cluster(tmp_path, cluster(planner={"forecast": "crystal-ball"}))
 
 
 def test_window_counts_refused_requests_as_demand_and_misses() -> None:

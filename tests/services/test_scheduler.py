@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import msgspec
 import pytest
+from tests.clusters import cluster_toml, group, model
 from tests.schedproc import scheduler_process
 
 from hetmesh import subjects
@@ -29,23 +30,12 @@ from hetmesh.protocol import (
     WorkItem,
 )
 
-CLUSTER = """
-[mesh]
-heartbeat_interval_s = 0.1
-heartbeat_timeout_s = 0.6
-[scheduler]
-policy = "prefix_aware"
-[planner]
-interval_s = 0.3
-[[models]]
-name = "m"
-block_size = 4
-[[workers]]
-name = "a"
-model = "m"
-accelerator = "nvidia-h100"
-count = 2
-"""
+CLUSTER = cluster_toml(
+    mesh={"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 0.6},
+    scheduler={"policy": "prefix_aware"},
+    planner={"interval_s": 0.3},
+    models=[model("m", block_size=4)],
+    workers=[group("a", "m", "nvidia-h100", count=2)])
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+from tests.clusters import cluster_toml, group, model
 from tests.schedproc import scheduler_process
 
 from hetmesh import subjects
@@ -18,45 +19,15 @@ from hetmesh.protocol import Heartbeat, InferenceRequest, Role, SamplingParams, 
 # A 32K-token prompt of Llama-3.1-70B takes seconds to prefill on one 8xH100 server, and the TTFT SLO is that
 # long: the first request is within it, the second waits behind the first (2x its SLO). "strict" refuses it at
 # the default margin (1.0), "lax" has admission off for itself.
-CLUSTER = """
-[mesh]
-heartbeat_interval_s = 0.1
-heartbeat_timeout_s = 0.6
-[scheduler]
-policy = "cost"
-retry_after_s = 0.5
-[[models]]
-name = "strict"
-spec = "llama-3.1-70b"
-max_context = 65536
-ttft_slo_s = 1.0
-[[models]]
-name = "lax"
-spec = "llama-3.1-70b"
-max_context = 65536
-ttft_slo_s = 1.0
-admission_margin = 0.0
-[[models]]
-name = "held"
-spec = "llama-3.1-70b"
-ttft_slo_s = 2.0
-tpot_slo_s = 0.1
-[[workers]]
-name = "h"
-model = "held"
-accelerator = "nvidia-h100"
-devices = 8
-[[workers]]
-name = "s"
-model = "strict"
-accelerator = "nvidia-h100"
-devices = 8
-[[workers]]
-name = "l"
-model = "lax"
-accelerator = "nvidia-h100"
-devices = 8
-"""
+CLUSTER = cluster_toml(
+    mesh={"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 0.6},
+    scheduler={"policy": "cost", "retry_after_s": 0.5},
+    models=[model("strict", spec="llama-3.1-70b", max_context=65536, ttft_slo_s=1.0),
+            model("lax", spec="llama-3.1-70b", max_context=65536, ttft_slo_s=1.0, admission_margin=0.0),
+            model("held", spec="llama-3.1-70b", ttft_slo_s=2.0, tpot_slo_s=0.1)],
+    workers=[group("h", "held", "nvidia-h100", devices=8),
+             group("s", "strict", "nvidia-h100", devices=8),
+             group("l", "lax", "nvidia-h100", devices=8)])
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 import nats
 import pytest
+from tests.clusters import cluster_toml, group, model
 from tests.kvpeer import answer_to
 
 from hetmesh import kvstream, servers, subjects
@@ -53,49 +54,15 @@ BS = 16
 KV_LANDED_TIMEOUT_S = 2.0
 KV_SECRET = "kv-secret-for-the-test"  # the direct mesh's; the relay mesh has none
 
-CLUSTER = f"""
-[mesh]
-time_scale = 1.0
-heartbeat_interval_s = 0.2
-
-[work_queue]
-ack_wait_s = 1.0  # short: the redelivery test waits for one
-
-[[models]]
-name = "{MODEL}"
-spec = "tiny-llama"
-block_size = {BS}
-
-[[workers]]
-name = "agg"
-model = "{MODEL}"
-accelerator = "nvidia-h100"
-role = "both"
-
-[[workers]]
-name = "pre"
-model = "{MODEL}"
-accelerator = "nvidia-rubin-cpx"
-role = "prefill"
-
-[[workers]]
-name = "dec"
-model = "{MODEL}"
-accelerator = "nvidia-rubin-vr200"
-role = "decode"
-
-[[workers]]
-name = "spare"
-model = "{MODEL}"
-accelerator = "amd-mi300x"
-role = "both"
-
-[[workers]]
-name = "late"
-model = "{MODEL}"
-accelerator = "nvidia-a100-80g"
-role = "both"
-"""
+CLUSTER = cluster_toml(
+    mesh={"time_scale": 1.0, "heartbeat_interval_s": 0.2},
+    work_queue={"ack_wait_s": 1.0},  # short: the redelivery test waits for one
+    models=[model(MODEL, spec="tiny-llama", block_size=BS)],
+    workers=[group("agg", MODEL, "nvidia-h100", role="both"),
+             group("pre", MODEL, "nvidia-rubin-cpx", role="prefill"),
+             group("dec", MODEL, "nvidia-rubin-vr200", role="decode"),
+             group("spare", MODEL, "amd-mi300x", role="both"),
+             group("late", MODEL, "nvidia-a100-80g", role="both")])
 
 WORKERS = {"agg-0": ("both", "nvidia", "nvidia-h100"), "pre-0": ("prefill", "nvidia", "nvidia-rubin-cpx"),
            "dec-0": ("decode", "nvidia", "nvidia-rubin-vr200"), "spare-0": ("both", "amd", "amd-mi300x")}

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import nats
 import pytest
+from tests.clusters import cluster_toml, group, model
 from tests.services.test_worker_kv import (
     MODEL,
     Mesh,
@@ -26,24 +27,12 @@ from hetmesh.bus import encode
 from hetmesh.protocol import TokenChunk, Working
 
 STALL_S = 2.0
-CLUSTER = f"""
-[mesh]
-time_scale = 0.05
-heartbeat_interval_s = 0.2
-stall_timeout_s = {STALL_S}   # `Working` every 0.4 s (two heartbeats)
-
-[[models]]
-name = "{MODEL}"
-spec = "llama-3.1-8b"
-block_size = 16
-
-[[workers]]
-name = "slow"
-model = "{MODEL}"
-accelerator = "nvidia-a100-80g"
-role = "both"
-step_tokens = 256   # a chunked prefill: the engine's counters move every chunk (a stuck engine's would not)
-"""
+CLUSTER = cluster_toml(
+    mesh={"time_scale": 0.05, "heartbeat_interval_s": 0.2,
+          "stall_timeout_s": STALL_S},  # `Working` every 0.4 s (two heartbeats)
+    models=[model(MODEL, spec="llama-3.1-8b", block_size=16)],
+    # a chunked prefill: the engine's counters move every chunk (a stuck engine's would not)
+    workers=[group("slow", MODEL, "nvidia-a100-80g", role="both", step_tokens=256)])
 SLOW = "slow-0"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from tests.clusters import cluster_toml, group, load_cluster, model
 from tests.unit.test_config_and_subjects import assert_rejected
 
 from hetmesh import config, engines, wiring
@@ -14,38 +15,20 @@ from hetmesh.placement import ClusterState, RequestInfo, make_policy
 from hetmesh.placement.cost import CostPolicy
 from hetmesh.protocol import Heartbeat, Role
 
-CLUSTER = """
-[scheduler]
-policy = "cost"
 
-[[models]]
-name = "r1"
-spec = "deepseek-r1"
-dtype = "fp8"
-block_size = 64
-
-[[workers]]
-name = "ep"
-model = "r1"
-accelerator = "amd-mi300x"
-devices = 8
-parallel = "ep"
-step_tokens = 2048
-role = "prefill"
-
-[[workers]]
-name = "tp"
-model = "r1"
-accelerator = "amd-mi308x"
-devices = 8
-role = "decode"
-"""
+def _toml(ep: dict[str, object] | None = None, **tables: dict[str, object]) -> str:
+    """DeepSeek-R1 on an EP prefill group of MI300X servers and a TP decode group of MI308X servers, the cost
+    policy; `ep`: changes to the prefill group, `tables`: more of the file (e.g. costmodel={...})."""
+    return cluster_toml(
+        **{"scheduler": {"policy": "cost"}, **tables},
+        models=[model("r1", spec="deepseek-r1", dtype="fp8", block_size=64)],
+        workers=[group("ep", "r1", "amd-mi300x", **{"devices": 8, "parallel": "ep", "step_tokens": 2048,
+                                                      "role": "prefill", **(ep or {})}),
+                 group("tp", "r1", "amd-mi308x", devices=8, role="decode")])
 
 
-def _cfg(tmp_path: Path, extra: str = "") -> config.ClusterConfig:
-    p = tmp_path / "c.toml"
-    p.write_text(extra + CLUSTER)
-    return config.load(p)
+def _cfg(tmp_path: Path, **tables: dict[str, object]) -> config.ClusterConfig:
+    return load_cluster(tmp_path, _toml(**tables))
 
 
 def _heartbeat(cfg: config.ClusterConfig, g: config.WorkerGroup) -> Heartbeat:
@@ -97,7 +80,7 @@ def test_the_engine_runs_the_groups_settings(tmp_path: Path) -> None:
 def test_the_cluster_files_efficiencies_reach_workers_and_policy(tmp_path: Path) -> None:
     eff = tmp_path / "eff.json"
     save_efficiencies(eff, {"amd-mi300x/deepseek-r1": Efficiency(compute=0.123, memory=0.456)})
-    cfg = _cfg(tmp_path, f'[costmodel]\nefficiency = "{eff}"\n')
+    cfg = _cfg(tmp_path, costmodel={"efficiency": str(eff)})
     ep = cfg.workers[0]
     assert wiring.cost_model(cfg, ep).eff.compute == 0.123
     assert wiring.policy_options(cfg)["efficiencies"]["amd-mi300x/deepseek-r1"].memory == 0.456
@@ -110,14 +93,14 @@ def test_an_unknown_policy_option_is_an_error_that_names_it(tmp_path: Path) -> N
     with pytest.raises(ValueError, match="'top_k'"):
         make_policy("round_robin", top_k=2)
     assert isinstance(make_policy("cost", top_k=2, share_window_s=5.0), CostPolicy)
-    assert_rejected(tmp_path, CLUSTER.replace('policy = "cost"\n', 'policy = "cost"\n[scheduler.options]\n'
-                                              'share_windw_s = 5\n'), ValueError, "share_windw_s")
-    cfg = _cfg(tmp_path, "")
+    assert_rejected(tmp_path, _toml(scheduler={"policy": "cost", "options": {"share_windw_s": 5}}), ValueError,
+                    "share_windw_s")
+    cfg = _cfg(tmp_path)
     cfg.scheduler.options = {"top_k": 2}
     assert wiring.policy(cfg).top_k == 2  # type: ignore[attr-defined]
 
 
 def test_worker_groups_check_their_batching(tmp_path: Path) -> None:
-    assert_rejected(tmp_path, CLUSTER.replace("step_tokens = 2048", "step_tokens = 8"), ValueError, "step_tokens")
-    assert_rejected(tmp_path, CLUSTER.replace('parallel = "ep"', 'parallel = "pp"'), ValueError, "parallel")
+    assert_rejected(tmp_path, _toml({"step_tokens": 8}), ValueError, "step_tokens")
+    assert_rejected(tmp_path, _toml({"parallel": "pp"}), ValueError, "parallel")
     assert Role.PREFILL == _cfg(tmp_path).workers[0].role

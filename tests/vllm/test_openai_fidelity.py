@@ -20,8 +20,9 @@ from hetmesh.gateway.params import Caps, prepare_chat
 from hetmesh.gateway.schemas import ChatCompletionRequest
 from hetmesh.tokenizer import HFTokenizer
 
+from ..clusters import cluster_toml, group
 from ..e2e.conftest import running_mesh
-from .conftest import BLOCK
+from .conftest import tiny_model_entry
 
 # A template in the style of the Llama 3.1 family: tools in a system turn, tool calls as JSON, tool results.
 TEMPLATE = """{%- if tools %}<|system|>
@@ -60,28 +61,11 @@ CONVERSATIONS: list[dict[str, Any]] = [
      "add_generation_prompt": False, "continue_final_message": True},
 ]
 
-CLUSTER = """
-[mesh]
-heartbeat_interval_s = 0.2
-heartbeat_timeout_s = 5.0
-stall_timeout_s = 120.0
 
-[[models]]
-name = "tiny-chat"
-spec = "{model}/config.json"
-tokenizer = "{model}/tokenizer.json"
-path = "{model}"
-max_context = 1024
-block_size = {block}
-dtype = "fp32"
-
-[[workers]]
-name = "cpu"
-model = "tiny-chat"
-accelerator = "nvidia-h100"
-engine = "vllm"
-max_batch = 8
-"""
+def cluster(model_dir: Path) -> str:
+    return cluster_toml(mesh={"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 5.0, "stall_timeout_s": 120.0},
+                        models=[tiny_model_entry("tiny-chat", model_dir)],
+                        workers=[group("cpu", "tiny-chat", "nvidia-h100", engine="vllm", max_batch=8)])
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +110,7 @@ def test_chat_rendering_is_vllms_own(chat_model: Path) -> None:
 
 @pytest.fixture(scope="module")
 def client(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    with running_mesh(tmp_path_factory.mktemp("fidelity-mesh"), CLUSTER.format(model=chat_model, block=BLOCK),
+    with running_mesh(tmp_path_factory.mktemp("fidelity-mesh"), cluster(chat_model),
                       ready_timeout_s=400, env={"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}) as m:
         yield openai.OpenAI(base_url=f"{m.url}/v1", api_key="unused", max_retries=0, timeout=300)
 
