@@ -420,7 +420,7 @@ async def test_cancel_at_the_first_token(mesh: Mesh, events: EventLog) -> None:
     """Gone at the first token: the prefill worker ships the KV then (128 MiB), the decode worker takes it
     in and starts. On loopback the transfer lands in about 0.1 s, under the gateway's 0.2 s disconnect
     poll, so the Cancel may find it in any of those steps; whichever, nothing may be left behind. (What a
-    Cancel does to a KV stream under way is unit-tested: tests/unit/test_migration.py.)"""
+    Cancel does to a KV stream under way is unit-tested: tests/unit/test_migration_state.py.)"""
     sse = await hang_up_when(mesh, "pd", "s" * 4000, 12, when=1)
     rid = sse.request_id
     await events.wait_for(rid, "cancelled", timeout_s=10)

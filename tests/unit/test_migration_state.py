@@ -1,6 +1,6 @@
 """Migration's pure parts: the sim engine continuing a completion after k of its tokens (the same text as
 an undisturbed run), and the worker's cancel bookkeeping (what a Cancel stops, and KV for a cancelled
-request). The gateway's side of a migration is in test_gateway_stream.py."""
+request). The gateway's side of a migration is in test_reply_stream.py."""
 
 from __future__ import annotations
 
