@@ -1,7 +1,8 @@
-"""Regenerate the generated parts of README.md (between <!-- BEGIN x --> / <!-- END x --> marks).
+"""Regenerate the generated tables of the docs (between <!-- BEGIN x --> / <!-- END x --> marks): the subject
+table in docs/architecture.md.
 
-    python ops/readme_tables.py          # rewrite README.md in place
-The test suite checks that the README's subject table is the code's table.
+    python ops/readme_tables.py          # rewrite docs/architecture.md in place
+The test suite checks that the docs' subject table is the code's table.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from hetmesh import subjects
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
 
 def replace_block(text: str, name: str, body: str) -> str:

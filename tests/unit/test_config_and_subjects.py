@@ -55,8 +55,8 @@ def test_work_subjects_encode_vendor_and_accelerator() -> None:
     assert subjects.reply("a.b c") == "hetmesh.resp.a_b_c"
 
 
-def test_readme_subject_table_is_the_code_table() -> None:
-    assert subjects.markdown_table() in (ROOT / "README.md").read_text()
+def test_docs_subject_table_is_the_code_table() -> None:
+    assert subjects.markdown_table() in (ROOT / "docs" / "architecture.md").read_text()
 
 
 def test_work_queue_names_and_config(tmp_path: Path) -> None:
