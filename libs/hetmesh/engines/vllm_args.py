@@ -74,6 +74,7 @@ def engine_args(c: VllmConfig, spool: Path) -> Any:
         scheduling_policy="priority",  # the request's priority (InferenceRequest.priority); all 0 is first-come
         enforce_eager=c.enforce_eager, tensor_parallel_size=c.tensor_parallel_size,
         gpu_memory_utilization=c.gpu_memory_utilization, seed=c.seed, disable_log_stats=True,
+        enable_logging_iteration_details=True,  # each step's shape and wall time reach our stat logger
         kv_transfer_config=kv_transfer,
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                         endpoint=f"ipc://{spool}/kv-events"))

@@ -10,7 +10,8 @@
   mesh digest; BlockRemoved looks it up. The Redis index therefore holds exactly the hashes the
   gateway computes (vLLM's block size must equal the model's `block_size` in the cluster file).
 - Stats (running, waiting, KV usage) come from a stat logger of ours that AsyncLLM calls every
-  iteration; they feed the worker's heartbeats.
+  iteration; they feed the worker's heartbeats, and so does each step's shape and wall time (`step_log`,
+  vLLM's iteration details; the context per sequence from the output processor's request states).
 - P/D: PREFILL runs the prompt with max_tokens 1 as KV producer of HetmeshConnector
   (hetmesh.engines.vllm_connector), which leaves the KV in a file; `take_kv` returns its bytes for
   kv-transfer. DECODE gets the landed bytes by `put_kv`, then runs prompt + first token as KV
@@ -109,6 +110,7 @@ class VllmEngine:
         self._sub.connect(f"ipc://{self.spool.path}/kv-events")
         # Building the engine blocks (model load, KV cache allocation, engine-core process start).
         self.llm = AsyncLLM.from_engine_args(self.engine_args(), stat_loggers=[stat_logger(self._stats)])
+        self._stats.requests = self.llm.output_processor.request_states
         cc = self.llm.vllm_config.cache_config
         self.kv_blocks_total = int(cc.num_gpu_blocks or 0)
         if cc.block_size != self.config.block_size:
@@ -277,7 +279,8 @@ class VllmEngine:
                            prompt_tokens_cached=self.prompt_tokens_cached, aborted=self.aborted, steps=s.steps)
 
     def step_log(self) -> list[StepSample]:
-        return []  # no per-step telemetry from this engine yet: the scheduler keeps its prior
+        """The steps since the last call (vLLM's per-iteration details via our stat logger), at most StepLog's cap."""
+        return self._stats.log.drain()
 
     def kv_events(self) -> KvEventBatch:
         import zmq

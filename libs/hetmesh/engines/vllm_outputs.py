@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from hetmesh.costmodel.learn import StepLog
 from hetmesh.engines.base import KvEventBatch
 from hetmesh.kvindex.blocks import digest_int, next_block
-from hetmesh.protocol import TokenLogprob
+from hetmesh.protocol import StepSample, TokenLogprob
 
 
 def token_logprobs(c: Any, ids: list[int], k: int | None) -> list[TokenLogprob] | None:
@@ -27,13 +28,61 @@ def token_logprobs(c: Any, ids: list[int], k: int | None) -> list[TokenLogprob] 
 
 
 class StepStats:
-    """The last SchedulerStats AsyncLLM reported (a StatLoggerBase made by `stat_logger`)."""
+    """The last SchedulerStats AsyncLLM reported (a StatLoggerBase made by `stat_logger`), and each engine step as
+    a StepSample (vLLM's per-iteration details, enable_logging_iteration_details) in a bounded log."""
 
     def __init__(self) -> None:
         self.running = 0
         self.waiting = 0
         self.kv_usage = 0.0
         self.steps = 0
+        self.log = StepLog()
+        self.requests: Any = None  # the output processor's request states (set once the engine is up)
+        self.contexts: dict[str, int] = {}  # request -> its context at the next step, as of the last step
+        # Unsampled totals over all steps: prefill tokens computed, decode tokens, wall seconds.
+        self.prefill_tokens = 0
+        self.decode_tokens = 0
+        self.seconds = 0.0
+
+
+def step_sample(details: Any, states: Any, last: dict[str, int]) -> StepSample | None:
+    """One engine step as a StepSample. vLLM's iteration details give the step's prefill tokens and sequences,
+    its decode sequences and the model's wall time (execute + sample), exactly; the context each sequence held is
+    not in them, so it comes from the output processor's request states, read right after this step's outputs
+    were applied: a request with g >= 2 tokens decoded at context prompt + g - 1; one with g == 1 finished its
+    prefill here (its cached prefix is known). A request that finished in this step is already gone: its context
+    is the one `last` (updated here) held for it. Should the count still differ from vLLM's, the decode context
+    is the mean of the ones seen times vLLM's decode count; prefill chunks not ending here are taken as equal
+    chunks of the step's prefill tokens after no cached tokens."""
+    if details is None or details.is_dummy or details.elapsed_ms <= 0:
+        return None
+    n_dec, n_pf, pf_tokens = details.num_generation_requests, details.num_ctx_requests, details.num_ctx_tokens
+    if n_dec + pf_tokens <= 0:
+        return None
+    ctx: list[int] = []
+    done: list[tuple[int, int]] = []  # (new, cached) of prefills that ended in this step
+    now: dict[str, int] = {}
+    for rid, st in list((states or {}).items()):
+        g = st.stats.num_generation_tokens if st.stats is not None else 0
+        if g >= 1:
+            now[rid] = st.prompt_len + g
+        if g >= 2:
+            ctx.append(st.prompt_len + g - 1)
+        elif g == 1:
+            cached = min(st.num_cached_tokens or 0, st.prompt_len)
+            done.append((st.prompt_len - cached, cached))
+    ctx += [c for rid, c in last.items() if rid not in now]  # finished in this step (or aborted: a guess)
+    last.clear()
+    last.update(now)
+    decode_context = round(sum(ctx) / len(ctx) * n_dec) if ctx else n_dec  # >= 1 token per sequence
+    if done and len(done) == n_pf and sum(n for n, _ in done) == pf_tokens:
+        pairs = sum(n * c + n * (n + 1) / 2 for n, c in done)
+        cached = sum(c for _, c in done)
+    else:
+        c = pf_tokens / max(n_pf, 1)
+        pairs, cached = n_pf * c * (c + 1) / 2, 0
+    return StepSample(pf_tokens, n_pf, float(pairs), cached, n_dec, max(decode_context, n_dec),
+                      details.elapsed_ms / 1e3)
 
 
 def stat_logger(sink: StepStats) -> Any:
@@ -45,11 +94,19 @@ def stat_logger(sink: StepStats) -> Any:
 
         def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                    engine_idx: int = 0) -> None:
-            if scheduler_stats is not None:
-                self.sink.running = scheduler_stats.num_running_reqs
-                self.sink.waiting = scheduler_stats.num_waiting_reqs
-                self.sink.kv_usage = scheduler_stats.kv_cache_usage
-                self.sink.steps += 1
+            if scheduler_stats is None:
+                return
+            s = self.sink
+            s.running = scheduler_stats.num_running_reqs
+            s.waiting = scheduler_stats.num_waiting_reqs
+            s.kv_usage = scheduler_stats.kv_cache_usage
+            s.steps += 1
+            sample = step_sample(getattr(scheduler_stats, "iteration_details", None), s.requests, s.contexts)
+            if sample is not None:
+                s.log.add(sample)
+                s.prefill_tokens += sample.prefill_tokens
+                s.decode_tokens += sample.n_decode
+                s.seconds += sample.seconds
 
         def log_engine_initialized(self) -> None:
             return
