@@ -34,7 +34,7 @@ async def test_step_log_adds_up(tiny_model: Path, prompts: list[list[int]]) -> N
         assert engine.step_log() == []
         ps = prompts[:3]
         lens = [5, 9, 12]
-        got = await asyncio.gather(*(_run(engine, f"s{i}", p, k) for i, (p, k) in enumerate(zip(ps, lens))))
+        got = await asyncio.gather(*(_run(engine, f"s{i}", p, k) for i, (p, k) in enumerate(zip(ps, lens, strict=True))))
         assert got == lens
         await asyncio.sleep(0.2)  # the output handler records the last step right after handing its outputs out
         steps = engine.step_log()
@@ -44,7 +44,7 @@ async def test_step_log_adds_up(tiny_model: Path, prompts: list[list[int]]) -> N
         assert sum(s.prefill_tokens + s.prefill_cached for s in steps) == sum(len(p) for p in ps)
         assert sum(s.prefill_seqs for s in steps) >= len(ps)
         # Each decode step reads the whole context so far: prompt + tokens before the one it computes.
-        want = sum(len(p) + j for p, k in zip(ps, lens) for j in range(1, k))
+        want = sum(len(p) + j for p, k in zip(ps, lens, strict=True) for j in range(1, k))
         assert sum(s.decode_context for s in steps) == want
         assert engine.step_log() == []  # drained
     finally:
