@@ -16,6 +16,8 @@ import pytest
 
 from hetmesh.launcher import Mesh
 
+from ..openai_shape import chat_text, completion_text
+
 MODEL = "tiny-agg"
 MSGS = [{"role": "user", "content": "compat"}]
 
@@ -26,15 +28,24 @@ async def test_openai_client_sync_async_streamed_or_not(client: openai.OpenAI, a
     text = full.choices[0].message.content
     assert full.object == "chat.completion" and full.usage.completion_tokens == 12 and len(text) == 12
     assert full.usage.prompt_tokens_details.cached_tokens is not None
+    # streamed: OpenAI's chunk sequence (role-only chunk, text, empty delta with the finish reason, usage)
     chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chat_text(chunks, finish="length", usage=True) == text
     assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == full.usage.total_tokens
     afull = await aclient.chat.completions.create(**kw)  # type: ignore[call-overload]
     assert afull.choices[0].message.content == text
-    parts = [c.choices[0].delta.content or "" async for c in await aclient.chat.completions.create(**kw, stream=True)]
-    assert "".join(parts) == text
-    comp = await aclient.completions.create(model=MODEL, prompt="compat", max_tokens=5, seed=1, stream=True)
-    assert len("".join([c.choices[0].text async for c in comp])) == 5
+    achunks = [c async for c in await aclient.chat.completions.create(**kw, stream=True)]
+    assert chat_text(achunks, finish="length") == text
+    comp = await aclient.completions.create(model=MODEL, prompt="compat", max_tokens=5, seed=1, stream=True,
+                                            extra_body={"ignore_eos": True})
+    assert len(completion_text([c async for c in comp], finish="length")) == 5
+    # the client's own stream helper puts the deltas back together into the whole message
+    with client.chat.completions.stream(**kw) as s:  # type: ignore[call-overload]
+        deltas = [e.delta for e in s if e.type == "content.delta"]
+        snap = s.current_completion_snapshot
+    assert "".join(deltas) == text
+    assert snap.choices[0].message.role == "assistant" and snap.choices[0].message.content == text
+    assert snap.choices[0].finish_reason == "length"
 
 
 async def test_langchain_chat_model_invokes_and_streams(mesh: Mesh) -> None:

@@ -46,15 +46,27 @@ def test_gap_holds_later_chunks_back() -> None:
     assert r.add(c[3]) == [c[3]] and r.done
 
 
+def events(raw: bytes) -> list[dict]:
+    return [msgspec.json.decode(e[6:]) for e in raw.split(b"\n\n") if e]
+
+
 def test_sse_chat_chunks_are_openai_shaped() -> None:
     f = Formatter(True, "chatcmpl-x", "m", 123, include_usage=True)
-    first = msgspec.json.decode(f.sse('he"y\n', None, first=True)[6:])
-    assert first == {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 123, "model": "m",
-                     "system_fingerprint": None, "usage": None,
-                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": 'he"y\n'}, "logprobs": None,
-                                  "finish_reason": None}]}
-    last = msgspec.json.decode(f.sse("", "length", first=False)[6:])
+    role, text = events(f.sse('he"y\n', None, first=True))  # a role-only chunk, then the text
+    assert role == {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 123, "model": "m",
+                    "system_fingerprint": None, "usage": None,
+                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None}]}
+    assert text["choices"] == [{"index": 0, "delta": {"content": 'he"y\n'}, "logprobs": None, "finish_reason": None}]
+    # the last tokens and the finish reason: the text without one, then an empty delta that carries it
+    more, last = events(f.sse("ab", "length", first=False))
+    assert more["choices"][0]["delta"] == {"content": "ab"} and more["choices"][0]["finish_reason"] is None
     assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "length"
+    (only,) = events(f.sse("", "stop", first=False))  # no text left: the final chunk alone
+    assert only["choices"][0]["delta"] == {} and only["choices"][0]["finish_reason"] == "stop"
+    # a reply of one chunk: role, text, finish
+    assert [e["choices"][0]["delta"] for e in events(f.sse("x", "stop", first=True))] == [
+        {"role": "assistant", "content": ""}, {"content": "x"}, {}]
     u = msgspec.json.decode(f.sse_usage(Usage(prompt_tokens=5, completion_tokens=2, cached_tokens=4))[6:])
     assert u["choices"] == [] and u["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
                                                  "prompt_tokens_details": {"cached_tokens": 4}}
@@ -63,9 +75,12 @@ def test_sse_chat_chunks_are_openai_shaped() -> None:
 
 def test_sse_completion_chunk_and_full_bodies() -> None:
     f = Formatter(False, "cmpl-x", "m", 1, include_usage=False)
-    c = msgspec.json.decode(f.sse("abc", None, first=True)[6:])
+    (c,) = events(f.sse("abc", None, first=True))
     assert c["object"] == "text_completion" and "usage" not in c
     assert c["choices"] == [{"index": 0, "text": "abc", "logprobs": None, "finish_reason": None}]
+    text, last = events(f.sse("d", "length", first=False))  # the finish reason on a final chunk of its own
+    assert text["choices"][0]["text"] == "d" and text["choices"][0]["finish_reason"] is None
+    assert last["choices"] == [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}]
     full = msgspec.json.decode(f.full("abc", "stop", Usage(prompt_tokens=1, completion_tokens=3)))
     assert full["choices"][0]["text"] == "abc" and full["usage"]["total_tokens"] == 4
     chat = msgspec.json.decode(Formatter(True, "i", "m", 1, False).full("hi", "abort_x", Usage(prompt_tokens=1,

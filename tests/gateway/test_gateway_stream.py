@@ -13,6 +13,7 @@ import pytest
 from hetmesh.protocol import Cancel, InferenceRequest, ServiceEvent
 from hetmesh.tokenizer import ByteTokenizer, render_chat
 
+from ..openai_shape import chat_text, completion_text
 from .conftest import CACHED, FakePeer, GatewayProc, sse_events, text_for
 
 TOK = ByteTokenizer()
@@ -79,17 +80,9 @@ def test_chat_streaming_with_usage(client: openai.OpenAI) -> None:
                                             max_completion_tokens=13, stream=True,
                                             stream_options={"include_usage": True})
     chunks = list(stream)
-    assert all(c.object == "chat.completion.chunk" for c in chunks)
-    assert len({c.id for c in chunks}) == 1
-    with_choices = [c for c in chunks if c.choices]
-    assert with_choices[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in with_choices) == text_for(13)
-    assert [c.choices[0].finish_reason for c in with_choices][-1] == "length"
-    assert all(c.choices[0].finish_reason is None for c in with_choices[:-1])
+    assert chat_text(chunks, finish="length", usage=True) == text_for(13)
     last = chunks[-1]
-    assert last.choices == [] and last.usage is not None
-    assert last.usage.completion_tokens == 13 and last.usage.prompt_tokens_details is not None
-    assert all(c.usage is None for c in chunks[:-1])
+    assert last.usage is not None and last.usage.completion_tokens == 13 and last.usage.prompt_tokens_details is not None
 
 
 def test_raw_sse_shape(gateway: GatewayProc) -> None:
@@ -104,8 +97,10 @@ def test_raw_sse_shape(gateway: GatewayProc) -> None:
         assert set(o) == {"id", "object", "created", "model", "system_fingerprint", "choices"}
         (choice,) = o["choices"]
         assert set(choice) == {"index", "delta", "logprobs", "finish_reason"}
-    assert objs[0]["choices"][0]["delta"]["role"] == "assistant"  # type: ignore[index]
-    assert "".join(o["choices"][0]["delta"].get("content", "") for o in objs) == text_for(6)  # type: ignore[index]
+    deltas = [o["choices"][0]["delta"] for o in objs]  # type: ignore[index]
+    assert deltas[0] == {"role": "assistant", "content": ""} and deltas[-1] == {}
+    assert "".join(d["content"] for d in deltas[1:-1]) == text_for(6)
+    assert [o["choices"][0]["finish_reason"] for o in objs][-1] == "length"  # type: ignore[index]
 
 
 def test_completions_streaming_and_not(client: openai.OpenAI) -> None:
@@ -116,9 +111,8 @@ def test_completions_streaming_and_not(client: openai.OpenAI) -> None:
     stream = client.completions.create(model="tiny", prompt=["Once upon a time"], max_tokens=9, stream=True,
                                        stream_options={"include_usage": True})
     chunks = list(stream)
-    assert all(c.object == "text_completion" for c in chunks)
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == text_for(9)
-    assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 9
+    assert completion_text(chunks, finish="length", usage=True) == text_for(9)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 9
 
 
 def test_out_of_order_and_duplicate_chunks(client: openai.OpenAI) -> None:

@@ -22,6 +22,7 @@ from hetmesh.tokenizer import HFTokenizer
 
 from ..clusters import cluster_toml, group
 from ..e2e.conftest import running_mesh
+from ..openai_shape import chat_text
 from .conftest import tiny_model_entry
 
 # A template in the style of the Llama 3.1 family: tools in a system turn, tool calls as JSON, tool results.
@@ -142,13 +143,15 @@ def test_forced_tool_calls_are_well_formed(client: openai.OpenAI) -> None:
     calls = r.choices[0].message.tool_calls
     assert calls and len(calls) == 1 and r.choices[0].finish_reason == "tool_calls"
     jsonschema.validate(json.loads(calls[0].function.arguments), params)
-    # Streamed: the role first, then the call as a tool-call delta, then the finish reason.
+    # Streamed as OpenAI does: a role-only chunk, the call as a tool-call delta, an empty delta with the finish reason.
     chunks = list(client.chat.completions.create(**kw, tool_choice=named, stream=True))
-    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
-    assert chunks[0].choices[0].delta.role == "assistant" and len(deltas) == 1
-    assert deltas[0].function.name == "get_weather" and deltas[0].id
-    assert deltas[0].function.arguments == msg.tool_calls[0].function.arguments  # greedy: the same call
-    assert chunks[-1].choices[0].finish_reason == "stop"
+    role, call, end = (c.choices[0] for c in chunks)
+    assert (role.delta.role, role.delta.content, role.delta.tool_calls, role.finish_reason) == ("assistant", None,
+                                                                                               None, None)
+    (delta,) = call.delta.tool_calls or []
+    assert call.finish_reason is None and delta.function.name == "get_weather" and delta.id
+    assert delta.function.arguments == msg.tool_calls[0].function.arguments  # greedy: the same call
+    assert (end.delta.content, end.delta.tool_calls, end.finish_reason) == (None, None, "stop")
 
 
 def test_logprobs_n_and_logit_bias_reach_vllm(client: openai.OpenAI, chat_model: Path) -> None:
@@ -161,8 +164,9 @@ def test_logprobs_n_and_logit_bias_reach_vllm(client: openai.OpenAI, chat_model:
         assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token
         assert e.top_logprobs[0].logprob == pytest.approx(e.logprob)
         assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
-    streamed = [e.token for c in client.chat.completions.create(**kw, temperature=0, logprobs=True, stream=True)
-                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or ()]
+    chunks = list(client.chat.completions.create(**kw, temperature=0, logprobs=True, stream=True))
+    assert chat_text(chunks, finish="length") == r.choices[0].message.content  # OpenAI's chunk sequence
+    streamed = [e.token for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content or ()]
     assert streamed == [e.token for e in content]
     # logit_bias +100 on one token: greedy emits only it.
     tok = HFTokenizer(str(chat_model / "tokenizer.json"))

@@ -164,17 +164,22 @@ class Formatter:
         self.tail = b'}],"usage":null}\n\n' if include_usage else b"}]}\n\n"
 
     def sse(self, text: str, finish_reason: str | None, first: bool, logprobs: bytes = b"null") -> bytes:
-        fr = _enc.encode(client_finish_reason(finish_reason))
-        t = _enc.encode(text)
-        if self.chat:
-            if first:
-                delta = b'{"role":"assistant","content":' + t + b"}"
-            elif text or finish_reason is None:
-                delta = b'{"content":' + t + b"}"
-            else:
-                delta = b"{}"
-            return self.head + b'"delta":' + delta + b',"logprobs":' + logprobs + b',"finish_reason":' + fr + self.tail
-        return self.head + b'"text":' + t + b',"logprobs":' + logprobs + b',"finish_reason":' + fr + self.tail
+        """OpenAI's chunk sequence for `text`: a chat stream opens with a role-only chunk (`first`), text
+        goes in chunks without a finish reason, and the choice ends with a chunk of its own that carries
+        the finish reason (an empty delta; a completion's empty text)."""
+        out = b""
+        if first and self.chat:
+            out = self.head + b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null' \
+                + self.tail
+        if text or logprobs != b"null":
+            t = _enc.encode(text)
+            body = b'"delta":{"content":' + t + b"}" if self.chat else b'"text":' + t
+            out += self.head + body + b',"logprobs":' + logprobs + b',"finish_reason":null' + self.tail
+        if finish_reason is not None:
+            end = b'"delta":{}' if self.chat else b'"text":""'
+            out += self.head + end + b',"logprobs":null,"finish_reason":' \
+                + _enc.encode(client_finish_reason(finish_reason)) + self.tail
+        return out
 
     def sse_chunks(self, chunks: list[TokenChunk], first: bool) -> bytes:
         """One write for every chunk that became deliverable together (fewer syscalls per token)."""
@@ -193,6 +198,8 @@ class Formatter:
         return self.sse(text, fr, first, _enc.encode(self._logprobs(chunks)) if self.lp else b"null")
 
     def _sse_tools(self, text: str, finish_reason: str | None, first: bool) -> bytes:
+        """Tool calls are sent whole at the end: the role chunk first (no content: a reply to tools is
+        mostly calls), then the calls (or the plain reply they turned out not to be) and the finish reason."""
         self.buf.append(text)
         out = b""
         if first:
@@ -208,8 +215,7 @@ class Formatter:
             out += self.sse(content, None, False)
         deltas = [{"index": i, **c} for i, c in enumerate(calls)]
         return (out + self.head + b'"delta":' + _enc.encode({"tool_calls": deltas})
-                + b',"logprobs":null,"finish_reason":null' + self.tail
-                + self.head + b'"delta":{},"logprobs":null,"finish_reason":' + _enc.encode(fr) + self.tail)
+                + b',"logprobs":null,"finish_reason":null' + self.tail + self.sse("", fr, False))
 
     def _tool_calls(self, text: str, finish_reason: str | None) -> tuple[list[dict[str, Any]] | None, str | None,
                                                                        str | None]:
