@@ -80,6 +80,7 @@ class Bus:
         last_error: list[BaseException] = []
         refusal: list[BaseException] = []  # the server's own refusal (auth) outranks the resets that follow it
         on_reconnect: list[Callable[[], Awaitable[None]]] = []
+        client: list[Client] = []
 
         async def _error(e: Exception) -> None:
             if not last_error or type(last_error[-1]) is not type(e):
@@ -89,6 +90,8 @@ class Bus:
                 refusal[:] = [e]
 
         async def _disconnected() -> None:
+            if client and client[0].is_closed:  # our own close (a stop), not a lost server
+                return
             log.warning("NATS disconnected (%s); reconnecting", name)
 
         async def _reconnected() -> None:
@@ -123,7 +126,8 @@ class Bus:
 
         # nats-py retries a refused first connect (e.g. bad credentials) forever on its own: bound it.
         try:
-            bus = cls(await asyncio.wait_for(_connect(), connect_timeout_s))
+            client.append(await asyncio.wait_for(_connect(), connect_timeout_s))
+            bus = cls(client[0])
             bus.on_reconnect = on_reconnect
             return bus
         except TimeoutError:

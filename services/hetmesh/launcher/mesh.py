@@ -1,5 +1,6 @@
 """`Mesh`: one cluster file -> nats-server, redis-server (when none is reachable) and every
-service of the cluster as a separate process. The run command and the tests both use it.
+service of the cluster as a separate process. The run command and the tests both use it; the run
+command also supervises it (hetmesh.launcher.supervise): what dies is started again.
 """
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -20,6 +22,10 @@ from pathlib import Path
 from hetmesh import config, metrics, servers
 
 
+class PortInUse(RuntimeError):
+    """The gateway's port is taken by another process."""
+
+
 @dataclass
 class Service:
     name: str
@@ -27,6 +33,8 @@ class Service:
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
     metrics_port: int | None = None  # its /metrics, /health, /ready (the gateway's are on its API port)
+    instance: str = ""  # the gateway's instance id this run (new at every start: its reply subjects)
+    started: float = 0.0  # time.monotonic() of the last start
 
     @property
     def alive(self) -> bool:
@@ -39,6 +47,9 @@ class Mesh:
     gateway_port: int | None = None  # None: the cluster file's; 0: a free port
     env: dict[str, str] = field(default_factory=dict)
     log_dir: Path | None = None  # None: children inherit this process's stdout/stderr
+    # The children (and the servers it starts) die with this process however it dies, even by SIGKILL,
+    # and stay out of its terminal's Ctrl-C (the launcher stops them in order). Spawn from the main thread.
+    die_with_parent: bool = False
     nats_url: str = ""
     redis_url: str = ""
     services: dict[str, Service] = field(default_factory=dict)
@@ -54,12 +65,14 @@ class Mesh:
         return f"http://{self.cfg.gateway.host}:{self.port}"
 
     def start(self, ready_timeout_s: float = 60.0) -> Mesh:
-        nats_url, redis_url, self._started = self._infra.enter_context(
-            servers.infrastructure(self.nats_url or self.cfg.mesh.nats_url, self.redis_url or self.cfg.mesh.redis_url))
-        self.nats_url, self.redis_url = nats_url, redis_url
         self.port = self.gateway_port if self.gateway_port else self.cfg.gateway.port
         if self.gateway_port == 0:
             self.port = servers.free_port()
+        elif not servers.port_free(self.cfg.gateway.host, self.port):  # before anything starts
+            raise PortInUse(f"the gateway's port {self.cfg.gateway.host}:{self.port} is already in use")
+        nats_url, redis_url, self._started = self._infra.enter_context(servers.infrastructure(
+            self.nats_url or self.cfg.mesh.nats_url, self.redis_url or self.cfg.mesh.redis_url, self.die_with_parent))
+        self.nats_url, self.redis_url = nats_url, redis_url
         cluster = ["--cluster", str(self.cluster_path)]
         py = [sys.executable, "-m"]
         self.add("scheduler", [*py, "hetmesh.scheduler", *cluster, "--instance", "sched-0"])
@@ -91,24 +104,38 @@ class Mesh:
         if svc.metrics_port is not None:
             env[metrics.PORT_ENV] = str(svc.metrics_port)
             env.setdefault(metrics.HOST_ENV, "127.0.0.1")
-        out: int | object = None
-        if self.log_dir is not None:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            svc.log_path = self.log_dir / f"{name.replace(':', '_')}.log"
-            out = open(svc.log_path, "ab")
-        svc.proc = subprocess.Popen(svc.argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                    start_new_session=True)
+        argv = svc.argv
+        if name == "gateway":  # a new id per run: a restarted gateway must not get its last run's replies
+            svc.instance = f"gw{secrets.token_hex(4)}"
+            argv = [*argv, "--instance", svc.instance]
+        hook = servers.parent_death_hook() if self.die_with_parent else None
+        with contextlib.ExitStack() as files:  # the child keeps its own copy of the log file
+            out = None
+            if self.log_dir is not None:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+                svc.log_path = self.log_dir / f"{name.replace(':', '_')}.log"
+                out = files.enter_context(open(svc.log_path, "ab"))
+            svc.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                        start_new_session=True, preexec_fn=hook)
+        svc.started = time.monotonic()
         return svc
 
     def workers_expected(self) -> int:
         return sum(g.count for g in self.cfg.workers)
 
-    def ready(self) -> dict[str, object] | None:
+    def _get(self, path: str) -> dict[str, object] | None:
         try:
-            with urllib.request.urlopen(f"{self.url}/ready", timeout=1) as r:
+            with urllib.request.urlopen(f"{self.url}{path}", timeout=1) as r:
                 return json.loads(r.read())
         except (urllib.error.URLError, OSError, ValueError):
             return None
+
+    def ready(self) -> dict[str, object] | None:
+        """The gateway's /ready answer, or None (no answer, or it is another process on the port)."""
+        gw = self.services.get("gateway")
+        if gw is not None and gw.instance and (self._get("/health") or {}).get("instance") != gw.instance:
+            return None
+        return self._get("/ready")
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
