@@ -1,8 +1,8 @@
-"""`python -m hetmesh.sim` / `hetmesh-sim`: replay a trace on a cluster file under some policies.
+"""`hetmesh sim`: replay a trace on a cluster file under some policies (also `python -m hetmesh.sim`).
 
-    hetmesh-sim --cluster ops/clusters/seed-case-study.toml --policy cost,least_loaded \
+    hetmesh sim --cluster ops/clusters/seed-case-study.toml --policy cost,least_loaded \
         --closed-loop 24 --requests 2000 --input 2048 --output 512 --out results/sim.json --plots results/sim
-    hetmesh-sim --cluster my.toml --trace data/mooncake_synthetic_trace.jsonl --rate-sweep 0.5,1,2
+    hetmesh sim --cluster my.toml --trace data/mooncake_synthetic_trace.jsonl --rate-sweep 0.5,1,2
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hetmesh-sim", description=__doc__.split("\n")[0])
+def build_parser(prog: str = "hetmesh sim") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--cluster", help="cluster TOML (default: $HETMESH_CLUSTER or ops/clusters/default.toml)")
     p.add_argument("--role", choices=[r.value for r in Role],
                    help="override every worker's role (e.g. both, so the cost policy may choose)")
@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 summaries.append(s)
                 if rate == rates[-1]:
                     results[name] = res
-    print_table(summaries, title=f"hetmesh-sim: {a.cluster or 'default cluster'}")
+    print_table(summaries, title=f"hetmesh sim: {a.cluster or 'default cluster'}")
     if a.out:
         write_json(a.out, {"cluster": a.cluster, "slo": dataclasses.asdict(slo), "runs": summaries})
     if a.plots:

@@ -1,7 +1,11 @@
-"""`hetmesh status`: the live cluster view (workers, roles, load, KV use) as a table.
+"""hetmesh: run, watch and plan a heterogeneous LLM-serving mesh.
 
-It asks the scheduler on `hetmesh.sched.status` (the same request as
-`nats req hetmesh.sched.status ''`), so it shows what placement decisions are made from.
+  hetmesh up       start the whole mesh of a cluster file and keep it up (Ctrl-C stops it)
+  hetmesh status   the live cluster view (workers, roles, load, KV use) as the scheduler sees it
+  hetmesh plan     lay out a fleet or choose chips to buy for a demand; --live: the planner's proposal
+  hetmesh sim      replay a trace on a cluster file in the simulator, policy against policy
+
+`hetmesh <command> --help` says more about each.
 """
 
 from __future__ import annotations
@@ -20,22 +24,45 @@ from rich.table import Table
 
 from hetmesh import config, subjects
 from hetmesh.cli import plan
+from hetmesh.launcher import runfile
 from hetmesh.protocol import PlanProposal, SchedulerStatus, WorkerStatus
 
 DEFAULT_NATS = "nats://127.0.0.1:4222"
 
 
+STATUS_HELP = f"""The live cluster view (workers, roles, load, KV use) as a table. It asks the scheduler on
+`hetmesh.sched.status` (the same request as `nats req hetmesh.sched.status ''`), so it shows what
+placement decisions are made from; below it, the launcher's processes and their restarts.
+
+Which mesh: --nats, else $HETMESH_NATS_URL, else --cluster's mesh.nats_url, else the mesh that
+`hetmesh up` (or ops/run.sh) runs on this machine, found through its run file
+(<run folder>/mesh-<pid>.json; the run folder is $HETMESH_RUN_DIR, else $XDG_RUNTIME_DIR/hetmesh,
+else <tmp>/hetmesh-<uid>; now {runfile.run_dir()}), else $HETMESH_CLUSTER's, else {DEFAULT_NATS}."""
+
+
 def nats_url(arg: str | None, cluster: str | None) -> str:
-    """--nats, else $HETMESH_NATS_URL, else the cluster file's mesh.nats_url, else localhost."""
+    """--nats, $HETMESH_NATS_URL, --cluster's mesh.nats_url, the running launcher's, $HETMESH_CLUSTER's, localhost."""
     if arg:
         return arg
     if v := os.environ.get("HETMESH_NATS_URL"):
         return v
-    if cluster or os.environ.get("HETMESH_CLUSTER"):
-        url = config.load(cluster).mesh.nats_url
-        if url:
-            return url
+    if cluster and (url := config.load(cluster).mesh.nats_url):
+        return url
+    if (launched := runfile.find()) is not None:
+        return str(launched["nats_url"])
+    if os.environ.get("HETMESH_CLUSTER") and (url := config.load(None).mesh.nats_url):
+        return url
     return DEFAULT_NATS
+
+
+def processes_line(state: dict[str, object]) -> str:
+    """The launcher's processes: how many run, what restarted, what was given up."""
+    procs: dict[str, dict[str, object]] = state.get("services", {})  # type: ignore[assignment]
+    running = sum(1 for p in procs.values() if p.get("state") == "running")
+    restarted = ", ".join(f"{n} x{p['restarts']}" for n, p in procs.items() if int(str(p.get("restarts", 0))))
+    other = ", ".join(f"{n} ({p['state']})" for n, p in procs.items() if p.get("state") != "running")
+    return (f"hetmesh up (pid {state.get('pid')}, gateway {state.get('gateway_url')}): {running}/{len(procs)} "
+            f"processes running; restarts: {restarted or 'none'}" + (f"; {other}" if other else ""))
 
 
 async def fetch_status(url: str, timeout_s: float) -> SchedulerStatus:
@@ -130,22 +157,22 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hetmesh", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
-    st = sub.add_parser("status", help="print the live cluster view as the scheduler sees it")
-    st.add_argument("--nats", help=f"NATS URL (default $HETMESH_NATS_URL, the cluster file's, or {DEFAULT_NATS})")
+    up_help = "start the whole mesh of a cluster file and keep it up: what exits is started again (--help: more)"
+    sub.add_parser("up", help=up_help, add_help=False)
+    st = sub.add_parser("status", help="print the live cluster view as the scheduler sees it",
+                        description=STATUS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    st.add_argument("--nats", help="NATS URL of the mesh (default: see above)")
     st.add_argument("--cluster", help="cluster file to read mesh.nats_url from")
     st.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for NATS and the scheduler")
     st.add_argument("--json", action="store_true", help="print the scheduler's reply as JSON")
     plan.add_parser(sub)
-    sub.add_parser("up", help="start the whole mesh (python -m hetmesh.launcher; --cluster FILE --port N)",
-                   add_help=False)
-    sub.add_parser("sim", help="replay a trace on a cluster file in the simulator (python -m hetmesh.sim)",
-                   add_help=False)
+    sub.add_parser("sim", help="replay a trace on a cluster file in the simulator, policy against policy "
+                   "(--help: more)", add_help=False)
     args, rest = ap.parse_known_args(argv)
     if args.command == "up":
         from hetmesh.launcher.__main__ import main as up
 
-        up(rest)
-        return 0
+        return up(rest)
     if args.command == "sim":
         from hetmesh.sim.__main__ import main as sim
 
@@ -176,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         print(msgspec.json.format(msgspec.json.encode(status)).decode())
     else:
         Console(width=160).print(table(status))
+        if (launched := runfile.find(url)) is not None:
+            print(processes_line(launched))
     return 0
 
 
