@@ -90,7 +90,7 @@ def test_a_second_process_under_one_id_is_dropped_and_pooled_prior_seeds_new_wor
     # a new worker of the same kind starts from what its pool learned, not from the catalog
     lr.observe("w1", KEY, prior, [], 5.0)
     assert lr.speed("w1") == 1.0  # no samples of its own yet
-    assert np.allclose(lr.fits["w1"].theta, lr.pools[KEY].theta)
+    assert np.allclose(lr.fits["w1"].theta, lr.fits["w0"].theta)
     assert lr.fits["w1"].theta[0] > 2.0 / PRIOR.compute
 
 

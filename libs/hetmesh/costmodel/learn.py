@@ -59,22 +59,22 @@ class StepLog:
 
 def features(cm: CostModel, samples: Sequence[StepSample]) -> np.ndarray:
     """(n, 8) per-step (dense_c, dense_m, expert_c, expert_m, attn_c, attn_m, comm, seqs) at 100% efficiency."""
-    return np.array([cm.features(s.prefill_tokens + s.n_decode, s.prefill_seqs + s.n_decode, s.prefill_pairs,
-                                 s.decode_context, s.prefill_cached + s.decode_context, s.prefill_seqs + s.n_decode)
-                     for s in samples], dtype=float).reshape(len(samples), 8)
+    n = len(samples)
+    if not n:
+        return np.zeros((0, 8))
+    a = np.array([(s.prefill_tokens, s.prefill_seqs, s.prefill_pairs, s.prefill_cached, s.n_decode, s.decode_context)
+                  for s in samples], dtype=float)
+    seqs = a[:, 1] + a[:, 4]
+    cols = cm.features(a[:, 0] + a[:, 4], seqs, a[:, 2], a[:, 5], a[:, 3] + a[:, 5], seqs)  # the scalar formulas
+    return np.column_stack([np.broadcast_to(np.asarray(c, dtype=float), (n,)) for c in cols])
 
 
 def _design(f: np.ndarray, theta: np.ndarray) -> np.ndarray:
     """Each step's h at `theta`: which of compute or memory bounds each kernel kind picks its column."""
-    ic, im = theta[0], theta[1]
-    h = np.zeros((len(f), 4))
-    for c, m in ((0, 1), (2, 3), (4, 5)):
-        comp = f[:, c] * ic >= f[:, m] * im
-        h[:, 0] += np.where(comp, f[:, c], 0.0)
-        h[:, 1] += np.where(comp, 0.0, f[:, m])
-    h[:, 2] = 1.0
-    h[:, 3] = f[:, 7]
-    return h
+    c, m = f[:, 0:6:2], f[:, 1:6:2]
+    comp = c * theta[0] >= m * theta[1]
+    return np.column_stack([np.where(comp, c, 0.0).sum(axis=1), np.where(comp, 0.0, m).sum(axis=1),
+                            np.ones(len(f)), f[:, 7]])
 
 
 def predict(f: np.ndarray, theta: np.ndarray) -> np.ndarray:
@@ -179,7 +179,7 @@ class WorkerKey(msgspec.Struct, frozen=True):
 
 
 class Learner:
-    """Per-worker fits, and one pooled fit per server kind as a new worker's prior. `observe` returns the
+    """Per-worker fits; what the workers of a server kind learned is a new worker's prior (`pool`). `observe` returns the
     worker's new efficiency when it moved by more than `republish_rel` on any factor since last returned."""
 
     def __init__(self, settings: FitSettings = FitSettings(), republish_rel: float = 0.02,
@@ -188,7 +188,6 @@ class Learner:
         self.republish_rel = republish_rel
         self.degraded_ratio = degraded_ratio
         self.fits: dict[str, Fit] = {}
-        self.pools: dict[WorkerKey, Fit] = {}
         self.key_of: dict[str, WorkerKey] = {}
         self.models: dict[str, CostModel] = {}  # worker id -> the prior cost model the features come from
         self._published: dict[str, np.ndarray] = {}
@@ -208,12 +207,9 @@ class Learner:
             self._runs[worker_id] = (instance, now)
         if self.key_of.get(worker_id, key) != key:
             self.forget(worker_id)  # a new model or layout (a re-plan): start again from its pool
-        pool = self.pools.get(key)
-        if pool is None:
-            pool = self.pools[key] = Fit(cm.eff, self.s)
         fit = self.fits.get(worker_id)
         if fit is None:
-            fit = self.fits[worker_id] = pool.copy_as_prior()
+            fit = self.fits[worker_id] = self.pool(key, cm.eff).copy_as_prior()
             self.key_of[worker_id] = key
             self.models[worker_id] = cm
         if not samples:
@@ -222,12 +218,21 @@ class Learner:
         secs = np.array([s.seconds for s in samples], dtype=float)
         if not fit.update(f, secs, now):
             return None
-        pool.update(f, secs, now)
         last = self._published.get(worker_id)
         if last is not None and (np.abs(fit.theta - last) <= self.republish_rel * np.abs(last)).all():
             return None
         self._published[worker_id] = fit.theta.copy()
         return fit.efficiency
+
+    def pool(self, key: WorkerKey, prior: Efficiency) -> Fit:
+        """What the workers of one kind have learned, as a fit: their mean estimate, with their own spread and
+        the spread between them; the catalog prior while none of them has reported."""
+        peers = [f for w, f in self.fits.items() if self.key_of.get(w) == key and f.samples]
+        if not peers:
+            return Fit(prior, self.s)
+        thetas = np.array([f.theta for f in peers])
+        cov = np.mean([f.cov for f in peers], axis=0) + (np.cov(thetas.T) if len(peers) > 1 else 0.0)
+        return Fit(prior, self.s, cov=cov, theta=thetas.mean(axis=0))
 
     def forget(self, worker_id: str) -> None:
         self.fits.pop(worker_id, None)

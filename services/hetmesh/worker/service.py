@@ -62,6 +62,9 @@ log = logging.getLogger("hetmesh.worker")
 
 KV_EVENT_PERIOD_S = 0.05  # coalescing window for KvEvent batches
 SUPERSEDE_WAIT_S = 5.0  # how long a newer attempt waits for the old one to let go of the request id
+# The engine's steps ride a heartbeat this often (a bounded sample of all of them): the scheduler's fit
+# tracks drift within seconds, and its cost grows with the fleet, not with requests.
+STEP_REPORT_S = 2.0
 
 
 class Worker:
@@ -92,6 +95,7 @@ class Worker:
         self.cache = CacheMirror()  # what the engine's prefix cache holds, mirrored from its KV events
         self.taken = RecentIds()  # ids (msg_id) of the WorkItems this worker took: a copy is dropped
         self.replay = ReplayLog()
+        self._steps_sent = 0.0  # when the engine's steps last rode a heartbeat (monotonic)
         self.kv_port: kvstream.Receiver | None = None  # decode-capable workers under the direct data plane
         # Made in start(), once the bus is up.
         self.bus: Bus
@@ -423,6 +427,9 @@ class Worker:
         """Publish this worker's heartbeat; the engine stats it was made from."""
         s = self.engine.stats()
         g = self.group
+        steps = []
+        if (now := time.monotonic()) - self._steps_sent >= STEP_REPORT_S:
+            steps, self._steps_sent = self.engine.step_log(), now
         await self.bus.publish(subjects.heartbeat(self.worker_id), Heartbeat(
             worker_id=self.worker_id, model=g.model, accelerator=g.accelerator, vendor=g.vendor, devices=g.devices,
             role=self.role, engine=self.engine.name, work_subject=self.work_subject,
@@ -434,7 +441,7 @@ class Worker:
             step_tokens=g.step_tokens, draining=self.book.draining,
             moving_to=self.switch.moving_to.value if self.switch.moving_to is not None else "",
             moving_model=self.switch.moving_model, ready_in_s=self.switch.ready_in_s(), instance=self.instance,
-            steps=self.engine.step_log()))
+            steps=steps))
         return s
 
     async def _heartbeat_loop(self) -> None:
