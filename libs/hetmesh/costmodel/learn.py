@@ -29,6 +29,9 @@ _LO = np.array([1 / 1.5, 1 / 1.5, 0.0, 0.0])  # the bounds of a valid Efficiency
 _HI = np.array([1e4, 1e4, 10.0, 1.0])
 _FLOOR = np.array([0.0, 0.0, 1e-3, 5e-5])  # the prior's std is relative, but never below these (s)
 ABSURD = 100.0  # a sample this many times off the prediction (either way) is dropped, not fitted
+# A worker's steps reach the fit this often (a bounded sample of all of them, on its heartbeat; the simulator
+# the same): drift is tracked within seconds, and the fit's cost grows with the fleet, not with requests.
+REPORT_S = 2.0
 IMPOSTOR_S = 5.0  # engine seconds a run owns its worker id after its last report
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from hetmesh.config import ClusterConfig, GatewayConfig, SchedulerConfig
 from hetmesh.costmodel import Efficiency
+from hetmesh.costmodel.learn import REPORT_S
 from hetmesh.costmodel.model import DEFAULT_LINK_LATENCY_S
 from hetmesh.costmodel.truth import Truth
 from hetmesh.protocol import Role
@@ -72,4 +73,4 @@ class SimConfig:
     # A refusal the policy holds (Decision.hold_s) is placed again while the request has waited at most this
     # long in all, as the live scheduler does (hetmesh.placement.admission.hold_wait_s).
     hold_limit_s: float = GatewayConfig().hold_limit_s
-    report_s: float = 0.5  # each worker reports its engine's steps to the policy this often (its heartbeat)
+    report_s: float = REPORT_S  # each worker reports its engine's steps to the policy this often

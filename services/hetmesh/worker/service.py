@@ -29,6 +29,7 @@ from opentelemetry.context import Context
 
 from hetmesh import config, engines, kvstream, metrics, subjects, telemetry, wiring
 from hetmesh.bus import Bus, decode
+from hetmesh.costmodel import learn
 from hetmesh.costmodel.model import CostModel
 from hetmesh.engines.base import Engine, EngineError, EngineStats
 from hetmesh.placement.state import progress
@@ -62,9 +63,6 @@ log = logging.getLogger("hetmesh.worker")
 
 KV_EVENT_PERIOD_S = 0.05  # coalescing window for KvEvent batches
 SUPERSEDE_WAIT_S = 5.0  # how long a newer attempt waits for the old one to let go of the request id
-# The engine's steps ride a heartbeat this often (a bounded sample of all of them): the scheduler's fit
-# tracks drift within seconds, and its cost grows with the fleet, not with requests.
-STEP_REPORT_S = 2.0
 
 
 class Worker:
@@ -428,7 +426,7 @@ class Worker:
         s = self.engine.stats()
         g = self.group
         steps = []
-        if (now := time.monotonic()) - self._steps_sent >= STEP_REPORT_S:
+        if (now := time.monotonic()) - self._steps_sent >= learn.REPORT_S:
             steps, self._steps_sent = self.engine.step_log(), now
         await self.bus.publish(subjects.heartbeat(self.worker_id), Heartbeat(
             worker_id=self.worker_id, model=g.model, accelerator=g.accelerator, vendor=g.vendor, devices=g.devices,
