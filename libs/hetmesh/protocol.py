@@ -124,6 +124,10 @@ class WorkerStatus(Struct, kw_only=True):
     fitted_steps: int = 0
     vs_peers: float = 1.0
     degraded: bool = False
+    # The learned factors themselves (compute, memory, overhead_s, per_seq_s; empty until it reports) and the model
+    # name its cost model keys efficiency files by ("<accelerator>/<cost_model>"): what `hetmesh calibrate` saves
+    efficiency: dict[str, float] = field(default_factory=dict)
+    cost_model: str = ""
 
 
 class SchedulerStatus(Struct, kw_only=True):

@@ -99,3 +99,30 @@ async def test_a_slow_worker_is_learned_and_flagged(mesh: Mesh) -> None:
     table = await asyncio.to_thread(_cli, mesh)
     row = next(ln for ln in table.splitlines() if " slow-0 " in ln)
     assert "0.3" in row and "degraded" in row, row
+
+
+async def test_calibrate_saves_what_the_scheduler_learned(mesh: Mesh, tmp_path) -> None:
+    from hetmesh.costmodel.efficiency import load_efficiencies
+
+    for _ in range(50):  # the first test (or this one alone) needs every worker fitted
+        st = await _status(mesh)
+        if st and all(w["fitted_steps"] for w in st.values()):
+            break
+        await asyncio.sleep(0.2)
+    out = tmp_path / "eff.json"
+    r = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "hetmesh.cli", "calibrate", "--nats",
+                                                 mesh.nats_url, "--out", str(out)], capture_output=True, text=True,
+                                timeout=60)
+    if not all(w["fitted_steps"] for w in st.values()):
+        assert r.returncode == 2 and "no worker" in r.stderr
+        pytest.skip("no traffic has reached the workers in this run")
+    assert r.returncode == 0, r.stderr
+    effs = load_efficiencies(out)
+    assert set(effs) == {"nvidia-h100/tiny-llama"}
+    saved = json.loads(out.read_text())["nvidia-h100/tiny-llama"]
+    assert saved["samples"] == sum(w["fitted_steps"] for w in st.values())
+    out.write_text("{not json")
+    r = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "hetmesh.cli", "calibrate", "--nats",
+                                                 mesh.nats_url, "--out", str(out)], capture_output=True, text=True,
+                                timeout=60)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and str(out) in r.stderr, r.stderr

@@ -17,6 +17,7 @@ from scipy.optimize import least_squares
 from hetmesh.costmodel.catalog import accelerator, model_spec
 from hetmesh.costmodel.efficiency import Efficiency, lookup
 from hetmesh.costmodel.model import CostModel
+from hetmesh.protocol import StepSample
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,19 @@ class Sample:
     @classmethod
     def decode(cls, batch: int, context: int, seconds: float) -> Sample:
         return cls((), (context,) * batch, seconds)
+
+    @classmethod
+    def of_step(cls, s: StepSample) -> Sample:
+        """An engine's reported step (totals only) as equal prefill chunks and equal decode contexts."""
+        pf = s.prefill_seqs
+        prefills = tuple((_share(s.prefill_tokens, pf, i), _share(s.prefill_cached, pf, i)) for i in range(pf))
+        ctx = tuple(max(1, _share(s.decode_context, s.n_decode, i)) for i in range(s.n_decode))
+        return cls(prefills, ctx, s.seconds)
+
+
+def _share(total: int, n: int, i: int) -> int:
+    """The i-th of n near-equal integer parts of total."""
+    return total // n + (1 if i < total % n else 0)
 
 
 def server_model(accel_id: str, spec: str, *, devices: int = 1, parallel: str = "tp", dtype: str | None = None,
@@ -68,7 +82,8 @@ def calibrate(cm: CostModel, samples: Sequence[Sample], fit_per_seq: bool = Fals
     to_x = {"compute": lambda e: 1.0 / e, "memory": lambda e: 1.0 / e, "overhead_s": lambda v: v,
             "per_seq_s": lambda v: v}
     lo = {"compute": 1 / 1.5, "memory": 1 / 1.5, "overhead_s": 0.0, "per_seq_s": 0.0}
-    hi = {"compute": 1e3, "memory": 1e3, "overhead_s": 10.0, "per_seq_s": 1.0}
+    # up to 1e5x below peak: a CPU calibrated under a GPU's label (a GPU itself fits within a few x)
+    hi = {"compute": 1e5, "memory": 1e5, "overhead_s": 10.0, "per_seq_s": 1.0}
 
     def unpack(x: np.ndarray) -> dict[str, float]:
         vals = {n: to_x[n](v) for n, v in fixed.items()}
@@ -84,7 +99,7 @@ def calibrate(cm: CostModel, samples: Sequence[Sample], fit_per_seq: bool = Fals
         return (pred - t) / t
 
     best = None
-    starts = {"compute": (1.5, 3.0, 10.0), "memory": (1.2, 2.0, 5.0), "overhead_s": (0.0, float(t.min()) / 2),
+    starts = {"compute": (1.5, 3.0, 10.0, 1e3, 1e4), "memory": (1.2, 2.0, 5.0, 1e2), "overhead_s": (0.0, float(t.min()) / 2),
               "per_seq_s": (0.0, 1e-4)}
     grid = np.array(np.meshgrid(*[starts[n] for n in free])).T.reshape(-1, len(free)) if free else None
     if grid is None:

@@ -6,6 +6,8 @@ request and KV bookkeeping; vLLM is imported inside them so that this module loa
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Sequence
 from typing import Any
 
 from hetmesh.costmodel.learn import StepLog
@@ -39,13 +41,15 @@ class StepStats:
         self.log = StepLog()
         self.requests: Any = None  # the output processor's request states (set once the engine is up)
         self.contexts: dict[str, int] = {}  # request -> its context at the next step, as of the last step
+        self.gap_s = 0.0  # a step's time beyond the model's (scheduling, output processing), from decode steps
         # Unsampled totals over all steps: prefill tokens computed, decode tokens, wall seconds.
         self.prefill_tokens = 0
         self.decode_tokens = 0
         self.seconds = 0.0
 
 
-def step_sample(details: Any, states: Any, last: dict[str, int]) -> StepSample | None:
+def step_sample(details: Any, states: Any, last: dict[str, int], itl: Sequence[float] = (),
+                sink: StepStats | None = None) -> StepSample | None:
     """One engine step as a StepSample. vLLM's iteration details give the step's prefill tokens and sequences,
     its decode sequences and the model's wall time (execute + sample), exactly; the context each sequence held is
     not in them, so it comes from the output processor's request states, read right after this step's outputs
@@ -53,7 +57,12 @@ def step_sample(details: Any, states: Any, last: dict[str, int]) -> StepSample |
     prefill here (its cached prefix is known). A request that finished in this step is already gone: its context
     is the one `last` (updated here) held for it. Should the count still differ from vLLM's, the decode context
     is the mean of the ones seen times vLLM's decode count; prefill chunks not ending here are taken as equal
-    chunks of the step's prefill tokens after no cached tokens."""
+    chunks of the step's prefill tokens after no cached tokens.
+
+    The step's seconds: the model's time (vLLM's elapsed) leaves out the engine loop's own work around it
+    (scheduling, output processing), which every token waits for too. A decode sequence's inter-token latency
+    (`itl`, engine-core clock) is the whole step, so a step with decodes takes their median; a step without
+    takes the model's time plus the gap (whole - model) last seen on decode steps (kept in `sink`)."""
     if details is None or details.is_dummy or details.elapsed_ms <= 0:
         return None
     n_dec, n_pf, pf_tokens = details.num_generation_requests, details.num_ctx_requests, details.num_ctx_tokens
@@ -81,8 +90,15 @@ def step_sample(details: Any, states: Any, last: dict[str, int]) -> StepSample |
     else:
         c = pf_tokens / max(n_pf, 1)
         pairs, cached = n_pf * c * (c + 1) / 2, 0
-    return StepSample(pf_tokens, n_pf, float(pairs), cached, n_dec, max(decode_context, n_dec),
-                      details.elapsed_ms / 1e3)
+    model_s = details.elapsed_ms / 1e3
+    seconds = model_s + (sink.gap_s if sink is not None else 0.0)
+    if n_dec and itl:
+        whole = statistics.median(itl)
+        if whole >= model_s:
+            seconds = whole
+            if sink is not None:
+                sink.gap_s += 0.1 * (whole - model_s - sink.gap_s)
+    return StepSample(pf_tokens, n_pf, float(pairs), cached, n_dec, max(decode_context, n_dec), seconds)
 
 
 def stat_logger(sink: StepStats) -> Any:
@@ -101,7 +117,9 @@ def stat_logger(sink: StepStats) -> Any:
             s.waiting = scheduler_stats.num_waiting_reqs
             s.kv_usage = scheduler_stats.kv_cache_usage
             s.steps += 1
-            sample = step_sample(getattr(scheduler_stats, "iteration_details", None), s.requests, s.contexts)
+            sample = step_sample(getattr(scheduler_stats, "iteration_details", None), s.requests, s.contexts,
+                                 iteration_stats.inter_token_latencies_iter if iteration_stats is not None else (),
+                                 s)
             if sample is not None:
                 s.log.add(sample)
                 s.prefill_tokens += sample.prefill_tokens

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hetmesh import config, subjects
-from hetmesh.cli import plan
+from hetmesh.cli import calibrate, plan
 from hetmesh.launcher import runfile
 from hetmesh.protocol import PlanProposal, SchedulerStatus, WorkerStatus
 
@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for NATS and the scheduler")
     st.add_argument("--json", action="store_true", help="print the scheduler's reply as JSON")
     plan.add_parser(sub)
+    calibrate.add_parser(sub)
     sub.add_parser("sim", help="replay a trace on a cluster file in the simulator, policy against policy "
                    "(--help: more)", add_help=False)
     args, rest = ap.parse_known_args(argv)
@@ -179,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         return sim(rest)
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "calibrate":
+        return calibrate.run(args)
     if args.command == "plan" and args.live:
         return live(args)
     if args.command == "plan":

@@ -51,7 +51,9 @@ class Learning:
         rep = lr.report(worker_id)
         return {"speed": lr.speed(worker_id), "speed_rel_std": rep.get("rel_std", 0.0),
                 "fitted_steps": int(rep.get("samples", 0)), "vs_peers": lr.degraded(worker_id),
-                "degraded": worker_id in self.degraded}
+                "degraded": worker_id in self.degraded,
+                "efficiency": {k: rep[k] for k in ("compute", "memory", "overhead_s", "per_seq_s")},
+                "cost_model": cm.model.name if (cm := lr.models.get(worker_id)) is not None else ""}
 
     def rows(self) -> list[metrics.Row]:
         lr = self.learner
