@@ -76,8 +76,12 @@ def _design(f: np.ndarray, theta: np.ndarray) -> np.ndarray:
     """Each step's h at `theta`: which of compute or memory bounds each kernel kind picks its column."""
     c, m = f[:, 0:6:2], f[:, 1:6:2]
     comp = c * theta[0] >= m * theta[1]
-    return np.column_stack([np.where(comp, c, 0.0).sum(axis=1), np.where(comp, 0.0, m).sum(axis=1),
-                            np.ones(len(f)), f[:, 7]])
+    h = np.empty((len(f), 4))
+    h[:, 0] = (c * comp).sum(axis=1)
+    h[:, 1] = (m * ~comp).sum(axis=1)
+    h[:, 2] = 1.0
+    h[:, 3] = f[:, 7]
+    return h
 
 
 def predict(f: np.ndarray, theta: np.ndarray) -> np.ndarray:
@@ -141,31 +145,34 @@ class Fit:
         if math.isnan(self.t) or now > self.t:
             self.t = now
         ok = np.isfinite(seconds) & (seconds > 0) & np.isfinite(f).all(axis=1)
-        if ok.any():
-            pred = predict(f[ok], self.theta)
-            ratio = seconds[ok] / np.maximum(pred, 1e-12)
-            sane = (ratio < ABSURD) & (ratio > 1.0 / ABSURD)
-            idx = np.flatnonzero(ok)
-            ok[idx[~sane]] = False
-        self.dropped += int((~ok).sum())
-        if not ok.any():
-            return 0
         f, y_all = f[ok], seconds[ok]
+        h = _design(f, self.theta)
+        ratio = y_all / np.maximum(h @ self.theta + f[:, 6], 1e-12)
+        sane = (ratio < ABSURD) & (ratio > 1.0 / ABSURD)
+        self.dropped += len(seconds) - int(sane.sum())
+        if not sane.any():
+            return 0
+        if not sane.all():
+            f, y_all, h = f[sane], y_all[sane], h[sane]
         y = y_all - f[:, 6]
         r_var = (self.s.noise_rel * y_all) ** 2
         p_inv = np.linalg.inv(self.cov)
         prior_theta = self.theta
-        theta = prior_theta
-        for _ in range(2):  # relinearise once: the bound kind of a kernel may flip with theta
-            h = _design(f, theta)
+        prior_info = p_inv @ prior_theta
+        for again in (True, False):  # relinearise once where the bound kind of a kernel flipped with theta
             resid = y - h @ prior_theta
-            spread = r_var + np.einsum("ij,jk,ik->i", h, self.cov, h)
+            spread = r_var + ((h @ self.cov) * h).sum(axis=1)
             z = np.abs(resid) / np.sqrt(spread)
             w = np.where(z > self.s.huber, self.s.huber / np.maximum(z, 1e-12), 1.0)
             wr = w / r_var
-            info = p_inv + (h * wr[:, None]).T @ h
-            cov = np.linalg.inv(info)
-            theta = np.clip(cov @ (p_inv @ prior_theta + h.T @ (wr * y)), _LO, _HI)
+            hw = h * wr[:, None]
+            cov = np.linalg.inv(p_inv + hw.T @ h)
+            theta = np.clip(cov @ (prior_info + hw.T @ y), _LO, _HI)
+            if again:
+                h2 = _design(f, theta)
+                if np.array_equal(h2, h):
+                    break
+                h = h2
         self.theta, self.cov = theta, 0.5 * (cov + cov.T)
         self.samples += len(y)
         self.downweighted += int((w < 1.0).sum())
