@@ -242,6 +242,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=8)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--policy", default="prefix_aware")
+    ap.add_argument("--no-learn", action="store_true", help="the cost policy prices every worker at its prior")
     ap.add_argument("--out", default="results/mesh_overhead.json")
     ap.add_argument("--tracing", action="store_true", help="every service exports its spans over OTLP")
     ap.add_argument("--pd", action="store_true", help="a prefill worker + a decode worker instead (P/D rows)")
@@ -250,7 +251,8 @@ def main() -> None:
         main_pd(args)
         return
     d = Path(tempfile.mkdtemp(prefix="hetmesh-bench-"))
-    (d / "cluster.toml").write_text(CLUSTER.format(workers=args.workers, policy=args.policy))
+    learn = "\n[scheduler.options]\nlearn = false\n" if args.no_learn else ""
+    (d / "cluster.toml").write_text(CLUSTER.format(workers=args.workers, policy=args.policy) + learn)
     env: dict[str, str] = {}
     sink = None
     if args.tracing:
