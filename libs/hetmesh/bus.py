@@ -19,7 +19,7 @@ from nats.aio.subscription import Subscription
 from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from hetmesh import subjects, telemetry
-from hetmesh.config import MeshConfig, nats_options
+from hetmesh.config import MeshConfig, nats_options, nats_servers
 from hetmesh.protocol import EventBatch, ServiceEvent
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,8 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, name: str, connect_timeout_s: float = 30.0, **options: Any) -> Bus:
-        """`options`: more nats.connect() arguments (credentials, TLS)."""
+        """`url`: one server, or a cluster's nodes comma-separated (nats-py moves to another node when its own goes
+        away). `options`: more nats.connect() arguments (credentials, TLS)."""
         last_error: list[BaseException] = []
         refusal: list[BaseException] = []  # the server's own refusal (auth) outranks the resets that follow it
         on_reconnect: list[Callable[[], Awaitable[None]]] = []
@@ -110,7 +111,7 @@ class Bus:
         )
         async def _connect() -> Client:
             return await nats.connect(
-                url,
+                nats_servers(url),
                 name=name,
                 allow_reconnect=True,
                 max_reconnect_attempts=-1,

@@ -25,7 +25,9 @@ from hetmesh.protocol import Role
 
 
 class MeshConfig(Struct, kw_only=True, forbid_unknown_fields=True):
-    nats_url: str = ""  # empty: the launcher starts a nats-server on a free port
+    # empty: the launcher starts a nats-server on a free port. A NATS cluster: every node's URL, comma-separated
+    # (nats://a:4222,nats://b:4222,nats://c:4222): a client moves to another node when its own goes away.
+    nats_url: str = ""
     redis_url: str = ""  # empty: the launcher starts a redis-server on a free port
     time_scale: float = 1.0  # simulated engines run this many times faster than real time
     heartbeat_interval_s: float = 0.5
@@ -195,7 +197,9 @@ class WorkQueueConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     # what the queue is for. memory: ~0.1 ms less per item (benchmarks/jetstream_cost.py) and no disk, but a
     # restart loses what was queued (the services re-create the stream and consumers when they reconnect).
     storage: str = "file"
-    replicas: int = 1  # copies on a clustered JetStream (3 on the k8s 3-node NATS); <= the number of servers
+    # Copies of the stream and of the planner's KV buckets on a clustered JetStream (3 on a 3-node NATS cluster:
+    # any one node may die); at most the number of nodes listed in mesh.nats_url.
+    replicas: int = 1
     # Bounds: a full stream refuses new items (the submit gets 503) instead of dropping queued ones.
     max_msgs: int = 100_000
     max_bytes: int = 1 << 30
@@ -203,7 +207,10 @@ class WorkQueueConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     duplicate_window_s: float = 120.0  # a re-publish with the same Nats-Msg-Id within this is stored once
     ack_wait_s: float = 30.0  # an item delivered but not acked within this is delivered again ...
     max_deliver: int = 5  # ... at most this many times in all
-    publish_timeout_s: float = 5.0  # scheduler: re-publish (same dedup id) across a bus gap for this long
+    # scheduler: re-publish (same dedup id) across a bus gap for this long; it spans a nats-server restart and,
+    # on a NATS cluster, the stream's new leader election after its node died (seconds: nats-server's raft
+    # elects after 4-9 s of silence). Keep it below gateway.submit_timeout_s.
+    publish_timeout_s: float = 15.0
 
 
 class ModelConfig(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -361,6 +368,9 @@ class ClusterConfig(Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError("work_queue: replicas, max_msgs, max_bytes, max_deliver >= 1; max_age_s, ack_wait_s > 0")
         if not 0 < wq.duplicate_window_s <= wq.max_age_s:
             raise ValueError("work_queue: 0 < duplicate_window_s <= max_age_s")
+        if wq.replicas > (nodes := max(len(nats_servers(self.mesh.nats_url)), 1)):
+            raise ValueError(f"work_queue.replicas = {wq.replicas} but mesh.nats_url lists {nodes} NATS node(s): "
+                             "JetStream keeps each copy on another node; list every node's URL, comma-separated")
         for g in self.workers:
             self.model(g.model)
             if g.count < 0 or g.devices < 1 or g.max_batch < 1:
@@ -424,6 +434,11 @@ def load(path: str | os.PathLike[str] | None = None) -> ClusterConfig:
 def hash_key(key: str) -> str:
     """How an API key is stored: API keys are long random strings, so a plain SHA-256 suffices."""
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+def nats_servers(url: str) -> list[str]:
+    """The node URLs of a `mesh.nats_url` (one, or a cluster's comma-separated)."""
+    return [u.strip() for u in url.split(",") if u.strip()]
 
 
 def nats_options(mesh: MeshConfig) -> dict[str, object]:

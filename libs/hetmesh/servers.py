@@ -80,12 +80,15 @@ def parent_death_hook(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
 
 
 def reachable(url: str, timeout_s: float = 0.5) -> bool:
-    u = urlparse(url)
-    try:
-        with socket.create_connection((u.hostname or "127.0.0.1", u.port or 0), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
+    """Something listens at `url`; of a comma-separated list (a NATS cluster's nodes), at any of them."""
+    for one in (u.strip() for u in url.split(",")):
+        u = urlparse(one)
+        try:
+            with socket.create_connection((u.hostname or "127.0.0.1", u.port or 0), timeout=timeout_s):
+                return True
+        except (OSError, ValueError):
+            continue
+    return False
 
 
 def find_binary(name: str) -> str:
@@ -158,6 +161,81 @@ def start_nats(port: int | None = None, user: str = "", password: str = "", moni
     if monitor_port:
         args += ["-m", str(monitor_port)]
     return ServerProcess("nats-server", f"nats://127.0.0.1:{port}", args, work, die_with_parent=die_with_parent).start()
+
+
+@dataclass
+class NatsCluster:
+    """Nodes of one NATS cluster on loopback, each its own nats-server process with routes to the others and
+    its own JetStream store; `url` lists every node's client URL (what mesh.nats_url takes)."""
+
+    nodes: list[ServerProcess]
+    monitor_ports: list[int]
+
+    @property
+    def url(self) -> str:
+        return ",".join(n.url for n in self.nodes)
+
+    def kill(self, i: int) -> None:
+        """SIGKILL node `i` (its store stays for a restart)."""
+        proc = self.nodes[i].proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    def restart(self, i: int, timeout_s: float = 30.0) -> None:
+        """Start node `i` again on its ports and store; returns once it is back in the cluster with JetStream."""
+        self.nodes[i].start()
+        _wait_jetstream(self.monitor_ports[i], timeout_s)
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+
+
+def _wait_jetstream(monitor_port: int, timeout_s: float) -> None:
+    """nats-server's /healthz answers 200 once the node's JetStream is current with the cluster."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{monitor_port}/healthz", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"NATS node with monitor port {monitor_port}: JetStream not ready in {timeout_s}s")
+        time.sleep(0.1)
+
+
+def start_nats_cluster(size: int = 3, name: str = "hetmesh", timeout_s: float = 30.0) -> NatsCluster:
+    """`size` nats-servers clustered on loopback (explicit routes to every node, as JetStream clustering wants;
+    unique server names; JetStream stores apart). Returns once every node's JetStream is up."""
+    binary = find_binary("nats-server")
+    ports = [(free_port(), free_port(), free_port()) for _ in range(size)]  # client, route, monitor
+    routes = ",".join(f"nats://127.0.0.1:{r}" for _, r, _ in ports)
+    nodes = []
+    try:
+        for i, (port, route, mon) in enumerate(ports):
+            work = Path(tempfile.mkdtemp(prefix=f"hetmesh-nats{i}-"))
+            args = [binary, "-a", "127.0.0.1", "-p", str(port), "-m", str(mon), "-n", f"{name}-{i}",
+                    "-l", str(work / "nats-server.log"), "-js", "-sd", str(work / "js"),
+                    "--cluster_name", name, "--cluster", f"nats://127.0.0.1:{route}", "--routes", routes]
+            # Not start(): a node waits for its peers' routes before it serves; start them all, then wait.
+            nodes.append(ServerProcess(f"nats-server-{i}", f"nats://127.0.0.1:{port}", args, work))
+            nodes[-1].proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        for n in nodes:
+            assert n.proc is not None
+            _wait_ready(n.url, n.proc, n.name, n.log_path, timeout_s)
+        for _, _, mon in ports:
+            _wait_jetstream(mon, timeout_s)
+    except BaseException:
+        for n in nodes:
+            n.stop()
+        raise
+    return NatsCluster(nodes, [m for _, _, m in ports])
 
 
 def start_redis(port: int | None = None, password: str = "", die_with_parent: bool = False) -> ServerProcess:

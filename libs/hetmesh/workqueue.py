@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 MSG_ID = "Nats-Msg-Id"  # JetStream's dedup header
 STREAM_IN_USE = 10058  # JetStream error: the stream exists with another configuration
+# JetStream errors: replicas > 1 on a single server; more replicas than JetStream nodes to place them on
+NOT_CLUSTERED, NO_PEERS = 10074, 10005
 API_TIMEOUT_S = 2.0  # one JetStream API call or PubAck; retried up to the caller's bound
 ENSURE_WAIT_S = 30.0  # a restarted server may take a moment before JetStream answers
 RECENT_IDS = 65_536  # per worker; redeliveries come within ack_wait_s * max_deliver, far fewer items than this
@@ -152,6 +154,10 @@ class WorkQueue:
         try:
             await self.js.add_stream(cfg)
         except nats.js.errors.APIError as exc:
+            if exc.err_code in (NOT_CLUSTERED, NO_PEERS):
+                raise ValueError(f"work_queue.replicas = {cfg.num_replicas}, but the NATS server(s) cannot keep that "
+                                 f"many copies ({exc.description}): replicas must not exceed the JetStream nodes "
+                                 "of the cluster (1 on a single nats-server)") from exc
             if exc.err_code != STREAM_IN_USE:
                 raise
             try:  # another configuration (an edited cluster file): take the new limits where JetStream allows

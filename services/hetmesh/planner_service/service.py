@@ -124,13 +124,15 @@ class PlannerService:
         self.bus = await Bus.for_mesh(self.cfg.mesh, f"planner-{self.instance}")
         self.events = EventBatcher(self.bus, "planner")
         js = self.bus.nc.jetstream(timeout=STATUS_TIMEOUT_S)
+        replicas = self.cfg.work_queue.replicas  # on a NATS cluster the lease outlives any one node
         try:
             kv = await js.create_key_value(bucket=subjects.PLANNER_BUCKET, ttl=self.cfg.planner.lease_ttl_s,
-                                           history=1)
+                                           history=1, replicas=replicas)
         except nats.js.errors.BadRequestError:  # there already, made with another TTL: use it as it is
             kv = await js.key_value(subjects.PLANNER_BUCKET)
         self.lease = Lease(kv, self.instance)
-        self.latest = await js.create_key_value(bucket=subjects.PLAN_BUCKET, history=1)  # `hetmesh plan --live`
+        # `hetmesh plan --live`
+        self.latest = await js.create_key_value(bucket=subjects.PLAN_BUCKET, history=1, replicas=replicas)
         await self.bus.subscribe(subjects.DEMAND, DemandReport, self.on_demand)  # garbage: logged, dropped
         self._tasks = [asyncio.create_task(self._lease_loop()), asyncio.create_task(self._plan_loop())]
         self.http = metrics.serve_from_env(self.registry, self._ready)
