@@ -72,7 +72,16 @@ class GatewayConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     max_inflight: int = 2048
     max_body_bytes: int = 4 << 20  # a bigger body gets 413 before it is read whole
     max_header_bytes: int = 64 << 10  # a bigger request line + headers get 431 while they arrive
-    max_header_bytes: int = 64 << 10  # a bigger request line + headers get 431 while they arrive
+    # Slow or silent clients (nginx's defaults). A keep-alive connection idle this long after a response is
+    # closed: 75 s outlasts the idle timeouts of the load balancers and client pools in front (AWS ALB 60 s,
+    # nginx upstream 60 s, httpx 5 s), so they, not the gateway, close an idle connection first and never
+    # send on one the gateway is closing (uvicorn's 5 s would race them).
+    keep_alive_timeout_s: float = 75.0
+    # A request line + headers not all in this long after their first byte (a new connection: after its
+    # accept) get 408; a new connection that sent nothing is closed. Clients send a head in one write.
+    header_timeout_s: float = 60.0
+    # A body that stalls this long between two reads gets 408 (a slow but moving upload is never cut).
+    body_timeout_s: float = 60.0
     # No scheduler subscribed (restarting): a new request waits this long for one, then gets 503.
     scheduler_wait_s: float = 15.0
     retry_after_s: float = 1.0  # what Retry-After says when the mesh is overloaded
@@ -341,6 +350,9 @@ class ClusterConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         for k in self.auth.keys:
             if len(k.sha256) != 64 or any(c not in "0123456789abcdef" for c in k.sha256.lower()):
                 raise ValueError(f"auth key {k.name!r}: sha256 must be 64 hex digits (the key's SHA-256)")
+        gw = self.gateway
+        if not min(gw.keep_alive_timeout_s, gw.header_timeout_s, gw.body_timeout_s) > 0:
+            raise ValueError("gateway.keep_alive_timeout_s, header_timeout_s and body_timeout_s must be > 0")
         if self.scheduler.admission_margin < 0 or self.scheduler.admission_hold_s < 0:
             raise ValueError("scheduler.admission_margin and scheduler.admission_hold_s must be >= 0 (0: off)")
         if self.mesh.wedge_timeout_s is not None and not 0 <= self.mesh.wedge_timeout_s < self.mesh.stall_timeout_s:

@@ -38,9 +38,9 @@ def main() -> None:
     port = cfg.gateway.port if args.port is None else args.port
     gw = Gateway(cfg, args.instance or default_instance())
     # loop "auto": uvloop when installed; httptools when installed (both cut per-request overhead a lot), with
-    # request heads limited in size (431).
+    # request heads limited in size (431) and slow clients timed out (408).
     uvicorn.run(asgi_app(gw), host=host, port=port, loop="auto", log_level="warning", access_log=False,
-                timeout_graceful_shutdown=2, lifespan="on", **uvicorn_http(cfg.gateway.max_header_bytes))
+                timeout_graceful_shutdown=2, lifespan="on", **uvicorn_http(cfg.gateway))
 
 
 if __name__ == "__main__":
