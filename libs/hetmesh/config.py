@@ -153,6 +153,30 @@ class AuthConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     shared_limits: bool = True
 
 
+class TenantConfig(Struct, kw_only=True, forbid_unknown_fields=True):
+    """`[[tenants]]`: who shares the fleet when it is full (hetmesh.placement.flow). Any tenant turns flow control on."""
+
+    name: str
+    weight: float = 1.0  # its share of a full fleet against the other tenants of its band (> 0)
+    priority: str = "default"  # its band, one of flow.bands: a higher band is served first, strictly
+    keys: list[str] = field(default_factory=list)  # names of [[auth.keys]] entries that are this tenant's
+    rpm: int = 0  # requests per minute for the whole tenant (all its keys), 0: unlimited
+    tpm: int = 0  # tokens (prompt + completion) per minute for the whole tenant, 0: unlimited
+
+
+class FlowConfig(Struct, kw_only=True, forbid_unknown_fields=True):
+    """`[flow]`: flow control's settings (on when the cluster file has `[[tenants]]`)."""
+
+    bands: list[str] = field(default_factory=lambda: ["default"])  # priority bands, highest first
+    # Where auth is off, a request names its tenant in this header (an unknown one gets 400); no header: the
+    # tenant `default`, weight 1, in the last band, unless [[tenants]] has one of that name.
+    header: str = "x-hetmesh-tenant"
+    max_held: int = 256  # requests one tenant may have held at once; past it, 429 + Retry-After
+    # A held request waits at most this share of its TTFT SLO, then 429 + Retry-After: served from the queue at
+    # the edge of its SLO it would mostly miss it, and keep the requests behind it waiting as long.
+    wait_share: float = 0.5
+
+
 class SchedulerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     policy: str = "prefix_aware"  # round_robin | least_loaded | prefix_aware | cost
     objective: str = "throughput"  # cost policy: throughput | latency
@@ -305,6 +329,8 @@ class ClusterConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     kv_transfer: KvTransferConfig = field(default_factory=KvTransferConfig)
     work_queue: WorkQueueConfig = field(default_factory=WorkQueueConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    flow: FlowConfig = field(default_factory=FlowConfig)
+    tenants: list[TenantConfig] = field(default_factory=list)
     models: list[ModelConfig] = field(default_factory=list)
     workers: list[WorkerGroup] = field(default_factory=list)
     # $ per device-hour by accelerator id, over the catalog's list prices (hetmesh.costmodel accelerators.csv)
@@ -353,6 +379,7 @@ class ClusterConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         gw = self.gateway
         if not min(gw.keep_alive_timeout_s, gw.header_timeout_s, gw.body_timeout_s) > 0:
             raise ValueError("gateway.keep_alive_timeout_s, header_timeout_s and body_timeout_s must be > 0")
+        self._validate_tenants()
         if self.scheduler.admission_margin < 0 or self.scheduler.admission_hold_s < 0:
             raise ValueError("scheduler.admission_margin and scheduler.admission_hold_s must be >= 0 (0: off)")
         if self.mesh.wedge_timeout_s is not None and not 0 <= self.mesh.wedge_timeout_s < self.mesh.stall_timeout_s:
@@ -401,6 +428,30 @@ class ClusterConfig(Struct, kw_only=True, forbid_unknown_fields=True):
 
             check_options(self.scheduler.policy, self.scheduler.options)
         return self
+
+
+    def _validate_tenants(self) -> None:
+        fl = self.flow
+        if not fl.bands or len(set(fl.bands)) != len(fl.bands) or fl.max_held < 1 or not fl.header:
+            raise ValueError("flow: bands must be non-empty and unique, max_held >= 1, header non-empty")
+        names = [t.name for t in self.tenants]
+        if len(set(names)) != len(names) or not all(names):
+            raise ValueError(f"tenants: names must be non-empty and unique, not {names}")
+        keys = {k.name for k in self.auth.keys}
+        owner: dict[str, str] = {}
+        for t in self.tenants:
+            if not t.weight > 0 or not math.isfinite(t.weight):
+                raise ValueError(f"tenant {t.name!r}: weight must be > 0, not {t.weight}")
+            if t.priority not in fl.bands:
+                raise ValueError(f"tenant {t.name!r}: priority {t.priority!r} is not a band of flow.bands {fl.bands}")
+            if t.rpm < 0 or t.tpm < 0:
+                raise ValueError(f"tenant {t.name!r}: rpm and tpm must be >= 0 (0: unlimited)")
+            for k in t.keys:
+                if k not in keys:
+                    raise ValueError(f"tenant {t.name!r}: key {k!r} is not an [[auth.keys]] name ({sorted(keys)})")
+                if k in owner:
+                    raise ValueError(f"key {k!r} belongs to tenants {owner[k]!r} and {t.name!r}: one tenant a key")
+                owner[k] = t.name
 
 
 DEFAULT_CLUSTER = Path(__file__).resolve().parents[2] / "ops" / "clusters" / "default.toml"

@@ -77,6 +77,7 @@ class InferenceRequest(Struct, kw_only=True):
     # `continued`, with sampling.max_tokens already reduced by them and the sampler's stream advanced past them.
     continued: int = 0
     priority: int = 0  # vLLM's request priority: the engine's queue serves lower values first
+    tenant: str = ""  # flow control's tenant (from the API key or the tenant header); "": the default tenant
 
 
 class Placement(Struct, frozen=True, kw_only=True):

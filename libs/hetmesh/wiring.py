@@ -5,7 +5,7 @@ simulator predicts is priced and batched the way the live mesh runs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import cache
 from typing import Any
 
@@ -13,6 +13,7 @@ from hetmesh.batching import Settings
 from hetmesh.config import ClusterConfig, WorkerGroup
 from hetmesh.costmodel import CostModel, Efficiency, load_efficiencies, server_model
 from hetmesh.placement import Policy, make_policy
+from hetmesh.placement.flow import FlowQueue, Tenant, engine_seconds
 
 MAX_SIM_KV_BLOCKS = 1 << 22  # cap on the cost model's capacity: the sim cache only holds hashes, but bound it
 
@@ -69,3 +70,50 @@ def policy_options(cfg: ClusterConfig) -> dict[str, Any]:
 
 def policy(cfg: ClusterConfig) -> Policy:
     return make_policy(cfg.scheduler.policy, **policy_options(cfg))
+
+
+DEFAULT_TENANT = "default"  # requests that name no tenant
+
+
+def flow_queue(tenants: Sequence[Tenant], max_held: int, retry_floor_s: float) -> FlowQueue:
+    """The flow queue the scheduler and the simulator hold requests in: the given tenants, and the `default`
+    tenant (weight 1, last band) for requests that name none, unless one of them is called that."""
+    ts = list(tenants)
+    if all(t.name != DEFAULT_TENANT for t in ts):
+        ts.append(Tenant(DEFAULT_TENANT, 1.0, max((t.band for t in ts), default=0)))
+    return FlowQueue(ts, max_held=max_held, retry_floor_s=retry_floor_s)
+
+
+def tenants(cfg: ClusterConfig) -> list[Tenant]:
+    """The cluster file's [[tenants]], their priority bands as indices of flow.bands (0: served first)."""
+    bands = {b: i for i, b in enumerate(cfg.flow.bands)}
+    return [Tenant(t.name, t.weight, bands[t.priority]) for t in cfg.tenants]
+
+
+def flow(cfg: ClusterConfig) -> FlowQueue | None:
+    """The scheduler's flow queue; None without [[tenants]] (flow control off)."""
+    if not cfg.tenants:
+        return None
+    return flow_queue(tenants(cfg), cfg.flow.max_held, cfg.scheduler.retry_after_s)
+
+
+def pricer(cm: CostModel, max_batch: int) -> Callable[[int, int, int], float]:
+    """A request's cost in engine seconds on a worker of cost model `cm`: (prompt tokens, cached tokens, output
+    tokens) -> its prefill alone, plus its output at a full batch's per-token share of a decode step."""
+    per_token = cm.prefill_time(4096) / 4096  # long enough that the step's fixed overhead is spread thin
+    batch = max(max_batch, 1)
+
+    def price(prompt: int, cached: int, output: int) -> float:
+        ctx = prompt + max(output, 1) // 2
+        step = cm.decode_step_time(batch, batch * max(ctx, 1)) / batch
+        return engine_seconds(per_token, step, max(prompt - cached, 0), output)
+
+    return price
+
+
+def cluster_pricer(cfg: ClusterConfig, model: str) -> Callable[[int, int, int], float] | None:
+    """`pricer` for the first worker group of `model` (None: no group serves it)."""
+    for g in cfg.workers:
+        if g.model == model:
+            return pricer(cost_model(cfg, g), g.max_batch)
+    return None

@@ -26,19 +26,20 @@ from hetmesh.costmodel.truth import Truth
 from hetmesh.kvindex.blocks import leading_blocks
 from hetmesh.placement import REFUSED, Policy, RequestInfo, WorkerView
 from hetmesh.placement.admission import hold_wait_s, retry_wait_s
+from hetmesh.sim.flow import SimFlow
 from hetmesh.sim.results import RequestRecord, SimResult, WorkerStats
 from hetmesh.sim.spec import SimConfig, WorkerSpec
 from hetmesh.sim.traces import ClosedLoop, Trace, TraceRequest
-from hetmesh.wiring import kv_blocks_for
+from hetmesh.wiring import DEFAULT_TENANT, kv_blocks_for
 
-_ARRIVAL, _KICK, _STEP_END, _KV_LANDED, _RETRY, _HOLD = 0, 1, 2, 3, 4, 5
+_ARRIVAL, _KICK, _STEP_END, _KV_LANDED, _RETRY, _HOLD, _FLOW = 0, 1, 2, 3, 4, 5, 6
 _FULL, _PREFILL, _DECODE = Kind  # module names: cheaper than member lookups
 MAX_SPAN = 256  # plain decode steps one event may stand for
 
 
 class _Req:
-    __slots__ = ("arrival", "cached", "decision", "dw", "finish", "first", "hashes", "mode", "model", "n_in", "n_out",
-                 "pw", "rid", "sent", "tries")
+    __slots__ = ("arrival", "cached", "cost", "decision", "dw", "finish", "first", "hashes", "held", "mode", "model",
+                 "n_in", "n_out", "pw", "rid", "sent", "tenant", "tries")
 
     def __init__(self, rid: int, tr: TraceRequest, arrival: float) -> None:
         self.rid = rid
@@ -56,6 +57,9 @@ class _Req:
         self.decision = None
         self.tries = 0  # refusals retried so far
         self.sent = arrival  # when its client sent it last (a retry sends it again)
+        self.tenant = tr.tenant or DEFAULT_TENANT
+        self.cost = 0.0  # flow control: what it costs its tenant's share
+        self.held = False  # flow control has held it
 
 
 class _Worker:
@@ -109,6 +113,8 @@ class Simulator:
         self.refused = 0  # refused by the policy's admission (hetmesh.placement.admission), retries exhausted
         self.retried = 0  # refusals a client retried after Retry-After (SimConfig.client_retries)
         self.held = 0  # refusals held and placed again (Decision.hold_s)
+        self.rejected_tenants: dict[str, int] = {}  # requests not served, per tenant
+        self.flow: SimFlow | None = None  # flow control (SimConfig.tenants)
         # Each worker's engine steps go to a policy that learns from them, every report_s (its heartbeat)
         self._observe = getattr(policy, "observe", None) if getattr(policy, "learner", None) is not None else None
 
@@ -140,6 +146,8 @@ class Simulator:
                                       parallel=s.parallel, step_tokens=s.step_tokens)
                            for w in self.workers for s in (w.spec,)]
         self._stale = set(self.workers)  # refreshed at first use
+        if self.cfg.tenants:
+            self.flow = SimFlow(self, self.policy)
 
     # ---- event plumbing ----
     def _push(self, t: float, kind: int, obj: object) -> None:
@@ -185,10 +193,16 @@ class Simulator:
         self.reqs[req.rid] = req
         if not held:
             req.sent = self.now
+        fl = self.flow
+        if fl is not None and not held and fl.arrive(req, req.model or self._model):
+            return  # waits in the flow queue behind requests that go first
         info = RequestInfo(request_id=str(req.rid), model=req.model or self._model, prompt_len=req.n_in,
                            max_tokens=req.n_out, cached_blocks=self._cached_blocks(req.hashes), block_size=block_tokens,
                            arrival=self.now, waited_s=self.now - req.sent)
         d = self.policy.place(info, self._views())
+        if fl is not None and d is not None and d.mode == REFUSED:
+            fl.refused(req, d, info.model)  # held in the flow queue, or refused with its tenant's Retry-After
+            return
         if d is not None and d.mode == REFUSED and (
                 hold := hold_wait_s(d, info.waited_s, self.cfg.hold_limit_s)) is not None:
             # Held by the scheduler and placed again (the client waits on its submit, its clock running).
@@ -207,6 +221,8 @@ class Simulator:
             self._reject(req, (d.predicted_ttft_s or 0.0) if d is not None else 0.0)
             return
         req.decision = d
+        if fl is not None:
+            fl.placed(req)
         dw = self.by_id[d.decode_worker]
         pw = self.by_id[d.prefill_worker] if d.prefill_worker else dw
         req.mode = "aggregated" if pw is dw else "disaggregated"
@@ -230,6 +246,7 @@ class Simulator:
     def _reject(self, req: _Req, backoff: float = 0.0) -> None:
         model = req.model or self._model
         self.rejected_models[model] = self.rejected_models.get(model, 0) + 1
+        self.rejected_tenants[req.tenant] = self.rejected_tenants.get(req.tenant, 0) + 1
         del self.reqs[req.rid]
         self._next(backoff)
 
@@ -357,11 +374,27 @@ class Simulator:
         self.records.append(RequestRecord(
             r.arrival, r.first, r.finish, r.n_in, r.n_out, r.cached, r.mode,
             pw.spec.worker_id if pw else "", dw.spec.worker_id if dw else "",
-            getattr(d, "predicted_ttft_s", None), getattr(d, "predicted_tpot_s", None), r.model or self._model))
+            getattr(d, "predicted_ttft_s", None), getattr(d, "predicted_tpot_s", None), r.model or self._model,
+            r.tenant))
         if dw is not None:
             self._stale.add(dw)
         del self.reqs[r.rid]
+        if self.flow is not None:
+            self.flow.finished(r)
         self._next()
+
+    # ---- what flow control (SimFlow) calls ----
+    def place_held(self, req: _Req) -> None:
+        self._arrive(req, self._block_tokens, held=True)
+
+    def pump_at(self, t: float) -> None:
+        self._push(t, _FLOW, None)
+
+    def retry(self, req: _Req, after: float) -> None:
+        self._push(self.now + after, _RETRY, req)
+
+    def reject(self, req: _Req, backoff: float) -> None:
+        self._reject(req, backoff)
 
     def _next(self, delay: float = 0.0) -> None:
         self._finished_n += 1
@@ -388,7 +421,7 @@ class Simulator:
         self._model = next(iter(models)) if len(models) == 1 else ""
         if not self._model and (isinstance(trace, ClosedLoop) or not all(r.model for r in trace.requests)):
             raise ValueError(f"workers serve {sorted(models)}: every trace request must name its model")
-        block_tokens = trace.block_tokens
+        block_tokens = self._block_tokens = trace.block_tokens
         self._build(block_tokens)
         self._finished_n = 0
         self._source: ClosedLoop | None = None
@@ -438,6 +471,8 @@ class Simulator:
                 self._arrive(obj, block_tokens)  # type: ignore[arg-type]
             elif kind == _HOLD:
                 self._arrive(obj, block_tokens, held=True)  # type: ignore[arg-type]
+            elif kind == _FLOW:
+                self.flow.pump()  # type: ignore[union-attr]
             else:
                 self._landed(obj)  # type: ignore[arg-type]
         if progress is not None:
@@ -449,4 +484,5 @@ class Simulator:
         steps = {w.spec.worker_id: w.steps for w in self.workers if w.steps is not None}
         return SimResult(self.records, stats, t_start, end, self.kv_bytes, sum(self.rejected_models.values()),
                          getattr(self.policy, "name", type(self.policy).__name__), steps, self.refused,
-                         self.rejected_models, self.retried, self.held)
+                         self.rejected_models, self.retried, self.held, self.rejected_tenants,
+                         {t: self.flow.q.stats(t) for t in self.flow.q.tenants} if self.flow else {})

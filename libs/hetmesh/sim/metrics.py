@@ -80,6 +80,7 @@ def summarize(res: SimResult, slo: Slo | Mapping[str, Slo] = Slo(),
         per_model[m] = {"requests": int(sel.sum()), "output_tok_s": float(out[sel].sum() / dur),
                         "goodput_tok_s": float(out[sel & ok].sum() / dur), "slo_attainment": float(ok[sel].mean()),
                         "offered_slo_attainment": float(ok[sel].sum() / (sel.sum() + res.rejected_models.get(m, 0)))}
+    tenants = tenant_summary(res, recs, ok, out, dur)
     return {
         "policy": res.policy,
         "requests": len(recs),
@@ -108,4 +109,27 @@ def summarize(res: SimResult, slo: Slo | Mapping[str, Slo] = Slo(),
         "modes": dict(modes),
         "pools": pool_out,
         **({"models": per_model} if per_model else {}),
+        **({"tenants": tenants} if tenants else {}),
     }
+
+
+def tenant_summary(res: SimResult, recs: list, ok: np.ndarray, out: np.ndarray, dur: float) -> dict[str, dict]:
+    """Per tenant (when any request names one, or flow control ran): requests served, goodput, SLO attainment of
+    the served and of all offered (refused ones count as misses), refusals, and flow control's own counts."""
+    names = np.array([r.tenant for r in recs])
+    known = set(names.tolist()) | set(res.rejected_tenants) | set(res.flow)
+    if not res.flow and known <= {"", "default"}:  # no request named a tenant
+        return {}
+    per: dict[str, dict] = {}
+    for t in sorted(known):
+        sel = names == t
+        n, rej = int(sel.sum()), res.rejected_tenants.get(t, 0)
+        if not n and not rej:
+            continue
+        st = res.flow.get(t)
+        per[t] = {"requests": n, "rejected": rej, "output_tok_s": float(out[sel].sum() / dur),
+                  "goodput_tok_s": float(out[sel & ok].sum() / dur),
+                  "slo_attainment": float(ok[sel].mean()) if n else 0.0,
+                  "offered_slo_attainment": float(ok[sel].sum() / (n + rej)),
+                  **({"held": st.held, "held_s": st.held_s, "flow_refused": st.refused} if st is not None else {})}
+    return per

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -19,6 +20,7 @@ class RequestRecord:
     predicted_ttft_s: float | None = None
     predicted_tpot_s: float | None = None
     model: str = ""
+    tenant: str = ""
 
     @property
     def ttft(self) -> float:
@@ -56,3 +58,5 @@ class SimResult:
     rejected_models: dict[str, int] = field(default_factory=dict)  # `rejected` per model
     retried: int = 0  # refusals retried by their client (SimConfig.client_retries)
     held: int = 0  # refusals the scheduler held and placed again (Decision.hold_s)
+    rejected_tenants: dict[str, int] = field(default_factory=dict)  # `rejected` per tenant
+    flow: dict[str, Any] = field(default_factory=dict)  # flow control's TenantStats per tenant (SimConfig.tenants)

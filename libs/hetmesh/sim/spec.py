@@ -6,11 +6,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from hetmesh.config import ClusterConfig, GatewayConfig, SchedulerConfig
+from hetmesh.config import ClusterConfig, FlowConfig, GatewayConfig, SchedulerConfig
 from hetmesh.costmodel import Efficiency
 from hetmesh.costmodel.learn import REPORT_S
 from hetmesh.costmodel.model import DEFAULT_LINK_LATENCY_S
 from hetmesh.costmodel.truth import Truth
+from hetmesh.placement.flow import Tenant
 from hetmesh.protocol import Role
 
 
@@ -74,3 +75,8 @@ class SimConfig:
     # long in all, as the live scheduler does (hetmesh.placement.admission.hold_wait_s).
     hold_limit_s: float = GatewayConfig().hold_limit_s
     report_s: float = REPORT_S  # each worker reports its engine's steps to the policy this often
+    # Flow control (hetmesh.placement.flow): these tenants share a full fleet (TraceRequest.tenant names one;
+    # none: the default tenant); empty: off. Each may hold flow_max_held requests at once.
+    tenants: tuple[Tenant, ...] = ()
+    flow_max_held: int = FlowConfig().max_held
+    flow_wait_share: float = FlowConfig().wait_share

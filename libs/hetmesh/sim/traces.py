@@ -12,7 +12,7 @@ import csv
 import json
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -30,6 +30,7 @@ class TraceRequest:
     output_len: int
     hash_ids: tuple[int, ...] = ()
     model: str = ""  # which model it asks for; "" in a one-model trace
+    tenant: str = ""  # flow control's tenant; "" the default one
 
 
 @dataclass
@@ -43,7 +44,7 @@ class Trace:
 
     def scaled(self, rate_factor: float) -> Trace:
         """The same requests arriving `rate_factor` times faster (load sweeps)."""
-        return Trace([TraceRequest(r.arrival / rate_factor, r.input_len, r.output_len, r.hash_ids, r.model)
+        return Trace([TraceRequest(r.arrival / rate_factor, r.input_len, r.output_len, r.hash_ids, r.model, r.tenant)
                       for r in self.requests], self.block_tokens, f"{self.name}x{rate_factor:g}")
 
     def head(self, n: int) -> Trace:
@@ -187,6 +188,24 @@ def synthetic(
         hashes += [10**9 + i * 10**4 + j for j in range(blocks - len(hashes))]
         reqs.append(TraceRequest(float(times[i]), n_in, int(outs[i]), tuple(hashes)))
     return Trace(reqs, block_tokens, f"synthetic-{arrival}")
+
+
+def with_tenants(trace: Trace, shares: dict[str, float], seed: int = 0) -> Trace:
+    """The same requests, each given a tenant drawn with probability proportional to its share."""
+    names = list(shares)
+    p = np.array([shares[n] for n in names], dtype=float)
+    rng = np.random.default_rng(seed)
+    picks = rng.choice(len(names), len(trace.requests), p=p / p.sum())
+    return Trace([replace(r, tenant=names[int(i)]) for r, i in zip(trace.requests, picks, strict=True)],
+                 trace.block_tokens, trace.name)
+
+
+def merge(*traces: Trace) -> Trace:
+    """Several open-loop traces as one, in arrival order (their block sizes must agree)."""
+    if len({t.block_tokens for t in traces}) > 1:
+        raise ValueError("traces to merge must hash blocks of the same size")
+    reqs = sorted((r for t in traces for r in t.requests), key=lambda r: r.arrival)
+    return Trace(reqs, traces[0].block_tokens, "+".join(t.name for t in traces))
 
 
 def iter_open(trace: Trace) -> Iterator[TraceRequest]:

@@ -1,0 +1,243 @@
+"""Flow control: who goes next when the fleet is full. Tenants, priority bands, fair shares, deadlines.
+
+When the policy cannot place a request now (SLO-aware admission refuses it, the fleet is full), the mesh holds
+it here instead of letting every held request retry on its own, where whoever sends most gets most:
+
+- strict priority between bands (band 0 first): a lower band is served only while no higher one waits;
+- weighted fair sharing between the tenants of a band: start-time fair queuing (Goyal et al.), a virtual-time
+  form of WFQ. Each tenant has a finish tag F; a request of cost c placed for tenant t starts at
+  S = max(V, F_t) and moves F_t to S + c / weight_t; V, the band's virtual time, is the largest start placed.
+  The next held request is the one whose tenant would start first. An idle tenant's tag is pulled up to V
+  when it comes back (no credit banked while idle), and a band with one tenant waiting serves it alone: the
+  queue is work-conserving;
+- earliest deadline first within a tenant (deadline = its arrival + its TTFT SLO).
+
+A request's cost is in the cost model's units (`engine_seconds`: its predicted engine time; or tokens).
+A new arrival goes straight to the policy only while nothing of its band or above that would start before
+it waits; otherwise it joins the queue. A tenant over its share (its in-flight cost above its weight's share
+of what the active tenants have in flight) with a full queue, or a held request past its deadline, is refused
+with 429 and a Retry-After: how long until its in-flight cost drains to its share at the rate it has been
+draining. `now` is passed in; no I/O: the scheduler and the simulator drive the same object.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+MAX_RETRY_AFTER_S = 60.0
+RATE_WINDOW_S = 10.0  # a tenant's drain rate (cost finished per second) decays over this long
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    name: str
+    weight: float = 1.0
+    band: int = 0  # priority band: 0 is served first
+
+    def __post_init__(self) -> None:
+        if not self.weight > 0 or not math.isfinite(self.weight):
+            raise ValueError(f"tenant {self.name!r}: weight must be > 0, not {self.weight}")
+        if self.band < 0:
+            raise ValueError(f"tenant {self.name!r}: band must be >= 0, not {self.band}")
+
+
+@dataclass(slots=True)
+class Held:
+    """A request the queue holds: what it costs, when it must start by, and the caller's own handle."""
+
+    key: str
+    tenant: str
+    cost: float
+    deadline: float
+    arrival: float
+    item: object = None
+    seq: int = 0
+
+    def __lt__(self, other: Held) -> bool:  # EDF, then arrival order
+        return (self.deadline, self.seq) < (other.deadline, other.seq)
+
+
+@dataclass(slots=True)
+class TenantStats:
+    """What the metrics and `hetmesh status --tenants` show per tenant."""
+
+    requests: int = 0  # arrivals
+    placed: int = 0
+    refused: int = 0  # 429 from flow control (queue full, deadline passed)
+    held: int = 0  # requests that waited in the queue
+    held_s: float = 0.0  # their waits, summed
+    tokens: int = 0  # prompt + output tokens of placed requests
+    finished: int = 0
+    slo_met: int = 0  # finished within their SLOs (the shell judges)
+
+    @property
+    def slo_attainment(self) -> float:
+        return self.slo_met / self.finished if self.finished else 1.0
+
+
+@dataclass(slots=True)
+class _State:
+    tenant: Tenant
+    finish: float = 0.0  # F: its finish tag
+    inflight: float = 0.0  # cost placed and not finished
+    held: list[Held] = field(default_factory=list)  # heap, EDF
+    rate: float = 0.0  # cost finished, decaying sum over RATE_WINDOW_S
+    rate_t: float = 0.0
+    stats: TenantStats = field(default_factory=TenantStats)
+
+
+def engine_seconds(prefill_s: float, decode_token_s: float, uncached: int, output_tokens: int) -> float:
+    """A request's cost in engine seconds: its uncached prefill, then its output tokens at a full batch's
+    per-token share of a decode step."""
+    return prefill_s * uncached + decode_token_s * max(output_tokens, 1)
+
+
+def token_cost(uncached: int, output_tokens: int) -> float:
+    """A request's cost without a cost model: uncached prompt + expected output tokens."""
+    return float(max(uncached, 0) + max(output_tokens, 1))
+
+
+class FlowQueue:
+    def __init__(self, tenants: Sequence[Tenant], max_held: int = 1024, retry_floor_s: float = 1.0) -> None:
+        if not tenants:
+            raise ValueError("flow control needs at least one tenant")
+        self.tenants = {t.name: _State(t) for t in tenants}
+        if len(self.tenants) != len(tenants):
+            raise ValueError("tenant names must be unique")
+        self.vtime: dict[int, float] = {t.band: 0.0 for t in tenants}
+        self.max_held = max_held  # per tenant
+        self.retry_floor_s = retry_floor_s
+        self._seq = 0
+        self._n_held = 0
+
+    # ---- reading ----
+    def __len__(self) -> int:
+        return self._n_held
+
+    def stats(self, tenant: str) -> TenantStats:
+        return self.tenants[tenant].stats
+
+    def _start(self, s: _State) -> float:
+        return max(self.vtime[s.tenant.band], s.finish)
+
+    def _active(self) -> list[_State]:
+        return [s for s in self.tenants.values() if s.inflight > 1e-12 or s.held]
+
+    def share(self, tenant: str) -> float:
+        """Its weight's share of the cost the active tenants (itself included) have in flight."""
+        me = self.tenants[tenant]
+        active = self._active()
+        if me not in active:
+            active.append(me)
+        total_w = sum(s.tenant.weight for s in active)
+        return me.tenant.weight / total_w * sum(s.inflight for s in active)
+
+    def over_share(self, tenant: str) -> bool:
+        return self.tenants[tenant].inflight > self.share(tenant) + 1e-9
+
+    def retry_after_s(self, tenant: str, now: float) -> float:
+        """When its share frees: its in-flight cost above its share, at the rate its work has been finishing."""
+        s = self.tenants[tenant]
+        excess = max(s.inflight - self.share(tenant), 0.0)
+        rate = self._rate(s, now)
+        wait = excess / rate if rate > 0 else (MAX_RETRY_AFTER_S if excess > 0 else 0.0)
+        return min(max(wait, self.retry_floor_s), MAX_RETRY_AFTER_S)
+
+    def _rate(self, s: _State, now: float) -> float:
+        return s.rate * math.exp(-max(now - s.rate_t, 0.0) / RATE_WINDOW_S) / RATE_WINDOW_S
+
+    def may_try(self, tenant: str) -> bool:
+        """A new arrival goes to the policy now (True) or joins the queue: nothing of a higher band waits, its
+        tenant holds nothing (EDF keeps its own order), and no waiting tenant of its band would start first."""
+        me = self.tenants[tenant]
+        if me.held:
+            return False
+        band, start = me.tenant.band, self._start(me)
+        for s in self.tenants.values():
+            if s.held and (s.tenant.band < band or (s.tenant.band == band and self._start(s) < start)):
+                return False
+        return True
+
+    def order(self) -> Iterator[Held]:
+        """Every held request in service order: bands first, then tenants by start tag (as if each were placed
+        in turn), EDF within a tenant. A snapshot: the caller may take() while it walks it."""
+        by_band: dict[int, list[_State]] = {}
+        for s in self.tenants.values():
+            if s.held:
+                by_band.setdefault(s.tenant.band, []).append(s)
+        for band in sorted(by_band):
+            v = self.vtime[band]
+            heap = []
+            for i, s in enumerate(by_band[band]):
+                queue = sorted(s.held)
+                heap.append((max(v, s.finish), -s.tenant.weight, i, 0, queue, s))
+            heapq.heapify(heap)
+            while heap:
+                start, nw, i, j, queue, s = heapq.heappop(heap)
+                h = queue[j]
+                yield h
+                if j + 1 < len(queue):
+                    v = max(v, start)
+                    heapq.heappush(heap, (max(v, start + h.cost / s.tenant.weight), nw, i, j + 1, queue, s))
+
+    def head(self) -> Held | None:
+        return next(self.order(), None)
+
+    # ---- changing ----
+    def arrived(self, tenant: str) -> None:
+        self.tenants[tenant].stats.requests += 1
+
+    def hold(self, key: str, tenant: str, cost: float, deadline: float, now: float, item: object = None,
+             again: bool = False) -> Held | None:
+        """Hold a request (`again`: one taken out to be placed and still refused, not counted twice); None: its
+        tenant already holds max_held (refuse it: `refused`)."""
+        s = self.tenants[tenant]
+        if len(s.held) >= self.max_held:
+            return None
+        self._seq += 1
+        h = Held(key, tenant, cost, deadline, now, item, self._seq)
+        heapq.heappush(s.held, h)
+        self._n_held += 1
+        s.stats.held += not again
+        return h
+
+    def take(self, h: Held, now: float) -> None:
+        """`h` leaves the queue (placed or refused next: call placed() or refused())."""
+        s = self.tenants[h.tenant]
+        s.held.remove(h)
+        heapq.heapify(s.held)
+        self._n_held -= 1
+        s.stats.held_s += max(now - h.arrival, 0.0)
+
+    def expired(self, now: float) -> list[Held]:
+        """Held requests past their deadline, taken out of the queue (refuse each)."""
+        out = [h for s in self.tenants.values() for h in s.held if h.deadline < now]
+        for h in out:
+            self.take(h, now)
+        return out
+
+    def placed(self, tenant: str, cost: float, tokens: int = 0) -> None:
+        """A request of `tenant` was placed: its start and finish tags, its in-flight cost."""
+        s = self.tenants[tenant]
+        band = s.tenant.band
+        start = self._start(s)
+        s.finish = start + cost / s.tenant.weight
+        self.vtime[band] = max(self.vtime[band], start)
+        s.inflight += cost
+        s.stats.placed += 1
+        s.stats.tokens += tokens
+
+    def finished(self, tenant: str, cost: float, now: float, slo_met: bool | None = None) -> None:
+        s = self.tenants[tenant]
+        s.inflight = max(s.inflight - cost, 0.0)
+        s.rate = s.rate * math.exp(-max(now - s.rate_t, 0.0) / RATE_WINDOW_S) + cost
+        s.rate_t = now
+        if slo_met is not None:
+            s.stats.finished += 1
+            s.stats.slo_met += slo_met
+
+    def refused(self, tenant: str) -> None:
+        self.tenants[tenant].stats.refused += 1

@@ -1,0 +1,107 @@
+"""Flow control in the simulator: the scheduler's flow queue (hetmesh.placement.flow, built by
+hetmesh.wiring.flow_queue) at the point where the scheduler holds or refuses a request.
+
+A request the policy refuses but could still serve in time (`Decision.hold_s`) waits in the queue instead of
+being placed again on its own; the queue is pumped, in its fair order, whenever a request finishes and every
+admission hold period while it holds anything, and each pump stops at the first request the fleet still
+cannot take. A new arrival waits in the queue while a request that should go before it waits there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from hetmesh.placement import Decision
+from hetmesh.placement.admission import DEFAULT_HOLD_S, retry_wait_s
+from hetmesh.placement.flow import FlowQueue
+from hetmesh.wiring import flow_queue, pricer
+
+if TYPE_CHECKING:
+    from hetmesh.sim.cluster import Simulator
+
+
+class SimFlow:
+    def __init__(self, sim: Simulator, policy: Any) -> None:
+        cfg = sim.cfg
+        self.sim = sim
+        self.q: FlowQueue = flow_queue(cfg.tenants, cfg.flow_max_held, cfg.retry_floor_s)
+        self.tick_s = getattr(policy, "admission_hold_s", DEFAULT_HOLD_S) or DEFAULT_HOLD_S
+        slos = getattr(policy, "slos", {})
+        default = getattr(policy, "ttft_slo", cfg.hold_limit_s)
+        self.ttft_slo: Callable[[str], float] = lambda m: slos.get(m, (default,))[0]
+        self.prices: dict[str, Callable[[int, int, int], float]] = {}
+        for w in sim.workers:  # each model's first worker prices its requests
+            self.prices.setdefault(w.spec.model, pricer(w.cm, w.spec.max_batch))
+        self.blocked = False  # the last placement the pump tried was refused: the fleet is still full
+        self.pending = False  # a pump event is queued
+
+    def cost(self, req: Any, model: str) -> float:
+        return self.prices[model](req.n_in, 0, req.n_out)
+
+    def arrive(self, req: Any, model: str) -> bool:
+        """A new arrival: True when it waits in the queue (or was refused) instead of going to the policy now."""
+        q = self.q
+        if req.tries == 0:
+            req.cost = self.cost(req, model)
+            q.arrived(req.tenant)
+        if q.may_try(req.tenant):
+            return False
+        self._hold(req, model)
+        return True
+
+    def refused(self, req: Any, d: Decision, model: str) -> None:
+        """The policy refused it: held while it may still be served in time, else refused (429)."""
+        if d.hold_s is not None and self.sim.now - req.sent + d.hold_s <= self.sim.cfg.hold_limit_s:
+            self._hold(req, model)
+            self.blocked = True
+        else:
+            self._refuse(req, retry_wait_s(d, self.sim.cfg.retry_floor_s), d.predicted_ttft_s or 0.0)
+
+    def _hold(self, req: Any, model: str) -> None:
+        q, now = self.q, self.sim.now
+        deadline = req.sent + min(self.sim.cfg.flow_wait_share * self.ttft_slo(model), self.sim.cfg.hold_limit_s)
+        if q.hold(str(req.rid), req.tenant, req.cost, deadline, now, req, again=req.held) is None:
+            self._refuse(req, q.retry_after_s(req.tenant, now), 0.0)
+            return
+        req.held = True
+        if not self.pending:
+            self._schedule(self.tick_s)
+
+    def _refuse(self, req: Any, retry_after: float, backoff: float) -> None:
+        sim = self.sim
+        self.q.refused(req.tenant)
+        if req.tries < sim.cfg.client_retries:
+            req.tries += 1
+            sim.retried += 1
+            sim.retry(req, max(retry_after, self.q.retry_after_s(req.tenant, sim.now)))
+            return
+        sim.refused += 1
+        sim.reject(req, backoff)
+
+    def placed(self, req: Any) -> None:
+        self.q.placed(req.tenant, req.cost, req.n_in + req.n_out)
+
+    def finished(self, req: Any) -> None:
+        self.q.finished(req.tenant, req.cost, self.sim.now)
+        if len(self.q) and not self.pending:
+            self._schedule(0.0)
+
+    def _schedule(self, delay: float) -> None:
+        self.pending = True
+        self.sim.pump_at(self.sim.now + delay)
+
+    def pump(self) -> None:
+        """Place held requests in the queue's order until the fleet refuses one."""
+        self.pending = False
+        q, now = self.q, self.sim.now
+        for h in q.expired(now):
+            self._refuse(h.item, q.retry_after_s(h.tenant, now), 0.0)
+        self.blocked = False
+        for h in list(q.order()):
+            q.take(h, now)
+            self.sim.place_held(h.item)
+            if self.blocked:
+                break
+        if len(q) and not self.pending:
+            self._schedule(self.tick_s)
