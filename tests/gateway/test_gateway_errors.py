@@ -48,6 +48,48 @@ def test_body_not_an_object(gateway: GatewayProc) -> None:
     assert_openai_error(post(gateway, "/v1/chat/completions", b"[1, 2]"), 400)
 
 
+BAD_JSON_START = "We could not parse the JSON body of your request."
+
+
+@pytest.mark.parametrize("path,raw", [
+    # A bare NaN or Infinity is not JSON: OpenAI refuses the body, not the value's range.
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_p": Infinity}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": NaN}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], '
+                             b'"logit_bias": {"5": -Infinity}}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": '
+                             b'"function", "function": {"name": "f", "parameters": {"maximum": NaN}}}]}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": [1, 2, NaN]}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "frequency_penalty": -Infinity}'),
+])
+def test_bare_nan_or_infinity_is_not_json(gateway: GatewayProc, path: str, raw: bytes) -> None:
+    err = assert_openai_error(post(gateway, path, raw), 400)
+    assert str(err["message"]).startswith(BAD_JSON_START), err
+
+
+def test_the_word_nan_in_a_string_is_fine(gateway: GatewayProc) -> None:
+    r = post(gateway, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "NaN Infinity"}],
+                                                "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+def test_a_tool_message_needs_its_tool_call_id(gateway: GatewayProc, client: openai.OpenAI) -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages: list[dict[str, object]] = [{"role": "user", "content": "x"},
+                                         {"role": "assistant", "content": None, "tool_calls": [call]},
+                                         {"role": "tool", "content": "42"}]
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)  # type: ignore[arg-type]
+    body = exc.value.body
+    assert isinstance(body, dict)
+    assert body["message"] == "Missing parameter 'tool_call_id': messages with role 'tool' must have a 'tool_call_id'."
+    assert body["param"] == "messages[2].tool_call_id" and body["type"] == "invalid_request_error"
+    messages[2]["tool_call_id"] = "call_1"
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)  # type: ignore[arg-type]
+    assert out.choices[0].message.content
+
+
 @pytest.mark.parametrize("body,param", [
     ({"messages": MSG}, "model"),
     ({"model": "tiny"}, "messages"),

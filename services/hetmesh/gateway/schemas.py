@@ -8,10 +8,23 @@ never dropped. Declared is not honoured: core.py refuses, naming it, what the mo
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from hetmesh.protocol import ErrorInfo
 
@@ -19,8 +32,26 @@ Num = Annotated[float, Strict()]  # ints pass, strings and bools do not
 Penalty = Annotated[Num, Field(ge=-2.0, le=2.0)]
 
 
+def _finite(v: Any) -> Any:
+    """A free-form JSON value (a tool's schema, template arguments) without NaN or Infinity anywhere in it."""
+    stack = [v]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, float) and not math.isfinite(x):
+            raise PydanticCustomError("finite_number", "Input should be a finite number")
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return v
+
+
+JsonObject = Annotated[dict[str, Any], AfterValidator(_finite)]
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # The JSON parser takes a bare NaN or Infinity (not JSON): no field keeps one (from_validation says why).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class TextPart(_Body):
@@ -54,6 +85,13 @@ class ChatMessage(_Body):
     audio: dict[str, Any] | None = None  # assistant: refused (no audio)
     function_call: dict[str, Any] | None = None  # assistant, deprecated: refused
 
+    @model_validator(mode="after")
+    def _tool_reply(self) -> ChatMessage:
+        if self.role == "tool" and self.tool_call_id is None:
+            raise PydanticCustomError("missing_tool_call_id", "Missing parameter 'tool_call_id': messages with "
+                                                              "role 'tool' must have a 'tool_call_id'.")
+        return self
+
     def text(self) -> str:
         """The text content; parts joined by newlines, as vLLM does for string-content templates."""
         if self.content is None:
@@ -71,7 +109,7 @@ class StreamOptions(_Body):
 class FunctionDef(_Body):
     name: Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
     description: StrictStr | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: JsonObject | None = None
     strict: StrictBool | None = None
 
 
@@ -92,7 +130,7 @@ class NamedToolChoice(_Body):
 class JsonSchemaFormat(_Body):
     name: Annotated[StrictStr, Field(min_length=1, max_length=64)]
     description: StrictStr | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    schema_: JsonObject | None = Field(default=None, alias="schema")
     strict: StrictBool | None = None
 
 
@@ -161,7 +199,7 @@ class ChatCompletionRequest(_Common):
     # vLLM's chat extensions
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JsonObject | None = None
 
 
 class CompletionRequest(_Common):
@@ -211,12 +249,17 @@ def _param(loc: tuple[int | str, ...]) -> str | None:
     return out
 
 
+def _non_finite(x: object) -> bool:
+    return isinstance(x, float) and not math.isfinite(x)
+
+
 def from_validation(exc: ValidationError | list[dict[str, Any]]) -> ErrorInfo:
     errors = exc.errors(include_url=False) if isinstance(exc, ValidationError) else exc
     if not errors:
         return invalid("invalid request body")
     first = errors[0]
-    if first["type"] == "json_invalid":
+    # A bare NaN or Infinity is not JSON (OpenAI refuses the body as such), whatever field it landed in.
+    if any(e["type"] in ("json_invalid", "finite_number") or _non_finite(e.get("input")) for e in errors):
         return invalid(BAD_JSON)
     loc = tuple(first.get("loc", ()))
     if loc and loc[0] == "body":  # FastAPI prefixes body errors with "body"
@@ -227,5 +270,7 @@ def from_validation(exc: ValidationError | list[dict[str, Any]]) -> ErrorInfo:
                        code="unrecognized_argument")
     if first["type"] == "missing":
         return invalid(f"Missing required parameter: '{param}'.", param=param)
+    if first["type"] == "missing_tool_call_id":
+        return invalid(first["msg"], param=f"{param}.tool_call_id")
     what = f"'{param}'" if param else "the request body"
     return invalid(f"Invalid value for {what}: {first['msg']}.", param=param)
