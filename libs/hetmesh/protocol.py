@@ -139,6 +139,7 @@ class SchedulerStatus(Struct, kw_only=True):
     workers: list[str]
     details: list[WorkerStatus] = field(default_factory=list)
     in_flight: int = 0
+    tenants: dict[str, dict[str, float]] = field(default_factory=dict)  # flow control's per-tenant figures
 
 
 class ErrorInfo(Struct, frozen=True, kw_only=True):

@@ -50,6 +50,21 @@ def switching(model: str, decision: Decision | None, heartbeats: Iterable[Heartb
         retry_after_s=back_in_s(model, busy, retry_after_s)))
 
 
+def flow_refused(model: str, tenant: str, why: str, retry_after_s: float) -> Refusal:
+    """Flow control turned it away: its tenant is over its share of a full fleet (hetmesh.placement.flow)."""
+    return Refusal("flow", ErrorInfo(
+        message=f"The workers of model {model!r} are full and tenant {tenant!r} is over its share ({why}); please "
+                "retry.", type="server_error", code="tenant_over_share", status=429, retry_after_s=retry_after_s),
+        admission=True)
+
+
+def unknown_tenant(tenant: str, header: str) -> Refusal:
+    """A request named a tenant the cluster file does not have."""
+    return Refusal("unknown_tenant", ErrorInfo(
+        message=f"unknown tenant {tenant!r}: not a [[tenants]] name of the cluster file", type="invalid_request_error",
+        code="unknown_tenant", param=header, status=400), counted=False)
+
+
 def no_worker(model: str, decision: Decision | None) -> Refusal | None:
     """Still nobody after waiting a heartbeat timeout for one."""
     if decision is not None:

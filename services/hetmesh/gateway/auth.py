@@ -69,6 +69,7 @@ class KeyState:
 @dataclass(slots=True)
 class Verdict:
     key: KeyState | None = None  # who (None: auth is off)
+    tenant: str = ""  # flow control's tenant ("" the default one)
     error: ErrorInfo | None = None
     headers: dict[str, str] = field(default_factory=dict)
 

@@ -105,7 +105,8 @@ class Call:
         self.req = InferenceRequest(
             request_id=rid, model=model.name, prompt_tokens=prep.prompt_tokens,
             block_hashes=block_hashes(model.name, prep.prompt_tokens, model.block_size),
-            sampling=prep.sampling, reply_subject="", arrival_ts=time.time(), priority=prep.priority)
+            sampling=prep.sampling, reply_subject="", arrival_ts=time.time(), priority=prep.priority,
+            tenant=self.verdict.tenant)
         self.box = Inbox()
         self.key = ""
         mesh = gw.cfg.mesh

@@ -49,6 +49,7 @@ from .params import Caps, caps_for, prepare_chat, prepare_completion
 from .responses import error_response
 from .schemas import ChatCompletionRequest, CompletionRequest, body_model, from_validation
 from .stream import BUS_GAP
+from .tenants import Tenants
 
 log = logging.getLogger("hetmesh.gateway")
 
@@ -104,8 +105,10 @@ class Gateway:
         self.closing = False
         self.reply_prefix = subjects.reply_to(self.instance, "")
         self.auth = Authenticator(cfg.auth)
+        self.tenants = Tenants(cfg)  # flow control's tenant of each request, and per-tenant limits
         # one key, one limit across every gateway replica (Redis), unless configured per process
-        self.limits = SharedBuckets.from_mesh(cfg.mesh) if self.auth.limited and cfg.auth.shared_limits else None
+        self.limits = (SharedBuckets.from_mesh(cfg.mesh)
+                       if (self.auth.limited or self.tenants.limited) and cfg.auth.shared_limits else None)
         self.active = 0  # Calls in flight (admission control)
         self.refused = {"overloaded": 0, "rate_limited": 0, "unauthorized": 0, "too_large": 0}
 
@@ -132,7 +135,16 @@ class Gateway:
             await self.limits.close()
 
     async def admit(self, v: Verdict, prompt_tokens: int) -> Verdict:
-        """The key's rate limits: shared through Redis where the cluster has it, else this process's."""
+        """The tenant's rate limits, then the key's: shared through Redis where the cluster has it, else this
+        process's."""
+        if (ts := self.tenants.state(v.tenant)) is not None:
+            tv = Verdict(key=ts)
+            now = time.monotonic()
+            tv = decide(tv, await self.limits.take(ts, prompt_tokens, now)) if self.limits is not None else \
+                self.auth.admit(tv, prompt_tokens, now)
+            if tv.error is not None:
+                v.error, v.headers = tv.error, tv.headers
+                return v
         if self.limits is None or v.key is None:
             return self.auth.admit(v, prompt_tokens, time.monotonic())
         return decide(v, await self.limits.take(v.key, prompt_tokens, time.monotonic()))
@@ -260,6 +272,9 @@ class Gateway:
         verdict = self.authenticate(request)
         if verdict.error is not None:
             return self.reject("", verdict.error)
+        verdict.tenant, bad = self.tenants.resolve(verdict, request.headers)
+        if bad is not None:
+            return self.reject("", bad)
         gc = self.cfg.gateway
         if self.active >= gc.max_inflight:  # before reading the body: a flood costs as little as possible
             return self.reject("", self.overloaded())

@@ -57,6 +57,7 @@ from hetmesh.protocol import (
 from hetmesh.runtime import run_service
 from hetmesh.workqueue import WorkQueue, msg_id
 
+from .flowgate import FlowGate
 from .learning import Learning
 from .prefix_mirror import PrefixMirror
 from .reconcile import IdleWatch
@@ -84,6 +85,9 @@ class Scheduler:
         self.state = ClusterState(cfg.mesh.heartbeat_timeout_s, cfg.mesh.wedge_s)
         sc = cfg.scheduler
         self.policy = wiring.policy(cfg)
+        # Flow control ([[tenants]]): requests it cannot place yet wait in one fair queue (hetmesh.placement.flow)
+        q = wiring.flow(cfg)
+        self.flow = FlowGate(cfg, q, lambda i: self.policy.place(i, self.state.views()), self.state) if q else None
         self.learning = Learning(self.policy, cfg.mesh.time_scale)  # each worker's speed from its engine's steps
         self.uses_prefix = sc.policy in PREFIX_POLICIES
         self.block_size = {m.name: m.block_size for m in cfg.models}
@@ -151,11 +155,13 @@ class Scheduler:
 
     def _snapshot(self) -> list[metrics.Row]:
         return (metric_rows(self.state, self.cfg.prices, len(self.inflight), self.prefix.queue.qsize())
-                + self.learning.rows())
+                + self.learning.rows() + (self.flow.rows() if self.flow is not None else []))
 
     async def on_status(self, m: Msg) -> None:
-        await self.bus.respond(m, status(self.state, self.instance, self.policy.name, len(self.inflight),
-                                         time.time(), self.learning.status))
+        st = status(self.state, self.instance, self.policy.name, len(self.inflight), time.time(), self.learning.status)
+        if self.flow is not None:
+            st.tenants = self.flow.status()
+        await self.bus.respond(m, st)
 
     # --- cluster view -------------------------------------------------------------------
     async def on_heartbeat(self, hb: Heartbeat, _m: Msg) -> None:
@@ -224,6 +230,8 @@ class Scheduler:
         await self._event("", "worker_lost", worker_id=worker_id, requests=len(held), why=why)
         for rid in held:
             fl = self.inflight.pop(rid, None)
+            if self.flow is not None:
+                self.flow.done(rid)
             if fl is None:
                 continue
             for w in fl.workers:
@@ -260,6 +268,7 @@ class Scheduler:
         with self.tracer.start_as_current_span("schedule", context=ctx) as span:
             span.set_attribute("hetmesh.request_id", req.request_id)
             span.set_attribute("hetmesh.attempt", req.attempt)
+            span.set_attribute("hetmesh.tenant", req.tenant or wiring.DEFAULT_TENANT)
             reply = await self.place(req)
             if reply.placement is not None:
                 span.set_attribute("hetmesh.mode", reply.placement.mode)
@@ -307,13 +316,21 @@ class Scheduler:
             # The policy's clock is the engines' (virtual) time: a sim cluster at time_scale k runs k x wall.
             arrival=req.arrival_ts * self.cfg.mesh.time_scale,
         )
-        if self.tracing:
+        booked = False  # flow control's pump booked it in the view already
+        if self.flow is not None:  # held, when it must be, in the fair queue rather than on its own
+            if no := self.flow.unknown(req):
+                return self._refuse(req, no)
+            out = await self.flow.place(req, info, max(cached.values(), default=0) * info.block_size)
+            if isinstance(out, refusals.Refusal):
+                return self._refuse(req, out)
+            decision, booked = out
+        elif self.tracing:
             with self.tracer.start_as_current_span("placement") as span:
                 decision = self.policy.place(info, views)
                 placement_attributes(span, self.policy.name, info, decision)
         else:
             decision = self.policy.place(info, views)
-        if decision is not None and decision.mode == REFUSED and decision.hold_s is not None:
+        if self.flow is None and decision is not None and decision.mode == REFUSED and decision.hold_s is not None:
             decision = await self._hold(info, decision)
         if no := (refusals.refused(req.model, decision, sc.retry_after_s)
                   or refusals.switching(req.model, decision, self.state.heartbeats(), sc.retry_after_s)):
@@ -345,7 +362,7 @@ class Scheduler:
                               predicted_ttft_s=decision.predicted_ttft_s, predicted_tpot_s=decision.predicted_tpot_s,
                               decode_kv_endpoint=kv_endpoint)
         try:
-            await self._dispatch(req, decision, placement, headers)
+            await self._dispatch(req, decision, placement, headers, booked)
         except Exception as exc:  # the work queue did not store it within publish_timeout_s (bus away, stream full)
             log.warning("request %s: work queue refused its WorkItem: %r", req.request_id, exc)
             self._forget(req.request_id)
@@ -376,8 +393,9 @@ class Scheduler:
         return SubmitReply(request_id=req.request_id, error=no.error)
 
     async def _dispatch(self, req: InferenceRequest, d: Decision, placement: Placement,
-                        headers: dict[str, str] | None) -> None:
-        self.state.assigned(d)
+                        headers: dict[str, str] | None, booked: bool = False) -> None:
+        if not booked:
+            self.state.assigned(d)
         # A new attempt replaces the last one: its workers no longer hold the request (were one of them lost or
         # back as a new run, it must not send this attempt a WorkerLost)
         self._forget(req.request_id)
@@ -431,6 +449,8 @@ class Scheduler:
             self.by_worker.get(f.worker_id, set()).discard(f.request_id)
             if not fl.workers:
                 del self.inflight[f.request_id]
+                if self.flow is not None:
+                    self.flow.done(f.request_id)
                 self.demand.finished(f.request_id, time.monotonic(), f.completion_tokens, f.finish_reason)
             elif f.finish_reason == "prefill_done":  # P/D: the decode side streams on from the first token
                 self.demand.first_token(f.request_id, time.monotonic())
@@ -447,6 +467,8 @@ class Scheduler:
 
     async def on_cancel(self, c: Cancel, _m: Msg) -> None:
         self._forget(c.request_id)
+        if self.flow is not None:
+            self.flow.done(c.request_id)
 
     async def _event(self, request_id: str, kind: str, **detail: str | int | float | bool | None) -> None:
         self.events.add(ServiceEvent(service="scheduler", instance=self.instance, request_id=request_id, kind=kind,

@@ -1,0 +1,157 @@
+"""The scheduler's side of flow control: the flow queue (hetmesh.placement.flow, built by hetmesh.wiring.flow,
+as the simulator builds its own) at the point where the scheduler holds a request it cannot place yet.
+
+A submit whose tenant must wait behind others, or that the policy refuses while its SLO is still in reach,
+waits on a future; a pump places held requests in the queue's order every admission hold period and whenever
+a request finishes, and stops at the first one the fleet still cannot take. What the pump places is booked
+in the cluster view at once (`ClusterState.assigned`), so the next placement of the same pump sees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+
+from hetmesh import config, wiring
+from hetmesh.placement import REFUSED, ClusterState, Decision, RequestInfo, refusals
+from hetmesh.placement.admission import DEFAULT_HOLD_S
+from hetmesh.placement.flow import FlowQueue, token_cost
+from hetmesh.protocol import InferenceRequest
+
+Placed = tuple[Decision | None, bool]  # the decision, and whether it is booked in the cluster view already
+
+
+@dataclass(slots=True)
+class _Waiting:
+    fut: asyncio.Future[Placed | refusals.Refusal]
+    info: RequestInfo
+    req: InferenceRequest
+    t0: float  # monotonic, when it was first held
+
+
+class FlowGate:
+    def __init__(self, cfg: config.ClusterConfig, q: FlowQueue, place: Callable[[RequestInfo], Decision | None],
+                 state: ClusterState) -> None:
+        self.q = q
+        self.cfg = cfg
+        self.place_fn = place
+        self.state = state
+        self.scale = cfg.mesh.time_scale  # the policy's clock is the engines'
+        self.tick_s = (cfg.scheduler.admission_hold_s or DEFAULT_HOLD_S) / self.scale
+        self.prices = {m.name: wiring.cluster_pricer(cfg, m.name) for m in cfg.models}
+        self.inflight: dict[str, tuple[str, float, float]] = {}  # request id -> tenant, cost, when placed
+        self._pump_task: asyncio.Task[None] | None = None
+
+    def tenant(self, req: InferenceRequest) -> str:
+        return req.tenant or wiring.DEFAULT_TENANT
+
+    def unknown(self, req: InferenceRequest) -> refusals.Refusal | None:
+        t = self.tenant(req)
+        return None if t in self.q.tenants else refusals.unknown_tenant(t, self.cfg.flow.header)
+
+    def cost(self, req: InferenceRequest, cached: int) -> float:
+        price = self.prices.get(req.model)
+        n, out = len(req.prompt_tokens), req.sampling.max_tokens
+        return price(n, cached, out) if price is not None else token_cost(n - cached, out)
+
+    def _refusal(self, req: InferenceRequest, why: str) -> refusals.Refusal:
+        t = self.tenant(req)
+        self.q.refused(t)
+        return refusals.flow_refused(req.model, t, why, self.q.retry_after_s(t, time.monotonic()))
+
+    def _booked(self, req: InferenceRequest, d: Decision | None, cost: float) -> None:
+        if d is not None:
+            t = self.tenant(req)
+            self.q.placed(t, cost, len(req.prompt_tokens) + req.sampling.max_tokens)
+            self.inflight[req.request_id] = (t, cost, time.monotonic())
+
+    async def place(self, req: InferenceRequest, info: RequestInfo, cached: int) -> Placed | refusals.Refusal:
+        """Place now, or hold in the queue until the pump places or refuses it."""
+        t, q = self.tenant(req), self.q
+        cost = self.cost(req, cached)
+        if req.attempt == 0:
+            q.arrived(t)
+        if q.may_try(t):
+            d = self.place_fn(info)
+            if d is None or d.mode != REFUSED:
+                self._booked(req, d, cost)
+                return d, False
+            if d.hold_s is None:
+                return d, False  # admission's own refusal: the caller answers it
+        now = time.monotonic()
+        ttft_slo = self.cfg.slo(req.model)[0] / self.scale
+        limit = min(self.cfg.flow.wait_share * ttft_slo, self.cfg.gateway.hold_limit_s)
+        fut: asyncio.Future[Placed | refusals.Refusal] = asyncio.get_running_loop().create_future()
+        if q.hold(req.request_id, t, cost, now + limit, now, _Waiting(fut, info, req, now)) is None:
+            return self._refusal(req, f"it already holds {self.cfg.flow.max_held} requests")
+        if self._pump_task is None or self._pump_task.done():
+            self._pump_task = asyncio.create_task(self._pump_loop())
+        return await fut
+
+    async def _pump_loop(self) -> None:
+        while len(self.q):
+            await asyncio.sleep(self.tick_s)
+            self.pump()
+
+    def pump(self) -> None:
+        """Place held requests in the queue's order until the fleet refuses one (no await: one view)."""
+        q, now = self.q, time.monotonic()
+        for h in q.expired(now):
+            w: _Waiting = h.item  # type: ignore[assignment]
+            if not w.fut.done():
+                w.fut.set_result(self._refusal(w.req, "its wait passed its share of the TTFT SLO"))
+        for h in list(q.order()):
+            w = h.item  # type: ignore[assignment]
+            if w.fut.done():  # its client went away
+                q.take(h, now)
+                continue
+            held = (now - w.t0) * self.scale
+            d = self.place_fn(msgspec.structs.replace(w.info, arrival=w.info.arrival + held, waited_s=held))
+            if d is not None and d.mode == REFUSED and d.hold_s is not None:
+                break  # the fleet is still full for the one that goes next
+            q.take(h, now)
+            if d is not None and d.mode != REFUSED:
+                self.state.assigned(d)
+                self._booked(w.req, d, h.cost)
+            w.fut.set_result((d, d is not None and d.mode != REFUSED))
+
+    def done(self, request_id: str) -> None:
+        """A request left the mesh (finished, cancelled, its worker lost): its cost leaves its tenant's share."""
+        got = self.inflight.pop(request_id, None)
+        if got is not None:
+            self.q.finished(got[0], got[1], time.monotonic())
+            if len(self.q):
+                self.pump()
+
+    def rows(self) -> list[tuple[str, str, str, dict[str, str], float]]:
+        """Per-tenant metrics rows (hetmesh.metrics.Row)."""
+        out = []
+        for name in self.q.tenants:
+            s = self.q.stats(name)
+            lab = {"tenant": name}
+            out += [("hetmesh_tenant_requests_total", "Requests per tenant", "counter", lab, s.requests),
+                    ("hetmesh_tenant_placed_total", "Requests placed per tenant", "counter", lab, s.placed),
+                    ("hetmesh_tenant_refused_total", "Requests flow control refused per tenant (429)", "counter",
+                     lab, s.refused),
+                    ("hetmesh_tenant_held_total", "Requests flow control held per tenant", "counter", lab, s.held),
+                    ("hetmesh_tenant_held_seconds_total", "Seconds requests were held, per tenant", "counter", lab,
+                     s.held_s),
+                    ("hetmesh_tenant_tokens_total", "Prompt + max output tokens placed per tenant", "counter", lab,
+                     s.tokens),
+                    ("hetmesh_tenant_in_flight_cost", "Engine seconds placed and not finished per tenant", "gauge",
+                     lab, self.q.tenants[name].inflight)]
+        return out
+
+    def status(self) -> dict[str, dict[str, float]]:
+        """What `hetmesh status --tenants` shows."""
+        out = {}
+        for name, st in self.q.tenants.items():
+            s = st.stats
+            out[name] = {"weight": st.tenant.weight, "band": st.tenant.band, "requests": s.requests,
+                         "placed": s.placed, "refused": s.refused, "held": len(st.held), "held_s": round(s.held_s, 3),
+                         "tokens": s.tokens, "in_flight_cost_s": round(st.inflight, 3)}
+        return out
