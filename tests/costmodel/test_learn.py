@@ -120,3 +120,22 @@ def test_simulated_slow_worker_is_priced_at_its_real_speed() -> None:
     blind, _ = simulate(ws, "cost", trace, slo=slo, learn=False)
     assert learned["slo_attainment"] > 0.9 > blind["slo_attainment"]
     assert learned["goodput_tok_s"] > 1.5 * blind["goodput_tok_s"], (learned["goodput_tok_s"], blind["goodput_tok_s"])
+
+
+def test_pooled_weights_each_kinds_fitted_workers_by_their_steps() -> None:
+    from hetmesh.costmodel.learn import pooled
+    from hetmesh.protocol import Role, WorkerStatus
+
+    def ws(wid: str, accel: str, steps: int, compute: float) -> WorkerStatus:
+        return WorkerStatus(worker_id=wid, model="m", accelerator=accel, role=Role.BOTH, engine="sim", devices=8,
+                            queue_depth=0, running=0, max_batch=8, kv_blocks_used=0, kv_blocks_total=1,
+                            heartbeat_age_s=0.0, fitted_steps=steps, cost_model="llama-3.1-70b",
+                            efficiency={"compute": compute, "memory": 0.5, "overhead_s": 0.01, "per_seq_s": 0.0}
+                            if steps else {})
+
+    got = pooled([ws("a", "nvidia-h100", 300, 0.2), ws("b", "nvidia-h100", 100, 0.4), ws("c", "nvidia-h100", 0, 0.9),
+                  ws("d", "amd-mi300x", 50, 0.3)])
+    assert set(got) == {"nvidia-h100/llama-3.1-70b", "amd-mi300x/llama-3.1-70b"}
+    eff, steps, ids = got["nvidia-h100/llama-3.1-70b"]
+    assert steps == 400 and ids == ["a", "b"]
+    assert eff.compute == pytest.approx(1 / (0.75 / 0.2 + 0.25 / 0.4))  # time multipliers averaged, not speeds

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -289,3 +290,22 @@ class Learner:
 def _reference(cm: CostModel) -> np.ndarray:
     """A typical mixed step: a 512-token prefill chunk beside 16 decodes at 2,048 tokens of context."""
     return features(cm, [StepSample(512, 1, 512 * 513 / 2, 0, 16, 16 * 2048, 0.0)])
+
+
+def pooled(workers: Iterable[Any]) -> dict[str, tuple[Efficiency, int, list[str]]]:
+    """"<accelerator>/<model>" -> (Efficiency, steps, worker ids): what the fitted workers of each kind learned
+    (anything with WorkerStatus's accelerator, cost_model, efficiency, fitted_steps and worker_id), their time
+    multipliers (1/compute, 1/memory) and overheads averaged with their step counts as weights. The efficiency
+    file `hetmesh calibrate` writes, and what the live planner plans with."""
+    groups: dict[str, list[Any]] = {}
+    for w in workers:
+        if w.fitted_steps > 0 and w.efficiency and w.cost_model:
+            groups.setdefault(f"{w.accelerator}/{w.cost_model}", []).append(w)
+    out = {}
+    for key, ws in sorted(groups.items()):
+        n = sum(w.fitted_steps for w in ws)
+        mean = {k: sum((1.0 / w.efficiency[k] if k in ("compute", "memory") else w.efficiency[k]) * w.fitted_steps
+                       for w in ws) / n for k in ("compute", "memory", "overhead_s", "per_seq_s")}
+        out[key] = (efficiency_of(np.array([mean["compute"], mean["memory"], mean["overhead_s"], mean["per_seq_s"]])),
+                    n, sorted(w.worker_id for w in ws))
+    return out

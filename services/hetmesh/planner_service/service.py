@@ -36,6 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from hetmesh import config, metrics, subjects, telemetry
 from hetmesh.bus import Bus, EventBatcher, decode, encode
+from hetmesh.costmodel.learn import pooled
 from hetmesh.planner import plan
 from hetmesh.planner.commands import commands, plan_fleet
 from hetmesh.planner.live import forecast, merge, plan_models, to_send
@@ -50,6 +51,7 @@ from hetmesh.protocol import (
     ServiceEvent,
 )
 from hetmesh.runtime import run_service
+from hetmesh.wiring import efficiencies
 
 log = logging.getLogger("hetmesh.planner")
 
@@ -197,11 +199,13 @@ class PlannerService:
         workers = status.details
         pc = self.cfg.planner
         storage = self.cfg.worker.storage_bytes_per_s  # a model move's reload: weights / this (as the workers')
+        # each kind of server at the speed the scheduler learned from its engines, over the file's factors
+        learned = {**efficiencies(self.cfg), **{k: e for k, (e, _, _) in pooled(workers).items()}}
         with self.tracer.start_as_current_span("plan") as span:
             plans = await asyncio.to_thread(
                 plan_fleet if pc.scope == "fleet" else plan_models, demand, workers, self.cfg,
                 lambda g, d: plan(g, d, horizon_s=pc.horizon_s, check_duration_s=CHECK_DURATION_S,
-                                  storage_bytes_per_s=storage))
+                                  storage_bytes_per_s=storage, efficiencies=learned))
             moves = [m for p in plans.values() for m in commands(p)]
             sent: list[str] = []
             if not await self.lease.refresh():  # the lease may have gone while the plan ran: say and do nothing
