@@ -104,6 +104,7 @@ def test_step_log_is_bounded_and_spread() -> None:
     assert log.drain() == []
 
 
+@pytest.mark.slow
 def test_simulated_slow_worker_is_priced_at_its_real_speed() -> None:
     """Two identical workers, one truly 2x slower than its prior: the learning cost policy serves within the SLO
     what the policy pricing both at the prior serves late; with a right prior, learning changes nothing."""
