@@ -88,6 +88,18 @@ def speed(w: WorkerStatus) -> str:
     return out + (f" degraded ({w.vs_peers:.1f}x peers)" if w.degraded else "")
 
 
+def tenant_table(status: SchedulerStatus) -> Table:
+    """Flow control's figures per tenant (none: flow control is off, no [[tenants]])."""
+    t = Table(title="tenants" if status.tenants else "tenants: flow control off (no [[tenants]] in the cluster file)")
+    cols = ("weight", "band", "requests", "placed", "refused", "held", "held_s", "tokens", "in_flight_cost_s")
+    t.add_column("tenant")
+    for c in cols:
+        t.add_column(c, justify="right")
+    for name, row in sorted(status.tenants.items()):
+        t.add_row(name, *(f"{row.get(c, 0):g}" for c in cols))
+    return t
+
+
 def table(status: SchedulerStatus) -> Table:
     t = Table(title=f"scheduler {status.instance} · policy {status.policy} · {len(status.details)} workers · "
                     f"{status.in_flight} requests in flight")
@@ -165,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--cluster", help="cluster file to read mesh.nats_url from")
     st.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for NATS and the scheduler")
     st.add_argument("--json", action="store_true", help="print the scheduler's reply as JSON")
+    st.add_argument("--tenants", action="store_true", help="print flow control's per-tenant figures too")
     plan.add_parser(sub)
     calibrate.add_parser(sub)
     sub.add_parser("sim", help="replay a trace on a cluster file in the simulator, policy against policy "
@@ -206,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         print(msgspec.json.format(msgspec.json.encode(status)).decode())
     else:
         Console(width=160).print(table(status))
+        if args.tenants:
+            Console(width=160).print(tenant_table(status))
         if (launched := runfile.find(url)) is not None:
             print(processes_line(launched))
     return 0
