@@ -4,6 +4,7 @@ plays scheduler and workers): 401 / 429 / 503 / 413 in OpenAI's error shape, wit
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 import threading
 import time
@@ -15,11 +16,13 @@ import openai
 import pytest
 
 from hetmesh.config import hash_key
+from hetmesh.gateway.auth import duration
 
 from .conftest import FakePeer, GatewayProc, cluster_text, run_gateway
 from .test_gateway_errors import assert_openai_error
 
 OPEN, RPM, TPM, ENV = "sk-open-0123456789", "sk-rpm-0123456789", "sk-tpm-0123456789", "sk-env-0123456789"
+BOTH = "sk-both-0123456789"
 AUTH = f"""
 [[auth.keys]]
 name = "open"
@@ -34,6 +37,12 @@ rpm = 3
 name = "tpm"
 sha256 = "{hash_key(TPM)}"
 tpm = 120
+
+[[auth.keys]]
+name = "both"
+sha256 = "{hash_key(BOTH)}"
+rpm = 10
+tpm = 100000
 """
 MAX_INFLIGHT = 3
 MAX_BODY = 64 * 1024
@@ -89,6 +98,40 @@ def test_requests_per_minute_is_429_with_retry_after(authed: GatewayProc) -> Non
     assert 1 <= int(r.headers["retry-after"]) <= 20
     assert r.headers["x-ratelimit-limit-requests"] == "3" and r.headers["x-ratelimit-remaining-requests"] == "0"
     assert chat(client(authed, OPEN)) == "abcd"  # other keys are not affected
+
+
+RESET = re.compile(r"^(\d+ms|(\d+m)?\d+(\.\d+)?s)$")  # OpenAI's: 120ms, 8.64s, 6m0s
+
+
+def test_successful_responses_carry_the_rate_limit_headers(authed: GatewayProc) -> None:
+    c = client(authed, BOTH)
+    msgs = [{"role": "user", "content": "hi"}]
+    raw = c.chat.completions.with_raw_response.create(model="tiny", messages=msgs, max_tokens=4)  # type: ignore
+    h = raw.headers
+    assert raw.parse().choices[0].message.content == "abcd"
+    assert h["x-ratelimit-limit-requests"] == "10" and h["x-ratelimit-remaining-requests"] == "9"
+    assert h["x-ratelimit-reset-requests"] == "6s"  # one request back in 60 / 10 s: the bucket is full again
+    assert h["x-ratelimit-limit-tokens"] == "100000"
+    prompt = 100000 - int(h["x-ratelimit-remaining-tokens"])
+    assert 0 < prompt < 100 and RESET.match(h["x-ratelimit-reset-tokens"]) and h["x-ratelimit-reset-tokens"] != "0s"
+    # a stream, and several choices (n), carry them too
+    with c.chat.completions.with_streaming_response.create(model="tiny", messages=msgs, max_tokens=4,  # type: ignore
+                                                           stream=True) as r:
+        assert r.headers["x-ratelimit-remaining-requests"] == "8"
+        assert RESET.match(r.headers["x-ratelimit-reset-requests"])
+        assert "".join(ch.choices[0].delta.content or "" for ch in r.parse() if ch.choices) == "abcd"
+    raw2 = c.completions.with_raw_response.create(model="tiny", prompt="hi", max_tokens=4, n=2)
+    assert raw2.headers["x-ratelimit-remaining-requests"] == "7"
+    assert RESET.match(raw2.headers["x-ratelimit-reset-tokens"]) and int(raw2.headers["x-ratelimit-remaining-tokens"])
+    # no limit on a key: no headers
+    assert "x-ratelimit-limit-requests" not in client(authed, OPEN).chat.completions.with_raw_response.create(
+        model="tiny", messages=msgs, max_tokens=2).headers  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("seconds,text", [(0, "0s"), (0.12, "120ms"), (0.0004, "1ms"), (1, "1s"), (8.64, "8.64s"),
+                                          (59.999, "1m0s"), (360, "6m0s"), (179.56, "2m59.56s")])
+def test_reset_is_written_as_openai_does(seconds: float, text: str) -> None:
+    assert duration(seconds) == text
 
 
 def test_tokens_per_minute_counts_prompt_and_completion(authed: GatewayProc) -> None:

@@ -42,6 +42,10 @@ class TokenBucket:
     def remaining(self) -> int:
         return max(int(self.level), 0) if not math.isnan(self.level) else int(self.per_minute)
 
+    def reset_s(self) -> float:
+        """Seconds until the bucket is full again."""
+        return 0.0 if math.isnan(self.level) else refill_s(self.per_minute, self.level)
+
     def follow(self, level: float, now: float) -> None:
         """Take on a shared bucket's level, seen at `now`; never above what this bucket holds itself, so a
         later fallback to this bucket is no more permissive than the shared one it last saw."""
@@ -72,6 +76,11 @@ class Verdict:
     tenant: str = ""  # flow control's tenant ("" the default one)
     error: ErrorInfo | None = None
     headers: dict[str, str] = field(default_factory=dict)
+
+
+def refill_s(per_minute: float, level: float) -> float:
+    """Seconds a bucket of `per_minute` at `level` takes to be full again."""
+    return max(per_minute - level, 0.0) * 60.0 / per_minute
 
 
 def _bucket(limit: int) -> TokenBucket | None:
@@ -134,6 +143,7 @@ class Take:
     limit: float  # per minute
     wait_s: float
     remaining: int
+    reset_s: float = 0.0  # until the bucket is full again
 
 
 def wants(s: KeyState, prompt_tokens: int) -> list[tuple[str, TokenBucket, int]]:
@@ -151,12 +161,13 @@ def take_local(s: KeyState, prompt_tokens: int, now: float) -> list[Take]:
     for (kind, b, n), w in zip(ws, waits, strict=True):
         if ok:
             b.take(n, now)
-        out.append(Take(kind, b.per_minute, w, b.remaining()))
+        out.append(Take(kind, b.per_minute, w, b.remaining(), b.reset_s()))
     return out
 
 
 def decide(v: Verdict, takes: list[Take]) -> Verdict:
-    """The 429 (if any bucket makes the request wait) and the x-ratelimit headers, from the buckets' answers."""
+    """The 429 (if any bucket makes the request wait) and the x-ratelimit headers (OpenAI's: limit, remaining,
+    and reset, the time until the bucket is full again), from the buckets' answers."""
     s = v.key
     if s is None:
         return v
@@ -171,7 +182,19 @@ def decide(v: Verdict, takes: list[Take]) -> Verdict:
     for t in takes:
         v.headers[f"x-ratelimit-limit-{t.kind}"] = str(int(t.limit))
         v.headers[f"x-ratelimit-remaining-{t.kind}"] = str(t.remaining)
+        v.headers[f"x-ratelimit-reset-{t.kind}"] = duration(t.reset_s)
     return v
+
+
+def duration(seconds: float) -> str:
+    """A time as OpenAI's x-ratelimit-reset-* headers write it: 120ms, 8.64s, 6m0s."""
+    if seconds <= 0:
+        return "0s"
+    if seconds < 1:
+        return f"{max(round(seconds * 1000), 1)}ms"
+    minutes, s = divmod(round(seconds, 2), 60)
+    text = f"{s:.2f}".rstrip("0").rstrip(".")
+    return f"{int(minutes)}m{text}s" if minutes else f"{text}s"
 
 
 def retry_after_headers(seconds: float) -> dict[str, str]:

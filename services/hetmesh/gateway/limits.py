@@ -12,7 +12,10 @@ requests keep flowing, limited per replica, rather than failing because of a met
 buckets follow the shared levels each answer reports, so a fallback starts from the shared state last
 seen (a key never seen starts empty), never from a full bucket. Calls share a bounded pool and wait for
 a free connection, so a burst of admissions queues rather than failing; a call that finds none within
-the pool's wait uses the local buckets once, without counting Redis as down.
+the pool's wait uses the local buckets once, without counting Redis as down. So does a call that times
+out while others still succeed: under a burst this process's own event loop, busy with hundreds of
+requests, reads Redis's answers late. Only a refused or broken connection, or calls that time out for
+`DOWN_AFTER_S` with none succeeding, count as Redis down.
 """
 
 from __future__ import annotations
@@ -22,17 +25,19 @@ import time
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from hetmesh.config import MeshConfig, redis_connection
 from hetmesh.redispool import blocking_client, pool_exhausted
 
-from .auth import KeyState, Take, take_local, wants
+from .auth import KeyState, Take, refill_s, take_local, wants
 
 log = logging.getLogger("hetmesh.gateway")
 
 PREFIX = "hetmesh:rl:"
 DOWN_S = 5.0  # after a Redis failure, use the local buckets this long before trying Redis again
 TIMEOUT_S = 0.5  # an admission waits no longer than this for Redis
+DOWN_AFTER_S = 2.0  # calls timing out this long, none succeeding meanwhile: Redis is down (hung, cut off)
 
 # KEYS: one bucket per kind. ARGV: mode ("admit": all or nothing | "charge": always), now (unix s;
 # "" = the Redis server's clock), then per_minute and amount for each key. Returns wait and level
@@ -73,6 +78,11 @@ return out
 """
 
 
+def _timed_out(e: BaseException) -> bool:
+    """A call that waited too long for its answer (the connection itself held)."""
+    return isinstance(e, (RedisTimeoutError, TimeoutError)) or isinstance(e.__cause__, TimeoutError)
+
+
 def bucket_key(s: KeyState, kind: str) -> str:
     # the hash tag keeps a key's buckets in one Redis Cluster slot (one script call touches both)
     return f"{PREFIX}{{{s.key.sha256.lower()}}}:{kind}"
@@ -84,7 +94,8 @@ class SharedBuckets:
         self._script = client.register_script(_TAKE)
         self.down_until = 0.0
         self.fallbacks = 0  # admissions and charges served by the local buckets because Redis failed
-        self._busy_logged = 0.0  # when a full pool was last logged (once per DOWN_S)
+        self._busy_logged = 0.0  # when a full pool or a late answer was last logged (once per DOWN_S)
+        self._timing_out = 0.0  # when calls began timing out with none succeeding since (0: the last one did)
 
     @classmethod
     def from_mesh(cls, mesh: MeshConfig) -> SharedBuckets | None:
@@ -108,14 +119,22 @@ class SharedBuckets:
         try:
             out = await self._script(keys=[k for k, _, _ in items], args=args)
         except (RedisError, OSError) as e:
-            if pool_exhausted(e):  # this process is busy, Redis is not down: only this call goes local
-                if time.monotonic() - self._busy_logged > DOWN_S:
-                    self._busy_logged = time.monotonic()
-                    log.warning("rate limits: no free Redis connection in time; limiting this admission locally")
+            now = time.monotonic()
+            busy = pool_exhausted(e)
+            if not busy and _timed_out(e):
+                self._timing_out = self._timing_out or now
+                busy = now - self._timing_out < DOWN_AFTER_S
+            if busy:  # this process is busy, Redis is not down: only this call goes local
+                if now - self._busy_logged > DOWN_S:
+                    self._busy_logged = now
+                    log.warning("rate limits: Redis answered late or no connection was free (%r); limiting this "
+                                "admission locally", e)
                 return None
-            self.down_until = time.monotonic() + DOWN_S
+            self.down_until = now + DOWN_S
+            self._timing_out = 0.0
             log.warning("rate limits: Redis failed (%r); limiting per gateway for %.0f s", e, DOWN_S)
             return None
+        self._timing_out = 0.0
         return [float(x) for x in out]
 
     async def take(self, s: KeyState, prompt_tokens: int, now: float, clock: str = "") -> list[Take]:
@@ -132,7 +151,7 @@ class SharedBuckets:
             return take_local(s, prompt_tokens, now)
         for i, (_, b, _) in enumerate(ws):
             b.follow(out[2 * i + 1], now)  # what a fallback would start from
-        return [Take(kind, b.per_minute, out[2 * i], max(int(out[2 * i + 1]), 0))
+        return [Take(kind, b.per_minute, out[2 * i], max(int(out[2 * i + 1]), 0), refill_s(b.per_minute, out[2 * i + 1]))
                 for i, (kind, b, _) in enumerate(ws)]
 
     async def charge(self, s: KeyState, completion_tokens: int, now: float, clock: str = "") -> None:

@@ -330,15 +330,23 @@ class Gateway:
         piece = None if prep.sampling.logprobs is None else tok.decode_one
         if len(preps) == 1:
             call = Call(self, rid, model, prep, request, verdict, span)
-            return await call.run(Formatter(chat, cid, model.name, created, prep.include_usage, prep, piece,
-                                            self.tool_parsers.get(model.name)))
+            return self._with_limits(await call.run(Formatter(chat, cid, model.name, created, prep.include_usage,
+                                                              prep, piece, self.tool_parsers.get(model.name))),
+                                     verdict)
         # One mesh request per choice; the first keeps the response's id (and the trace span).
         calls = [Call(self, rid if i == 0 else f"{self.instance}-{next(self._ids)}", model, p, request,
                       verdict, span if i == 0 else trace.INVALID_SPAN)
                  for i, p in enumerate(preps)]
         fmts = [Formatter(chat, cid, model.name, created, p.include_usage, p, piece, self.tool_parsers.get(model.name))
                 for p in preps]
-        return await FanOut(calls, fmts, prep.stream).run()
+        return self._with_limits(await FanOut(calls, fmts, prep.stream).run(), verdict)
+
+    @staticmethod
+    def _with_limits(response: Response, verdict: Verdict) -> Response:
+        """An admitted request's answer carries its key's x-ratelimit-* headers, as OpenAI's do."""
+        if verdict.headers:
+            response.headers.update(verdict.headers)
+        return response
 
     def _prepare(self, chat: bool, body: ChatCompletionRequest | CompletionRequest, model: config.ModelConfig,
                  tok: tokenizer.Tokenizer) -> Prepared:
