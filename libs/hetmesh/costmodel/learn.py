@@ -26,8 +26,8 @@ from hetmesh.costmodel.model import CostModel
 from hetmesh.protocol import StepSample
 
 PARAMS = ("inv_compute", "inv_memory", "overhead_s", "per_seq_s")
-_LO = np.array([1 / 1.5, 1 / 1.5, 0.0, 0.0])  # the bounds of a valid Efficiency
-_HI = np.array([1e4, 1e4, 10.0, 1.0])
+_LO = np.array([1 / 1.5, 1 / 1.5, 0.0, 0.0])  # the bounds of a valid Efficiency ...
+_HI = np.array([1e5, 1e5, 10.0, 1.0])  # up to 1e5x below peak, as offline calibration (a CPU under a GPU label)
 _FLOOR = np.array([0.0, 0.0, 1e-3, 5e-5])  # the prior's std is relative, but never below these (s)
 ABSURD = 100.0  # a sample this many times off the prediction (either way) is dropped, not fitted
 # A worker's steps reach the fit this often (a bounded sample of all of them, on its heartbeat; the simulator
