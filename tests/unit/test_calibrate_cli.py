@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from hetmesh.cli.calibrate import CalibrateError, grid, pooled, write
+from hetmesh.cli.calibrate import CalibrateError, grid, write
 from hetmesh.costmodel.calibrate import Sample
 from hetmesh.costmodel.efficiency import Efficiency, load_efficiencies
+from hetmesh.costmodel.learn import pooled
 from hetmesh.protocol import Role, StepSample, WorkerStatus
 
 

@@ -4,6 +4,7 @@
   hetmesh status   the live cluster view (workers, roles, load, KV use) as the scheduler sees it
   hetmesh plan     lay out a fleet or choose chips to buy for a demand; --live: the planner's proposal
   hetmesh sim      replay a trace on a cluster file in the simulator, policy against policy
+  hetmesh calibrate  fit the cost model's efficiency factors, from a live mesh or one engine
 
 `hetmesh <command> --help` says more about each.
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 
 import msgspec
@@ -22,13 +22,11 @@ import nats.js.errors
 from rich.console import Console
 from rich.table import Table
 
-from hetmesh import config, subjects
+from hetmesh import subjects
 from hetmesh.cli import calibrate, plan
+from hetmesh.cli.mesh import DEFAULT_NATS, fetch_status, nats_url
 from hetmesh.launcher import runfile
 from hetmesh.protocol import PlanProposal, SchedulerStatus, WorkerStatus
-
-DEFAULT_NATS = "nats://127.0.0.1:4222"
-
 
 STATUS_HELP = f"""The live cluster view (workers, roles, load, KV use) as a table. It asks the scheduler on
 `hetmesh.sched.status` (the same request as `nats req hetmesh.sched.status ''`), so it shows what
@@ -40,21 +38,6 @@ Which mesh: --nats, else $HETMESH_NATS_URL, else --cluster's mesh.nats_url, else
 else <tmp>/hetmesh-<uid>; now {runfile.run_dir()}), else $HETMESH_CLUSTER's, else {DEFAULT_NATS}."""
 
 
-def nats_url(arg: str | None, cluster: str | None) -> str:
-    """--nats, $HETMESH_NATS_URL, --cluster's mesh.nats_url, the running launcher's, $HETMESH_CLUSTER's, localhost."""
-    if arg:
-        return arg
-    if v := os.environ.get("HETMESH_NATS_URL"):
-        return v
-    if cluster and (url := config.load(cluster).mesh.nats_url):
-        return url
-    if (launched := runfile.find()) is not None:
-        return str(launched["nats_url"])
-    if os.environ.get("HETMESH_CLUSTER") and (url := config.load(None).mesh.nats_url):
-        return url
-    return DEFAULT_NATS
-
-
 def processes_line(state: dict[str, object]) -> str:
     """The launcher's processes: how many run, what restarted, what was given up."""
     procs: dict[str, dict[str, object]] = state.get("services", {})  # type: ignore[assignment]
@@ -63,20 +46,6 @@ def processes_line(state: dict[str, object]) -> str:
     other = ", ".join(f"{n} ({p['state']})" for n, p in procs.items() if p.get("state") != "running")
     return (f"hetmesh up (pid {state.get('pid')}, gateway {state.get('gateway_url')}): {running}/{len(procs)} "
             f"processes running; restarts: {restarted or 'none'}" + (f"; {other}" if other else ""))
-
-
-async def fetch_status(url: str, timeout_s: float) -> SchedulerStatus:
-    async def quiet(_exc: Exception) -> None:  # the caller says what went wrong, once
-        pass
-
-    async with asyncio.timeout(timeout_s * 2):
-        nc = await nats.connect(url, connect_timeout=timeout_s, allow_reconnect=False, max_reconnect_attempts=0,
-                                error_cb=quiet)
-    try:
-        reply = await nc.request(subjects.SCHED_STATUS, b"", timeout=timeout_s)
-        return msgspec.json.decode(reply.data, type=SchedulerStatus)
-    finally:
-        await nc.close()
 
 
 def speed(w: WorkerStatus) -> str:

@@ -19,7 +19,7 @@ import os
 import random
 import statistics
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,33 +80,12 @@ def write(out: str, entries: dict[str, Any], extra: dict[str, dict[str, object]]
 
 
 # ------------------------------------------------------------------ from a live mesh
-def pooled(details: Sequence[Any]) -> dict[str, tuple[Any, int, list[str]]]:
-    """"<accelerator>/<model>" -> (Efficiency, steps, workers): the fitted workers of each kind, their time
-    multipliers (1/compute, 1/memory) and overheads averaged with their step counts as weights."""
-    from hetmesh.costmodel.efficiency import Efficiency
-
-    groups: dict[str, list[Any]] = {}
-    for w in details:
-        if w.fitted_steps > 0 and w.efficiency and w.cost_model:
-            groups.setdefault(f"{w.accelerator}/{w.cost_model}", []).append(w)
-    out = {}
-    for key, ws in sorted(groups.items()):
-        n = sum(w.fitted_steps for w in ws)
-
-        def avg(f: Callable[[dict[str, float]], float], ws: list[Any] = ws, n: int = n) -> float:
-            return sum(f(w.efficiency) * w.fitted_steps for w in ws) / n
-
-        e = Efficiency(compute=1.0 / avg(lambda e: 1.0 / e["compute"]), memory=1.0 / avg(lambda e: 1.0 / e["memory"]),
-                       overhead_s=avg(lambda e: e["overhead_s"]), per_seq_s=avg(lambda e: e["per_seq_s"]))
-        out[key] = (e, n, sorted(w.worker_id for w in ws))
-    return out
-
-
 def from_mesh(args: argparse.Namespace) -> None:
     import nats.errors
 
     from hetmesh import subjects
-    from hetmesh.cli.__main__ import fetch_status, nats_url
+    from hetmesh.cli.mesh import fetch_status, nats_url
+    from hetmesh.costmodel.learn import pooled
 
     url = nats_url(args.nats, args.cluster)
     try:
