@@ -22,6 +22,22 @@ def test_every_accelerator_is_there_with_a_source() -> None:
         assert a.scaleup_bw > 0 and a.scaleout_bw > 0
 
 
+def test_every_price_is_on_the_one_stated_basis_and_says_how_it_was_had() -> None:
+    from hetmesh.costmodel.catalog import price_basis
+
+    assert price_basis() == "on-demand cloud rental, $ per device-hour"
+    cat = accelerators()
+    assert {a.price_confidence for a in cat.values()} == {"listed", "assumed"}
+    for a in cat.values():
+        assert a.usd_per_hour > 0 and a.price_source, a.id
+        if a.price_confidence == "listed":  # public on-demand rates, named
+            assert a.price_source.startswith("on-demand:"), a.id
+    # the chips with no rental market are priced on the rental basis, not at their amortised purchase
+    for acc in ("tenstorrent-blackhole-p150", "tenstorrent-wormhole-n300", "intel-gaudi3"):
+        assert cat[acc].price_confidence == "assumed" and "x 3.05" in cat[acc].price_source
+    assert cat["tenstorrent-blackhole-p150"].usd_per_hour > 0.5  # a card amortised alone would be ~$0.05
+
+
 @pytest.mark.parametrize(("acc", "dtype", "pflops", "tb_s"), [
     ("amd-mi300x", "fp8", 2.6, 5.3), ("amd-mi308x", "fp8", 0.47, 5.3),
     ("nvidia-rubin-cpx", "fp4", 20.0, 2.0), ("nvidia-rubin-vr200", "fp4", 33.3, 20.5),

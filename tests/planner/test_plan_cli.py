@@ -26,6 +26,9 @@ def test_fleet_plan_writes_a_cluster_file_that_loads(tmp_path: Path, capsys: pyt
     assert "requests refused (" in got.out  # this fleet refuses much of the trace, and says so
     # not a terminal: a line per simulation on stderr
     assert "planning: simulating the current layout on 50 requests" in got.err
+    # the price basis, and the chip whose price is the catalog's estimate
+    assert "prices: on-demand cloud rental, $ per device-hour" in got.out
+    assert "runs on amd-mi308x: its price is assumed, not listed" in got.out
     out = tmp_path / "plan"
     cfg = config.load(out / "cluster.toml")
     seed = config.load(SEED)
@@ -48,6 +51,19 @@ def test_catalog_plan_finds_the_cheapest_servers(tmp_path: Path, capsys: pytest.
     assert (tmp_path / "buy" / "pareto.png").stat().st_size > 0
     assert "{" not in got.out and "x nvidia-h200" in got.out + "x amd-mi300x"  # server mixes as text, not dicts
     assert "capacity planning: " in got.err
+    assert "prices: on-demand cloud rental, $ per device-hour (the catalog's)" in got.out
+    assert "its price is assumed" not in got.out  # both kinds have listed rental prices
+
+
+def test_a_choice_on_an_assumed_price_says_so_and_a_price_given_is_not_assumed() -> None:
+    from hetmesh.planner.report import price_lines
+
+    lines = price_lines(["nvidia-h100", "intel-gaudi3"], "buys")
+    assert lines[0] == "prices: on-demand cloud rental, $ per device-hour (the catalog's)"
+    assert len(lines) == 2 and lines[1].startswith("buys intel-gaudi3: its price is assumed, not listed ($2.68")
+    mine = price_lines(["nvidia-h100", "intel-gaudi3"], "buys", {"intel-gaudi3": 1.9})
+    assert mine == ["prices: on-demand cloud rental, $ per device-hour (the catalog's), except intel-gaudi3: "
+                    "the prices given"]
 
 
 @pytest.mark.parametrize(("args", "says"), [
@@ -61,6 +77,8 @@ def test_catalog_plan_finds_the_cheapest_servers(tmp_path: Path, capsys: pytest.
     (["--fleet", SEED, "--trace", "/no/such/trace.jsonl"], "not found"),
     (["--fleet", SEED, "--rate", "1", "--model", "gpt-9"], "model 'gpt-9' is not in the cluster file"),
     (["--fleet", "/no/such.toml", "--rate", "1"], "cluster file"),
+    (["--fleet", SEED, "--rate", "1", "--price", "amd-mi308x=cheap"], "want ACCELERATOR=USD"),
+    (["--catalog", "--rate", "1", "--price", "nvidia-h999=2"], "unknown accelerator 'nvidia-h999'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], says: str, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:

@@ -45,7 +45,8 @@ class Accelerator:
     scaleout_bw: float  # bytes/s per device, one way, between servers
     confidence: str = ""
     source: str = ""
-    usd_per_hour: float = 0.0  # $ per device-hour (list price or a marked assumption: price_source)
+    usd_per_hour: float = 0.0  # $ per device-hour, on the catalog's one price basis (`price_basis`)
+    price_confidence: str = ""  # listed (public rates) | assumed (our estimate): price_source says which
     price_source: str = ""
 
     def compute_dtype(self, dtype: str) -> str:
@@ -209,6 +210,19 @@ def _config_dtype(cfg: Mapping[str, Any]) -> str:
     return str(cfg.get("torch_dtype") or "bf16")
 
 
+_BASIS = "# price basis:"
+
+
+@cache
+def price_basis() -> str:
+    """What every catalog price is, as accelerators.csv's header states it (e.g. on-demand rental)."""
+    with (_HERE / "accelerators.csv").open() as f:
+        for line in f:
+            if line.startswith(_BASIS):
+                return line[len(_BASIS):].strip()
+    raise ValueError("accelerators.csv states no price basis (a '# price basis:' header line)")
+
+
 @cache
 def _accelerators() -> dict[str, Accelerator]:
     out: dict[str, Accelerator] = {}
@@ -221,7 +235,8 @@ def _accelerators() -> dict[str, Accelerator]:
                 memory_bytes=float(r["memory_gb"]) * 1e9, memory_type=r["memory_type"],
                 mem_bw=float(r["mem_bw_tb_s"]) * 1e12, scaleup_bw=float(r["scaleup_gb_s"]) * 1e9,
                 scaleout_bw=float(r["scaleout_gb_s"]) * 1e9, confidence=r["confidence"], source=r["source"],
-                usd_per_hour=float(r["usd_per_hour"]), price_source=r["price_source"],
+                usd_per_hour=float(r["usd_per_hour"]), price_confidence=r["price_confidence"],
+                price_source=r["price_source"],
             )
     return out
 

@@ -1,12 +1,12 @@
-"""Prices: $ per hour of a fleet and $ per million output tokens. The catalog's list prices
-(accelerators.csv, each with its source or marked an assumption), overridden per accelerator by a
-cluster file's [prices] table."""
+"""Prices: $ per hour of a fleet and $ per million output tokens. The catalog's prices
+(accelerators.csv: one stated basis, each price listed or assumed, with its source), overridden per
+accelerator by a cluster file's [prices] table."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from hetmesh.costmodel.catalog import accelerator
+from hetmesh.costmodel.catalog import accelerator, price_basis
 
 
 def device_usd_per_hour(accelerator_id: str, prices: Mapping[str, float] | None = None) -> float:
@@ -24,3 +24,16 @@ def fleet_usd_per_hour(servers: Iterable[tuple[str, int]], prices: Mapping[str, 
 def usd_per_mtok(usd_per_hour: float, tokens_per_s: float) -> float:
     """$ per million tokens at a steady `tokens_per_s`; inf when nothing is produced."""
     return usd_per_hour / (tokens_per_s * 3.6e-3) if tokens_per_s > 0 else float("inf")
+
+
+def assumed_prices(accelerator_ids: Iterable[str], prices: Mapping[str, float] | None = None) -> list[str]:
+    """Those of `accelerator_ids` priced by the catalog's estimate rather than a listed rate (a price
+    given in `prices` is the caller's own, not assumed), sorted."""
+    return sorted({a for a in accelerator_ids
+                   if not (prices and a in prices) and accelerator(a).price_confidence == "assumed"})
+
+
+def basis(prices: Mapping[str, float] | None = None) -> str:
+    """The price basis a plan rests on: the catalog's, and which accelerators the caller priced instead."""
+    own = f", except {', '.join(sorted(prices))}: the prices given" if prices else ""
+    return f"{price_basis()} (the catalog's){own}"

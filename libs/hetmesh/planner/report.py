@@ -3,16 +3,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
+
+from hetmesh.costmodel import accelerator
+from hetmesh.costmodel.economics import assumed_prices, basis
 
 # Below this share of requests within their SLOs a plan says plainly that the fleet falls short.
 SHORT_OF = 0.9
 
 
-def servers(counts: Mapping[str, int]) -> str:
-    """{'nvidia-h100': 2, 'amd-mi300x': 1} -> '1x amd-mi300x + 2x nvidia-h100'."""
-    return " + ".join(f"{n}x {k}" for k, n in sorted(counts.items()) if n) or "nothing"
+def servers(counts: Mapping[str, int], assumed: Iterable[str] = ()) -> str:
+    """{'nvidia-h100': 2, 'amd-mi300x': 1} -> '1x amd-mi300x + 2x nvidia-h100'; a kind in `assumed` gets a *."""
+    marked = set(assumed)
+    return " + ".join(f"{n}x {k}{'*' if k in marked else ''}" for k, n in sorted(counts.items()) if n) or "nothing"
+
+
+def price_lines(used: Iterable[str], verb: str, prices: Mapping[str, float] | None = None) -> list[str]:
+    """The price basis of a plan, and a line for each accelerator it `verb`s (buys, runs on) whose price
+    is the catalog's estimate rather than a listed rate: a choice that rests on it may not hold."""
+    out = [f"prices: {basis(prices)}"]
+    for a in assumed_prices(used, prices):
+        acc = accelerator(a)
+        out.append(f"{verb} {a}: its price is assumed, not listed (${acc.usd_per_hour:,.2f} per device-hour: "
+                   f"{acc.price_source}); give yours with --price {a}=USD")
+    return out
 
 
 def attainment(slo_attainment: float, refused: int, offered: int) -> str:

@@ -34,6 +34,7 @@ from rich.table import Table
 
 from hetmesh import config, wiring
 from hetmesh.costmodel import accelerators, model_spec
+from hetmesh.costmodel.economics import assumed_prices
 from hetmesh.planner import ModelDemand, Plan, ServerGroup, demand_from_trace, plan, report
 from hetmesh.planner.buy import Purchase, cheapest, pareto
 from hetmesh.sim.traces import Trace, load
@@ -64,8 +65,26 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-servers", type=int, default=32, help="--catalog: most servers of one kind")
     p.add_argument("--budget", type=float, help="--catalog: $/hour cap of the Pareto front")
     p.add_argument("--attainment", type=float, default=0.9, help="--catalog: SLO attainment that counts as met")
+    p.add_argument("--price", action="append", default=[], metavar="ACCELERATOR=USD",
+                   help="your $ per device-hour for an accelerator, over the catalog's and the cluster file's "
+                        "(repeatable)")
     p.add_argument("--out", default="hetmesh-out", help="folder for the results: plan/ (--fleet: plan.json, "
                    "plan.png, cluster.toml) or buy/ (--catalog: plan.json, pareto.png); default ./hetmesh-out")
+
+
+def _prices(args: argparse.Namespace, base: dict[str, float] | None = None) -> dict[str, float]:
+    """The cluster file's [prices] (`base`) with --price ACCELERATOR=USD over them."""
+    out = dict(base or {})
+    known = accelerators()
+    for item in args.price:
+        acc, _, usd = item.partition("=")
+        if acc not in known:
+            raise PlanError(f"--price {item!r}: unknown accelerator {acc!r}; choose from {', '.join(sorted(known))}")
+        try:
+            out[acc] = float(usd)
+        except ValueError:
+            raise PlanError(f"--price {item!r}: want ACCELERATOR=USD per device-hour, e.g. {acc}=2.5") from None
+    return out
 
 
 def _trace(path: str) -> Trace:
@@ -107,6 +126,7 @@ def fleet(args: argparse.Namespace, progress: Callable[[str], None] | None = Non
         cfg = config.load(args.fleet)
     except (OSError, ValueError, msgspec.ValidationError) as e:
         raise PlanError(f"cluster file {args.fleet}: {e}") from None
+    cfg.prices = _prices(args, cfg.prices)
     tr = _trace(args.trace) if args.trace else None
     if tr is None and not args.rate:
         raise PlanError("give the demand: --trace FILE or --rate R (with --input/--output means)")
@@ -206,12 +226,13 @@ def catalog(args: argparse.Namespace,
     else:
         raise PlanError("give the demand: --trace FILE or --rate R (with --input/--output means)")
     kinds = [ServerGroup(name=a, accelerator=a, devices=args.devices, count=args.max_servers) for a in ids]
-    best = cheapest(kinds, [d], trace=tr, attainment=args.attainment, progress=progress)
+    prices = _prices(args)
+    best = cheapest(kinds, [d], trace=tr, attainment=args.attainment, prices=prices, progress=progress)
     if best is None or not best.meets:
         raise PlanError(f"no mix of up to {args.max_servers} servers of {', '.join(ids)} meets TTFT {ttft:g}s / "
                         f"TPOT {tpot:g}s at {args.attainment:.0%}: relax the SLOs or allow more servers or chips")
     top = args.budget or best.usd_per_hour * 2
-    front = pareto(kinds, [d], [top * f for f in (0.25, 0.5, 0.75, 1.0)], trace=tr, progress=progress)
+    front = pareto(kinds, [d], [top * f for f in (0.25, 0.5, 0.75, 1.0)], trace=tr, prices=prices, progress=progress)
     return best, front
 
 
@@ -287,19 +308,21 @@ def run(args: argparse.Namespace) -> int:
             p, cfg = fleet(args, say)
         console.print(_fleet_table(p))
         for line in report.summary(p.predicted):
-            console.print(line, soft_wrap=True)
+            console.print(line, soft_wrap=True, markup=False)
         console.print(_candidates_table(p))
+        for line in report.price_lines({a.accelerator for a in p.assignments if a.model}, "runs on", cfg.prices):
+            console.print(line, soft_wrap=True, markup=False)
         for m in p.moves:
             console.print(f"move {m.server}: {m.before} -> {m.after} ({m.change}, {m.seconds:.0f} s out)")
         for line in _afd_lines(cfg):
-            console.print(line, soft_wrap=True)
+            console.print(line, soft_wrap=True, markup=False)
         out = Path(args.out) / "plan"
         out.mkdir(parents=True, exist_ok=True)
         (out / "plan.json").write_bytes(msgspec.json.format(msgspec.json.encode(p)))
         (out / "cluster.toml").write_text(cluster_file(p, cfg, args.fleet))
         _plot_fleet(out / "plan.png", p)
         console.print(f"wrote {out}/plan.json, plan.png, cluster.toml (hetmesh up --cluster {out}/cluster.toml)",
-                      soft_wrap=True)
+                      soft_wrap=True, markup=False)
         return 0
     with _progress("capacity planning") as say:
         best, front = catalog(args, say)
@@ -311,19 +334,25 @@ def run(args: argparse.Namespace) -> int:
         t.add_row(k, str(n))
     console.print(t)
     console.print(f"${best.usd_per_hour:,.2f}/h, goodput {best.goodput_tok_s:,.1f} tok/s; "
-                  + report.attainment(best.slo_attainment, best.refused, best.offered), soft_wrap=True)
+                  + report.attainment(best.slo_attainment, best.refused, best.offered), soft_wrap=True, markup=False)
     f = Table(title="Pareto front: the most goodput each budget buys (simulated)")
     for col, justify in [("$/h", "right"), ("goodput tok/s", "right"), ("SLO attainment", "right"),
                          ("refused", "right"), ("servers", "left")]:
         f.add_column(col, justify=justify)  # type: ignore[arg-type]
+    prices = _prices(args)
+    assumed = assumed_prices(accelerators(), prices)
     for q in front:
         f.add_row(f"{q.usd_per_hour:,.2f}", f"{q.goodput_tok_s:,.1f}", f"{q.slo_attainment:.1%}",
-                  f"{q.refused:,} of {q.offered:,}", report.servers(q.servers))
+                  f"{q.refused:,} of {q.offered:,}", report.servers(q.servers, assumed))
+    if any(k in assumed for q in front for k in q.servers):
+        f.caption = "* its price is assumed, not listed"
     console.print(f)
+    for line in report.price_lines(best.servers, "buys", prices):
+        console.print(line, soft_wrap=True, markup=False)
     out = Path(args.out) / "buy"
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps({"cheapest": msgspec.to_builtins(best),
                                                "pareto": msgspec.to_builtins(front)}, indent=1))
     _plot_buy(out / "pareto.png", front, best, args.devices)
-    console.print(f"wrote {out}/plan.json, pareto.png", soft_wrap=True)
+    console.print(f"wrote {out}/plan.json, pareto.png", soft_wrap=True, markup=False)
     return 0
