@@ -13,7 +13,7 @@ writes results/planner.json (parts not run keep their last results there).
 - heterogeneity (planner_economics.py): a mixed workload (Azure conversation + Azure code, 2023 traces
   in data/, two models with their own SLOs); the cheapest purchase over all kinds that meets
   the SLOs against the cheapest single-kind purchase (target: >= 30% lower $/hour); the same with the
-  assumed MI300X price swept, NVIDIA only, and chat + long context (Mooncake prompts).
+  MI300X price swept, NVIDIA only, and chat + long context (Mooncake prompts).
 - long_context: the heterogeneity part's chat + long-context comparison alone (e.g. at another `--scale`).
 - timevarying (planner_timevarying.py): model ramp, model step (two models of different sizes), model swap
   (the same step between two 70B models) and prefill:decode shift, re-planned

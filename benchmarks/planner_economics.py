@@ -4,7 +4,7 @@ Does a mix of chip kinds meet the SLOs for less than the cheapest single kind? F
 not, from the cost model alone: each kind's $ per million prompt tokens prefilled and per million
 output tokens decoded within the SLOs (steady state, the best layout per kind), and the saving that
 specialising each role on its cheapest kind could reach at most. Then the capacity plans, simulated:
-the catalog as priced, the one assumed price swept, an NVIDIA-only catalog, and a long-context mix.
+the catalog as priced, the MI300X price swept, an NVIDIA-only catalog, and a long-context mix.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from hetmesh.sim.traces import DATA_DIR, Trace, TraceRequest, load_azure, load_m
 PURCHASE = ["nvidia-a100-80g", "nvidia-h100", "nvidia-h200", "nvidia-b200", "nvidia-rubin-cpx", "nvidia-rubin-vr200",
             "amd-mi300x", "amd-mi308x"]
 NVIDIA = [k for k in PURCHASE if k.startswith("nvidia-")]
-SWEPT = "amd-mi300x"  # the kind that is the best value at its assumed price
-SWEEP_USD = (4.5,)  # $/device-h simulated besides the assumed price (the steady state sweeps CLOSED_FORM_USD)
+SWEPT = "amd-mi300x"  # the kind that is the best value at the catalog price; its price is swept
+SWEEP_USD = (4.5,)  # $/device-h simulated besides the catalog price (the steady state sweeps CLOSED_FORM_USD)
 CLOSED_FORM_USD = tuple(x / 2 for x in range(4, 17))  # $2 to $8 per device-hour, steady state only
 ATTAINMENT = 0.9  # default share of requests within both SLOs that `meets the SLOs` asks for
 BUCKETS = (1, 2, 3, 4)  # prompt x output length quantile buckets per model, each way, for the bucketed bound
@@ -245,7 +245,7 @@ def part_bound(n: int, scale: float, long_n: int, attainment: float = ATTAINMENT
 
 def part_value(n: int, scale: float, long_n: int) -> dict[str, Any]:
     """The steady-state economics of both mixes (seconds): per-kind $/Mtok per role, the most a mix
-    could save, and how that bound moves with the swept kind's assumed price."""
+    could save, and how that bound moves with the swept kind's price."""
     catalog = [k for k in accelerators() if not k.startswith("tenstorrent")]  # 24-32 GB cards hold neither model
     out: dict[str, Any] = {"swept_kind": SWEPT}
     for key, (tr, demands) in (("mixed", mixed(n, scale)), ("long_context", long_mixed(long_n, scale))):
