@@ -2,7 +2,7 @@
 
 Environment overrides (for containers and tests): HETMESH_NATS_URL, HETMESH_REDIS_URL,
 HETMESH_TIME_SCALE, HETMESH_POLICY, HETMESH_EFFICIENCY, HETMESH_GATEWAY_HOST, HETMESH_KV_LISTEN_HOST,
-HETMESH_KV_ADVERTISE_HOST; secrets: HETMESH_NATS_USER,
+HETMESH_KV_ADVERTISE_HOST, HETMESH_WORK_QUEUE_REPLICAS; secrets: HETMESH_NATS_USER,
 HETMESH_NATS_PASSWORD, HETMESH_NATS_TOKEN, HETMESH_NATS_CREDS, HETMESH_REDIS_USERNAME,
 HETMESH_REDIS_PASSWORD, HETMESH_KV_SECRET, and HETMESH_API_KEYS (comma-separated keys, hashed as they are read).
 """
@@ -407,7 +407,8 @@ class ClusterConfig(Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError("work_queue: replicas, max_msgs, max_bytes, max_deliver >= 1; max_age_s, ack_wait_s > 0")
         if not 0 < wq.duplicate_window_s <= wq.max_age_s:
             raise ValueError("work_queue: 0 < duplicate_window_s <= max_age_s")
-        if wq.replicas > (nodes := max(len(nats_servers(self.mesh.nats_url)), 1)):
+        # (no URL yet: the deployment's environment or the launcher gives it; JetStream refuses too many then)
+        if self.mesh.nats_url and wq.replicas > (nodes := len(nats_servers(self.mesh.nats_url))):
             raise ValueError(f"work_queue.replicas = {wq.replicas} but mesh.nats_url lists {nodes} NATS node(s): "
                              "JetStream keeps each copy on another node; list every node's URL, comma-separated")
         for g in self.workers:
@@ -469,6 +470,8 @@ def load(path: str | os.PathLike[str] | None = None) -> ClusterConfig:
         cfg.mesh.nats_url = v
     if v := env.get("HETMESH_REDIS_URL"):
         cfg.mesh.redis_url = v
+    if v := env.get("HETMESH_WORK_QUEUE_REPLICAS"):  # a deployment's NATS cluster, whatever the cluster file says
+        cfg.work_queue.replicas = int(v)
     if v := env.get("HETMESH_TIME_SCALE"):
         cfg.mesh.time_scale = float(v)
     if v := env.get("HETMESH_POLICY"):

@@ -15,6 +15,8 @@ PREFIX = "hetmesh"
 
 SUBMIT = f"{PREFIX}.sched.submit"  # request/reply: InferenceRequest -> SubmitReply
 SCHED_STATUS = f"{PREFIX}.sched.status"  # request/reply, empty -> SchedulerStatus
+SCHED_ALIVE_ALL = f"{PREFIX}.sched.alive.*"  # every scheduler's beat (empty), so gateways know who answers submits
+GATEWAY_ALIVE_ALL = f"{PREFIX}.gateway.alive.*"  # every gateway's beat (empty): workers drop a dead one's work
 FINISHED = f"{PREFIX}.sched.finished"
 CANCEL = f"{PREFIX}.cancel"
 RESUME = f"{PREFIX}.resume"
@@ -60,6 +62,25 @@ def work_deliver(work_subject: str) -> str:
     """Where that consumer pushes: a fixed subject, so that every worker process (and a re-created
     consumer) meets the others there; outside `WORK_ALL`, which the stream would capture."""
     return f"{PREFIX}.workq.{work_consumer(work_subject)}"
+
+
+def sched_submit(instance: str) -> str:
+    """One scheduler's own submit subject: a gateway that sent it a request knows whom to watch."""
+    return f"{SUBMIT}.{token_safe(instance)}"
+
+
+def sched_alive(instance: str) -> str:
+    return f"{PREFIX}.sched.alive.{token_safe(instance)}"
+
+
+def gateway_alive(instance: str) -> str:
+    return f"{PREFIX}.gateway.alive.{token_safe(instance)}"
+
+
+def reply_gateway(reply_subject: str) -> str:
+    """The gateway instance a reply subject (`reply_to`) belongs to; "" for another kind of subject."""
+    parts = reply_subject.split(".")
+    return parts[2] if len(parts) == 4 and parts[1] == "resp" else ""
 
 
 def heartbeat(worker_id: str) -> str:
@@ -115,6 +136,13 @@ class SubjectRow(NamedTuple):
 TABLE: tuple[SubjectRow, ...] = (
     SubjectRow(SUBMIT, "gateway", "scheduler (queue group)", "InferenceRequest -> SubmitReply", "request/reply"),
     SubjectRow(SCHED_STATUS, "gateway (/ready)", "scheduler (queue group)", "empty -> SchedulerStatus", "request/reply"),
+    SubjectRow(f"{SUBMIT}.<scheduler>", "gateway", "that scheduler", "InferenceRequest -> SubmitReply",
+               "request/reply to one live scheduler; resent to another if it goes silent before it answers"),
+    SubjectRow(f"{PREFIX}.sched.alive.<scheduler>", "every scheduler", "gateways", "empty",
+               "every mesh.heartbeat_interval_s: the schedulers that take submits"),
+    SubjectRow(f"{PREFIX}.gateway.alive.<gateway>", "every gateway", "workers", "empty",
+               "every mesh.heartbeat_interval_s: a worker cancels the requests of a gateway silent for "
+               "mesh.heartbeat_timeout_s"),
     SubjectRow(f"{PREFIX}.work.<role>.<vendor>.<accelerator>.<worker_id>", "scheduler (`js.publish`)", f"stream {WORK_STREAM}",
                "WorkItem", "direct placement; work-queue stream, `Nats-Msg-Id` <request_id>-<attempt>-<phase>"),
     SubjectRow(f"{PREFIX}.work.<role>.<vendor>.<accelerator>", "scheduler (`js.publish`)", f"stream {WORK_STREAM}",

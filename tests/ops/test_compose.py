@@ -69,8 +69,14 @@ def test_a_schema_violation_is_caught() -> None:
 
 def test_infrastructure_services() -> None:
     s = load(COMPOSE)["services"]
-    assert "--jetstream" in s["nats"]["command"] and "8222:8222" in s["nats"]["ports"]
-    assert "4222:4222" in s["nats"]["ports"] and "6379:6379" in s["redis"]["ports"]
+    nodes = [f"nats-{i}" for i in range(3)]  # a 3-node JetStream cluster, routes to every node
+    for n in nodes:
+        cmd = s[n]["command"]
+        assert "--jetstream" in cmd and cmd[cmd.index("--name") + 1] == n and "--cluster_name" in cmd
+        assert cmd[cmd.index("--routes") + 1].split(",") == [f"nats://{m}:6222" for m in nodes]
+        assert "/data" in s[n]["volumes"][0] and len({s[m]["volumes"][0] for m in nodes}) == 3
+    assert "8222:8222" in s["nats-0"]["ports"]
+    assert "4222:4222" in s["nats-0"]["ports"] and "6379:6379" in s["redis"]["ports"]
     assert {"16686:16686", "4318:4318"} <= set(s["jaeger"]["ports"])
     assert "8000:8000" in s["gateway"]["ports"]
     for name, svc in s.items():
@@ -103,7 +109,8 @@ def test_every_container_runs_what_the_code_reads(path: Path) -> None:
         env = svc["environment"]
         unknown = set(env) - readable
         assert not unknown, f"{name}: the code reads no {sorted(unknown)}"
-        assert env["HETMESH_NATS_URL"] == "nats://nats:4222" and env["HETMESH_REDIS_URL"] == "redis://redis:6379/0"
+        assert env["HETMESH_NATS_URL"].split(",") == [f"nats://nats-{i}:4222" for i in range(3)]
+        assert env["HETMESH_WORK_QUEUE_REPLICAS"] == "3" and env["HETMESH_REDIS_URL"] == "redis://redis:6379/0"
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318"  # Jaeger's OTLP/HTTP port
         cluster_path = ROOT / Path(env["HETMESH_CLUSTER"]).relative_to(APP)
         cfg = config.load(cluster_path)
@@ -184,7 +191,10 @@ def test_prometheus_scrapes_every_hetmesh_container() -> None:
 def compose_as_processes(tmp: Path) -> Iterator[tuple[str, dict[str, int]]]:
     """Start every Hetmesh service of docker-compose.yml with its own command and environment; only
     host names become this machine's servers and each container's ports become free ports here."""
-    with servers.infrastructure() as (nats_url, redis_url, _):
+    with contextlib.ExitStack() as stack:
+        nats_cluster = servers.start_nats_cluster(3)  # compose's NATS is a 3-node cluster, the queue on each node
+        stack.callback(nats_cluster.stop)
+        nats_url, redis_url, _ = stack.enter_context(servers.infrastructure(nats_cluster.url))
         procs: list[subprocess.Popen[bytes]] = []
         ports: dict[str, int] = {}
         try:

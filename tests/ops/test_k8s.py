@@ -103,7 +103,9 @@ def test_nats_is_a_three_node_jetstream_cluster() -> None:
     headless = next(r for r in res if r["kind"] == "Service" and r["metadata"]["name"] == sts["spec"]["serviceName"])
     assert headless["spec"]["clusterIP"] == "None"
     env = next(r for r in docs(BASE / "env.yaml"))["data"]
-    assert env["HETMESH_NATS_URL"] == "nats://nats:4222"
+    # the clients list every node (a StatefulSet pod through the headless Service)
+    nodes = [f"nats://nats-{i}.{sts['spec']['serviceName']}:4222" for i in range(3)]
+    assert env["HETMESH_NATS_URL"].split(",") == nodes
 
 
 def containers(r: dict[str, Any]) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from hetmesh import config, metrics, subjects
+from hetmesh import config, metrics
 from hetmesh.bus import REQUEST_ID, Bus, decode, encode
 from hetmesh.kvindex.blocks import block_hashes
 from hetmesh.protocol import ErrorInfo, InferenceRequest, Placement, SubmitReply, TokenChunk, Usage
@@ -170,14 +170,22 @@ class Call:
     async def _request_placement(self) -> SubmitReply:
         gw = self.gw
         assert gw.bus is not None
+        nc = gw.bus.nc
+
+        def lost(scheduler: str) -> None:  # it died holding this request: another one places it
+            gw.event(self.rid, "scheduler_lost", scheduler=scheduler, attempt=self.req.attempt)
+
+        return await gw.schedulers.submit(self._request_on, lambda: nc.is_connected, lost)
+
+    async def _request_on(self, subject: str) -> SubmitReply:
+        gw = self.gw
+        assert gw.bus is not None
         timeout_s = gw.cfg.gateway.submit_timeout_s
         if gw.tracing:
             with trace.use_span(self.span, end_on_exit=False):  # bus.request injects this span's context
-                return await gw.bus.request(subjects.SUBMIT, self.req, SubmitReply, timeout_s=timeout_s,
-                                            request_id=self.rid)
+                return await gw.bus.request(subject, self.req, SubmitReply, timeout_s=timeout_s, request_id=self.rid)
         # No trace to carry: skip the propagators' work.
-        resp = await gw.bus.nc.request(subjects.SUBMIT, encode(self.req), timeout=timeout_s,
-                                       headers={REQUEST_ID: self.rid})
+        resp = await gw.bus.nc.request(subject, encode(self.req), timeout=timeout_s, headers={REQUEST_ID: self.rid})
         return decode(resp.data, SubmitReply)
 
     async def retry(self, act: Retry) -> ErrorInfo | None:

@@ -110,6 +110,7 @@ class Scheduler:
         self.prefix: PrefixMirror
         self.placed = 0
         self.refused = 0
+        self.duplicates = 0  # WorkItems the stream already held (its dedup id): placed once, served once
         # what the planner plans from (hetmesh.sched.demand), SLOs judged in engine time
         self.demand = DemandWindow(cfg.planner.window_s, {m.name: cfg.slo(m.name) for m in cfg.models},
                                    cfg.mesh.time_scale)
@@ -132,10 +133,14 @@ class Scheduler:
         # so that gateways keep waiting (no responders) instead of getting "no capacity".
         await asyncio.sleep(self.cfg.mesh.heartbeat_interval_s * 1.5)
         await self.bus.subscribe(subjects.SUBMIT, InferenceRequest, self.on_submit, queue=subjects.SCHEDULER_QUEUE)
+        # Its own subject too: a gateway that sent a request here watches this scheduler's beats, and sends it
+        # to another scheduler should these stop before the answer came.
+        await self.bus.subscribe(subjects.sched_submit(self.instance), InferenceRequest, self.on_submit)
         # Last: an answer on the status subject means every subscription above is in place.
         await self.bus.nc.subscribe(subjects.SCHED_STATUS, queue=subjects.SCHEDULER_QUEUE, cb=self.on_status)
         self._tasks = [asyncio.create_task(self._expire_loop()), asyncio.create_task(self.prefix.writer()),
-                       asyncio.create_task(self.prefix.probe_loop()), asyncio.create_task(self._demand_loop())]
+                       asyncio.create_task(self.prefix.probe_loop()), asyncio.create_task(self._demand_loop()),
+                       asyncio.create_task(self._alive_loop())]
         self.started = True
         self.http = metrics.serve_from_env(self.metrics.registry, self._ready)
         log.info("scheduler %s up, policy %s", self.instance, self.policy.name)
@@ -281,7 +286,7 @@ class Scheduler:
         """SLO-aware admission's hold: place the refused request again after each `hold_s` the policy allows,
         its wait counted in its TTFT, for at most the gateway's hold_limit_s (in engine time)."""
         scale = self.cfg.mesh.time_scale  # the policy's clock is the engines'
-        t0, a0 = time.monotonic(), info.arrival
+        t0, a0, w0 = time.monotonic(), info.arrival, info.waited_s
         limit = self.cfg.gateway.hold_limit_s * scale
         d: Decision | None = decision
         while d is not None and d.mode == REFUSED and (
@@ -289,7 +294,7 @@ class Scheduler:
             self.metrics.held.inc()
             await asyncio.sleep(hold / scale)
             held = time.monotonic() - t0
-            info = msgspec.structs.replace(info, arrival=a0 + held * scale, waited_s=held * scale)
+            info = msgspec.structs.replace(info, arrival=a0 + held * scale, waited_s=w0 + held * scale)
             d = self.policy.place(info, self.state.views())
         return d
 
@@ -315,6 +320,7 @@ class Scheduler:
                 req.exclude_workers),
             # The policy's clock is the engines' (virtual) time: a sim cluster at time_scale k runs k x wall.
             arrival=req.arrival_ts * self.cfg.mesh.time_scale,
+            waited_s=req.waited_s * self.cfg.mesh.time_scale,  # a retry's earlier tries: its TTFT runs from them
         )
         booked = False  # flow control's pump booked it in the view already
         if self.flow is not None:  # held, when it must be, in the fair queue rather than on its own
@@ -430,7 +436,11 @@ class Scheduler:
         assert hb is not None, "policies only pick workers from the view"
         if headers is None:
             headers = headers_for(item.request.request_id) or {}
-        await self.queue.publish(hb.work_subject, encode(item), headers, msg_id(item))
+        ack = await self.queue.publish(hb.work_subject, encode(item), headers, msg_id(item))
+        if ack.duplicate:  # stored already: a re-publish after a bus gap, or another scheduler placed this attempt
+            self.duplicates += 1
+            await self._event(item.request.request_id, "duplicate_placement", worker_id=worker_id,
+                              phase=item.phase.value, attempt=item.request.attempt)
 
     def _forget(self, rid: str) -> None:
         fl = self.inflight.pop(rid, None)
@@ -464,6 +474,13 @@ class Scheduler:
                     models=self.demand.report(time.monotonic())))
             except Exception:
                 log.exception("publishing demand failed")
+
+    async def _alive_loop(self) -> None:
+        subject = subjects.sched_alive(self.instance)
+        while True:
+            if self.bus.nc.is_connected:
+                await self.bus.nc.publish(subject, b"")
+            await asyncio.sleep(self.cfg.mesh.heartbeat_interval_s)
 
     async def on_cancel(self, c: Cancel, _m: Msg) -> None:
         self._forget(c.request_id)

@@ -51,6 +51,7 @@ from hetmesh.runtime import run_service
 from hetmesh.workqueue import RecentIds, WorkQueue, msg_id
 
 from . import intake, scrape
+from .gateways import GatewayWatch
 from .kv import CacheMirror, KvInbox
 from .outbox import Outbox
 from .phases import Phases, Run
@@ -93,6 +94,7 @@ class Worker:
         self.cache = CacheMirror()  # what the engine's prefix cache holds, mirrored from its KV events
         self.taken = RecentIds()  # ids (msg_id) of the WorkItems this worker took: a copy is dropped
         self.replay = ReplayLog()
+        self.gateways = GatewayWatch(cfg.mesh.heartbeat_timeout_s)  # a dead gateway's requests are cancelled
         self._steps_sent = 0.0  # when the engine's steps last rode a heartbeat (monotonic)
         self.kv_port: kvstream.Receiver | None = None  # decode-capable workers under the direct data plane
         # Made in start(), once the bus is up.
@@ -110,12 +112,18 @@ class Worker:
     async def start(self) -> None:
         self.bus = await Bus.for_mesh(self.cfg.mesh, f"worker-{self.worker_id}")
         self.out = Outbox(self.bus, self.worker_id, self.replay)
+
+        async def gap() -> None:  # the gateways' beats it missed meanwhile say nothing
+            self.gateways.bus_gap(time.monotonic())
+
+        self.bus.on_reconnect.append(gap)
         self._wire_engine()
         await self.engine.start()
         nc = self.bus.nc
         self._subs += [
             await self.bus.subscribe(subjects.CANCEL, Cancel, self.on_cancel),
             await self.bus.subscribe(subjects.RESUME, Resume, self.on_resume),
+            await nc.subscribe(subjects.GATEWAY_ALIVE_ALL, cb=self.on_gateway_alive),
             await self.bus.subscribe(subjects.kv_landed(self.worker_id), KvLanded, self.on_kv_landed),
             await self.bus.subscribe(subjects.KV_RESYNC, KvResync, self.on_kv_resync),
             await self.bus.subscribe(subjects.worker_command(self.worker_id), WorkerCommand, self.switch.on_command),
@@ -377,7 +385,7 @@ class Worker:
             self.out.finished(item.request.request_id, "error", 0)
 
     # ------------------------------------------------------------------ cancel and resume
-    async def on_cancel(self, c: Cancel, _m: Msg) -> None:
+    async def on_cancel(self, c: Cancel, _m: Msg | None = None) -> None:
         """Every worker sees every Cancel: whatever phase the request is in here, all of it goes now (the
         engine's blocks, a KV stream going out or coming in, KV that landed and its sink or spool file)."""
         rid = c.request_id
@@ -387,6 +395,20 @@ class Worker:
             await self._stop(rid, how, r.handle)
         for sink in self.inbox.cancel(rid):
             sink.discard()
+
+    async def on_gateway_alive(self, m: Msg) -> None:
+        self.gateways.heard(m.subject, time.monotonic())
+
+    async def _drop_orphans(self) -> None:
+        """Cancel what a dead gateway placed here: its client is gone with it, nobody reads the tokens."""
+        now = time.monotonic()
+        if not self.bus.nc.is_connected:
+            self.gateways.bus_gap(now)
+            return
+        live = [(r.request_id, r.item.request.reply_subject) for r in self.book.live() if not r.cancelled]
+        for rid in self.gateways.orphans(live, now):
+            log.info("request %s: its gateway is gone; cancelled", rid)
+            await self.on_cancel(Cancel(request_id=rid, reason="gateway_gone"))
 
     async def on_resume(self, r: Resume, _m: Msg) -> None:
         await self.out.resend(r)
@@ -451,6 +473,7 @@ class Worker:
             try:
                 stats = await self.heartbeat()
                 self._sweep()
+                await self._drop_orphans()
                 beats += 1
                 if beats % every == 0:
                     last = await self._still_working(stats, last)

@@ -1,0 +1,198 @@
+"""Several gateways and schedulers at once (active-active), and one of each killed with SIGKILL under load.
+
+- A scheduler killed among two: no request is lost (one it held unanswered goes to the other: the gateway
+  watches the scheduler's beats), and placements go on through the other.
+- A gateway killed among two: only its own clients' connections break; the other gateway's streams go on
+  untouched, and the workers cancel what the dead one placed within about a heartbeat timeout (its beats
+  stop), rather than decode for nobody.
+- The gateway's submit itself, against peers on a real nats-server: a scheduler that takes a request and
+  dies before answering is replaced by another live one within the heartbeat timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import nats
+import openai
+import pytest
+
+from hetmesh import servers, subjects
+from hetmesh.bus import decode
+from hetmesh.gateway.schedulers import Schedulers
+from hetmesh.launcher import Mesh
+from hetmesh.protocol import Heartbeat
+
+from ..clusters import cluster_toml, group, model
+from ..e2e.conftest import EventLog, collect_events, running_mesh
+from .conftest import expected_text
+
+HEARTBEAT_TIMEOUT_S = 1.0
+CLUSTER = cluster_toml(
+    # llama-3.1-8b at 0.05: a decode token takes ~0.2 s, so a 60-token stream runs ~12 s
+    mesh={"time_scale": 0.05, "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+          "stall_timeout_s": 30.0, "max_attempts": 3},
+    scheduler={"policy": "least_loaded"},
+    models=[model("m", spec="llama-3.1-8b", max_context=8192, block_size=16)],
+    workers=[group("h100", "m", "nvidia-h100", role="both", count=2)])
+
+
+def ready(url: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} not ready")
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def mesh2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mesh, str]]:
+    """The launcher's mesh (gateway, scheduler sched-0) plus a second scheduler and a second gateway."""
+    with running_mesh(Path(tmp_path_factory.mktemp("active-active")), CLUSTER) as m:
+        cluster = ["--cluster", str(m.cluster_path)]
+        m.add("scheduler-1", [sys.executable, "-m", "hetmesh.scheduler", *cluster, "--instance", "sched-1"])
+        port = servers.free_port()
+        m.add("gateway-b", [sys.executable, "-m", "hetmesh.gateway", *cluster, "--port", str(port),
+                            "--instance", "gwb"])
+        m.spawn("scheduler-1")
+        m.spawn("gateway-b")
+        url_b = f"http://127.0.0.1:{port}"
+        ready(url_b)
+        yield m, url_b
+
+
+async def schedulers_beating(nats_url: str, want: set[str], timeout_s: float = 20) -> None:
+    nc = await nats.connect(nats_url)
+    heard: set[str] = set()
+    sub = await nc.subscribe(subjects.SCHED_ALIVE_ALL)
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not want <= heard:
+                heard.add((await sub.next_msg(timeout=timeout_s)).subject.rsplit(".", 1)[-1])
+    finally:
+        await nc.close()
+
+
+def client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=90)
+
+
+async def streamed(c: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> str:
+    s = await c.completions.create(model="m", prompt=prompt, max_tokens=max_tokens, stream=True,
+                                   extra_body={"ignore_eos": True})
+    return "".join([ch.choices[0].text async for ch in s if ch.choices])
+
+
+async def test_scheduler_killed_among_two_loses_nothing(mesh2: tuple[Mesh, str]) -> None:
+    m, url_b = mesh2
+    await schedulers_beating(m.nats_url, {"sched-0", "sched-1"})
+    clients = [client(m.url), client(url_b)]
+    events = collect_events(m.nats_url)
+    log: EventLog = await anext(events)
+    n, gate, done = 40, asyncio.Semaphore(8), asyncio.Event()
+    finished = 0
+
+    async def one(i: int) -> None:
+        nonlocal finished
+        async with gate:
+            prompt = f"steady load {i}"
+            assert await streamed(clients[i % 2], prompt, 8) == expected_text(prompt, 8), i
+            finished += 1
+            if finished == n // 4:
+                done.set()
+
+    tasks = [asyncio.create_task(one(i)) for i in range(n)]
+    await asyncio.wait_for(done.wait(), 60)
+    killed = time.time()
+    m.kill("scheduler")
+    results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
+    assert not [r for r in results if isinstance(r, BaseException)], results
+    # placements went on: the gateways' first placement after the kill came soon after it
+    after = sorted(e.ts for e in log.events if e.service == "gateway" and e.kind == "placed" and e.ts > killed)
+    assert after, "no placement after the kill"
+    print(f"first placement {after[0] - killed:.3f}s after the kill; submits sent again: "
+          f"{sum(e.kind == 'scheduler_lost' for e in log.events)}")
+    assert after[0] - killed < 5.0
+    with contextlib.suppress(StopAsyncIteration):
+        await events.aclose()
+
+
+async def wait_load(nats_url: str, done: Callable[[int], bool], timeout_s: float) -> None:
+    """Until `done(requests the workers hold)`, by their heartbeats (running + queued, every worker heard)."""
+    nc = await nats.connect(nats_url)
+    sub = await nc.subscribe(subjects.HEARTBEAT_ALL)
+    got: dict[str, int] = {}
+    try:
+        async with asyncio.timeout(timeout_s):
+            while len(got) < 2 or not done(sum(got.values())):
+                hb = decode((await sub.next_msg(timeout=timeout_s)).data, Heartbeat)
+                got[hb.worker_id] = hb.running + hb.queue_depth
+    finally:
+        await nc.close()
+
+
+async def test_gateway_killed_its_work_is_cancelled_others_go_on(mesh2: tuple[Mesh, str]) -> None:
+    m, url_b = mesh2
+    a, b = client(m.url), client(url_b)
+    keep = asyncio.create_task(streamed(a, "gateway a's stream", 60))
+    doomed = [asyncio.create_task(streamed(b, f"gateway b's stream {i}", 60)) for i in range(3)]
+    await wait_load(m.nats_url, lambda held: held >= 4, 30)
+    m.kill("gateway-b")
+    killed = time.monotonic()
+    for t in doomed:  # its clients' connections break
+        with pytest.raises(openai.APIError):
+            await asyncio.wait_for(t, 30)
+    await wait_load(m.nats_url, lambda held: held <= 1, 15)  # the workers cancel its three; gateway a's goes on
+    print(f"the dead gateway's work cancelled on the workers {time.monotonic() - killed:.2f}s after the kill")
+    assert not keep.done()  # still streaming: it would not have ended by now on its own
+    assert await asyncio.wait_for(keep, 60) == expected_text("gateway a's stream", 60)
+
+
+async def test_submit_goes_to_another_scheduler_when_its_own_dies(nats_url: str) -> None:
+    nc = await nats.connect(nats_url)
+    loop = asyncio.get_running_loop()
+    watch = Schedulers(timeout_s=0.6, check_s=0.1)
+    now = loop.time()
+    watch.heard("dead", now)
+    answered: list[str] = []
+
+    async def dead_one(msg: object) -> None:  # takes the request and never answers (killed mid-placement)
+        answered.append("dead took it")
+
+    async def live_one(msg: nats.aio.msg.Msg) -> None:
+        answered.append("live answered")
+        await msg.respond(b"placed")
+
+    await nc.subscribe(subjects.sched_submit("dead"), cb=dead_one)
+    await nc.subscribe(subjects.sched_submit("live"), cb=live_one)
+    lost: list[str] = []
+
+    async def send(subject: str) -> bytes:
+        return (await nc.request(subject, b"req", timeout=10)).data
+
+    async def beats() -> None:  # only the live one beats on
+        while True:
+            watch.heard("live", loop.time())
+            await asyncio.sleep(0.1)
+
+    beat = asyncio.create_task(beats())
+    watch._rng.choice = lambda xs: "dead" if "dead" in xs else xs[0]  # type: ignore[method-assign]
+    t0 = loop.time()
+    assert await send_via(watch, send, lost) == b"placed"
+    assert lost == ["dead"] and answered == ["dead took it", "live answered"]
+    assert loop.time() - t0 < 5.0
+    beat.cancel()
+    await nc.close()
+
+
+async def send_via(watch: Schedulers, send: object, lost: list[str]) -> bytes:
+    return await watch.submit(send, lambda: True, lost.append)  # type: ignore[arg-type]
