@@ -110,7 +110,7 @@ class SimEngine:
         self.steps: list[tuple[object, ...]] | None = None  # Step.signature() of every step, when recording
         self.truth = truth or Truth()  # what this simulated chip really runs at (the scheduler prices the prior)
         self._log = StepLog()  # the steps since the last heartbeat, with their engine seconds
-        self._t0 = -1.0  # loop time of the first step: the truth's clock
+        self._t0 = -1.0  # loop time the engine started: the truth's clock
 
     @property
     def cache(self):  # type: ignore[no-untyped-def]  # the core's KV memory (tests read its free blocks)
@@ -121,6 +121,7 @@ class SimEngine:
     async def start(self) -> None:
         if self._task is None:
             self.core.cache.clear_all()  # a fresh engine holds nothing: tell the index
+            self._t0 = asyncio.get_running_loop().time()
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="sim-engine")
 
     async def close(self) -> None:
@@ -322,8 +323,6 @@ class SimEngine:
             if self.steps is not None:
                 self.steps.append(step.signature())
             now = loop.time()
-            if self._t0 < 0:
-                self._t0 = now
             engine_s = self.timer.step_seconds(step) * self.truth.factor((now - self._t0) * self.time_scale)
             self._log.add(StepSample.of(step, engine_s))
             dt = engine_s / self.time_scale

@@ -111,21 +111,24 @@ class Phases:
         assert last is not None and last.finished
         self.metrics.requests.labels(item.phase.value, last.finish_reason or "prefill_done").inc()
         if item.phase == Phase.FULL:
-            self._observe_decode(item, first, time.time(), last.completion_tokens - req.continued - 1)
+            end, tokens = time.time(), last.completion_tokens - req.continued - 1
+            self._observe_decode(item, first, end, tokens)
             self.out.event(rid, "decode_done", phase="full", completion_tokens=last.completion_tokens,
-                           finish_reason=last.finish_reason, cached_tokens=last.cached_tokens)
+                           finish_reason=last.finish_reason, cached_tokens=last.cached_tokens,
+                           **self._versus(item, ttft_s=first - start, tpot_s=(end - first) / tokens if tokens > 0 else None))
             self.out.finished(rid, last.finish_reason or "stop", last.completion_tokens)
             return
         r.shipping = True  # from here a Cancel stops the task (and so the KV stream), not the engine
-        await self._prefill_handoff(item, last)
+        await self._prefill_handoff(item, last, first - start)
 
-    async def _prefill_handoff(self, item: WorkItem, out: EngineOutput) -> None:
+    async def _prefill_handoff(self, item: WorkItem, out: EngineOutput, ttft_s: float) -> None:
         req = item.request
         rid = req.request_id
         await self.out.send(req.reply_subject, self.out.first_chunk(rid, out))
         self.out.event(rid, "prefill_done", phase="prefill", prompt_tokens=out.prompt_tokens,
                        cached_tokens=out.cached_tokens, first_tokens=len(out.token_ids),
-                       finish_reason=out.finish_reason, decode_worker=item.placement.decode_worker)
+                       finish_reason=out.finish_reason, decode_worker=item.placement.decode_worker,
+                       **self._versus(item, ttft_s=ttft_s))
         # nats-py only buffers the chunk; its flusher task writes it once this one yields. Yield now: a direct
         # KV stream may connect and write without ever yielding, and the first token would wait behind the KV.
         await asyncio.sleep(0)
@@ -215,9 +218,11 @@ class Phases:
             streamed += len(out.token_ids)
         assert last is not None and last.finished
         self.metrics.requests.labels("decode", last.finish_reason or "stop").inc()
-        self._observe_decode(item, landed_at, time.time(), last.completion_tokens - req.continued - len(first))
+        end, tokens = time.time(), last.completion_tokens - req.continued - len(first)
+        self._observe_decode(item, landed_at, end, tokens)
         self.out.event(rid, "decode_done", phase="decode", completion_tokens=last.completion_tokens,
-                       finish_reason=last.finish_reason, cached_tokens=landed.cached_tokens)
+                       finish_reason=last.finish_reason, cached_tokens=landed.cached_tokens,
+                       **self._versus(item, tpot_s=(end - landed_at) / tokens if tokens > 0 else None))
         self.out.finished(rid, last.finish_reason or "stop", last.completion_tokens)
 
     async def _relay_settled(self, landed: KvLanded) -> None:
@@ -280,6 +285,18 @@ class Phases:
         if self.tracing:
             self._span("queue_wait", start, start + queued_s)
             self._span("prefill", start + queued_s, first, **{"hetmesh.phase": item.phase.value})
+
+    def _versus(self, item: WorkItem, ttft_s: float | None = None, tpot_s: float | None = None) -> dict[str, float | None]:
+        """What the cost model predicted for this work item beside what happened (wall seconds), for the per-request
+        record on the bus."""
+        pl, out = item.placement, {}
+        if ttft_s is not None:
+            out["ttft_s"] = round(ttft_s, 6)
+            out["predicted_ttft_s"] = round(pl.predicted_ttft_s / self.time_scale, 6) if pl.predicted_ttft_s else None
+        if tpot_s is not None:
+            out["tpot_s"] = round(tpot_s, 6)
+            out["predicted_tpot_s"] = round(pl.predicted_tpot_s / self.time_scale, 6) if pl.predicted_tpot_s else None
+        return out
 
     def _observe_decode(self, item: WorkItem, first: float, end: float, tokens: int) -> None:
         """Decode of a FULL or DECODE item: `tokens` generated between `first` and `end`."""
