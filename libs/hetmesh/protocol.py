@@ -78,6 +78,9 @@ class InferenceRequest(Struct, kw_only=True):
     continued: int = 0
     priority: int = 0  # vLLM's request priority: the engine's queue serves lower values first
     tenant: str = ""  # flow control's tenant (from the API key or the tenant header); "": the default tenant
+    # Seconds its client already waited on earlier tries that the mesh refused (a retry of a 429 / 503): its TTFT
+    # runs from its first send, and admission judges it so (hetmesh.gateway.retries).
+    waited_s: float = 0.0
 
 
 class Placement(Struct, frozen=True, kw_only=True):

@@ -63,6 +63,17 @@ async def submit(bus: Bus, rid: str, model: str) -> SubmitReply:
     raise AssertionError("scheduler never answered")
 
 
+async def submit_short(bus: Bus, rid: str, waited_s: float = 0.0) -> tuple[SubmitReply, float]:
+    """A 100-token prompt of model "held", 16 tokens out; `waited_s`: its client's earlier tries. The reply and
+    how long it took."""
+    req = InferenceRequest(request_id=rid, model="held", prompt_tokens=list(range(100)), block_hashes=[],
+                           sampling=SamplingParams(max_tokens=16), reply_subject=subjects.reply(rid),
+                           arrival_ts=time.time(), waited_s=waited_s)
+    t0 = time.monotonic()
+    reply = await bus.request(subjects.SUBMIT, req, SubmitReply, timeout_s=5)
+    return reply, time.monotonic() - t0
+
+
 async def test_refused_with_429_and_retry_after_unless_the_model_turns_it_off(bus: Bus) -> None:
     async def beats() -> None:
         while True:
@@ -100,18 +111,10 @@ async def test_a_refusal_for_tpot_is_held_and_placed_when_the_batch_drains(bus: 
             await bus.publish(subjects.heartbeat("h-0"), beat("h-0", "held", *((8, 24) if busy else (0, 0))))
             await asyncio.sleep(0.05)
 
-    async def submit_short(rid: str) -> tuple[SubmitReply, float]:
-        req = InferenceRequest(request_id=rid, model="held", prompt_tokens=list(range(100)), block_hashes=[],
-                               sampling=SamplingParams(max_tokens=16), reply_subject=subjects.reply(rid),
-                               arrival_ts=time.time())
-        t0 = time.monotonic()
-        reply = await bus.request(subjects.SUBMIT, req, SubmitReply, timeout_s=5)
-        return reply, time.monotonic() - t0
-
     task = asyncio.create_task(beats())
     try:
         await asyncio.sleep(0.4)
-        reply, took = await submit_short("r-held-refused")
+        reply, took = await submit_short(bus, "r-held-refused")
         assert reply.placement is None and reply.error is not None and reply.error.status == 429
         assert reply.error.code == "slo_unattainable" and 1.0 < took < 2.5  # held while 2 s could still be met
 
@@ -121,9 +124,32 @@ async def test_a_refusal_for_tpot_is_held_and_placed_when_the_batch_drains(bus: 
             busy = False
 
         drained = asyncio.create_task(drain())
-        reply, took = await submit_short("r-held-placed")
+        reply, took = await submit_short(bus, "r-held-placed")
         await drained
         assert reply.error is None and reply.placement is not None and reply.placement.decode_worker == "h-0"
         assert 0.5 < took < 2.0  # placed after the drain, not before
+    finally:
+        task.cancel()
+
+
+async def test_a_retry_is_judged_by_its_wait_since_its_first_send(bus: Bus) -> None:
+    """The gateway hands on how long a retrying client already waited (InferenceRequest.waited_s): on an idle
+    worker a short request is placed, but the same request that waited past its TTFT SLO on earlier tries is
+    refused at once (served now, it would reach its user late), not held."""
+    async def beats() -> None:
+        while True:
+            await bus.publish(subjects.heartbeat("h-0"), beat("h-0", "held"))
+            await asyncio.sleep(0.05)
+
+    task = asyncio.create_task(beats())
+    try:
+        await asyncio.sleep(0.4)
+        reply, _ = await submit_short(bus, "r-fresh")
+        assert reply.error is None and reply.placement is not None
+        reply, _ = await submit_short(bus, "r-retry-in-time", 1.0)  # 1 s of its 2 s SLO gone: still within it
+        assert reply.error is None and reply.placement is not None
+        reply, took = await submit_short(bus, "r-retry-late", 3.0)
+        assert reply.placement is None and reply.error is not None and reply.error.code == "slo_unattainable"
+        assert "waited already" in reply.error.message and took < 1.0
     finally:
         task.cancel()

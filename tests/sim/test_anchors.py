@@ -1,8 +1,11 @@
 """The anchor policies and SLO-aware admission driven by the simulator: the same place() calls the live
 scheduler makes, over batching cores. Properties of the rules, not figures of one trace."""
 
+from pathlib import Path
+
+from hetmesh import config
 from hetmesh.protocol import Role
-from hetmesh.sim import ClosedLoop, SimConfig, Slo, Trace, pool, simulate, synthetic
+from hetmesh.sim import ClosedLoop, SimConfig, Slo, Trace, pool, simulate, synthetic, workers_from_config
 
 KW = {"model": "llama-3.1-70b", "devices": 8, "max_batch": 64}
 STATIC = pool("p", 1, "nvidia-h100", Role.PREFILL, **KW) + pool("d", 2, "nvidia-h100", Role.DECODE, **KW)
@@ -50,13 +53,32 @@ def test_a_refused_request_is_retried_after_its_retry_after_with_its_clock_runni
     from the first send (what its user waits), and after the last retry it is rejected."""
     slo = Slo(ttft_s=2.0, tpot_s=0.1)
     t = trace(300, rate=40.0)
-    once, _ = simulate(BOTH, "cost", t, slo=slo, admission_margin=1.0)
-    again, res = simulate(BOTH, "cost", t, SimConfig(client_retries=2), slo=slo, admission_margin=1.0)
+    # refused at once (no hold): a retry after Retry-After may still make its SLO, counted from its first send
+    once, _ = simulate(BOTH, "cost", t, slo=slo, admission_margin=1.0, admission_hold_s=0.0)
+    again, res = simulate(BOTH, "cost", t, SimConfig(client_retries=2), slo=slo, admission_margin=1.0,
+                          admission_hold_s=0.0)
     assert once["retried"] == 0 and again["retried"] > 0
     assert again["requests"] > once["requests"] and again["requests"] + again["rejected"] == len(t)
     assert again["refused"] == again["rejected"] <= once["rejected"]
     sent = {r.arrival for r in t.requests}
     assert all(r.arrival in sent for r in res.records)  # timed from the first send, not the retry
+    assert max(r.ttft for r in res.records) <= slo.ttft_s  # a retry too late for its SLO is refused, not served
+
+
+def test_no_admitted_request_waits_past_twice_its_ttft_slo_while_others_are_refused() -> None:
+    """1.5-2x overload of the default cluster's three workers (an H100 serving both roles, a Rubin CPX prefilling
+    for a Rubin VR200), streams of 512-2,048 tokens, clients that retry a 429 as the openai client does (twice,
+    after Retry-After), holds on: the mesh refuses some, and no request it serves waits past twice its TTFT SLO
+    from its first send (the retries' waits included)."""
+    fleet = workers_from_config(config.load(str(Path(__file__).parents[2] / "ops" / "clusters" / "default.toml")))
+    slo = Slo(ttft_s=2.0, tpot_s=0.1)
+    for rate, seed in ((9.0, 1), (12.0, 2)):
+        t = synthetic(500, rate, input_mean=256, output_mean=1280, input_dist="uniform", output_dist="uniform",
+                      seed=seed)
+        s, res = simulate(fleet, "cost", t, SimConfig(client_retries=2), slo=slo)
+        assert s["refused"] > 0 and s["retried"] > 0 and s["requests"] + s["rejected"] == len(t)
+        late = sorted(round(r.ttft, 2) for r in res.records if r.ttft > 2 * slo.ttft_s)
+        assert not late, (rate, late)
 
 
 def test_a_refusal_held_by_the_scheduler_is_placed_again_when_the_burst_is_over() -> None:

@@ -52,3 +52,15 @@ def test_pool_full_counts_only_the_models_workers() -> None:
     assert not pool_full("m", workers, queue_factor=1.5)  # 39 < 2 * 8 * 2.5 = 40
     assert pool_full("m", [*workers[:1], view("b", "m", 20)], queue_factor=1.5)
     assert not pool_full("nobody", workers, queue_factor=1.5)
+
+
+def test_a_refusal_says_what_exceeded_with_the_digits_that_tell_it_from_the_margin() -> None:
+    from hetmesh.placement.admission import refusal
+
+    just_over = refusal(2.0008, 0.01, 1.0004, 1.0, 2.0, 0.1).reason
+    assert "1.0004x its 2 s SLO > margin 1" in just_over and "TTFT 2.001 s" in just_over
+    assert "TPOT 130 ms is 1.3x its 100 ms SLO" in refusal(0.5, 0.13, 1.3, 1.0, 2.0, 0.1).reason
+    retried = refusal(1.0, 0.01, 2.0, 1.0, 2.0, 0.1, waited_s=3.0).reason
+    assert "TTFT 4 s (3 s waited already) is 2x its 2 s SLO" in retried
+    idle = refusal(30.0, 0.01, 15.0, 1.0, 2.0, 15.0, quiet=3).reason
+    assert "idle worker" in idle and "> margin" not in idle

@@ -111,4 +111,29 @@ def refusal(ttft_s: float, tpot_s: float, best_over: float, margin: float, ttft_
                     retry_after_s=max(retry_after_s(ttft_s, ttft_slo_s, margin, 0.0, idle_over),
                                       min(quiet, MAX_RETRY_AFTER_S)),
                     hold_s=hold_s(ttft_s, waited_s, recheck_s, margin, ttft_slo_s, idle_over),
-                    reason=f"admission: best placement {best_over:.2f}x its SLO > margin {margin:g}")
+                    reason=refusal_reason(ttft_s, tpot_s, best_over, margin, ttft_slo_s, idle_over, waited_s))
+
+
+def _ratio(x: float, margin: float) -> str:
+    """`x` with the digits that tell it from `margin` (1.0004 is not printed as 1.00 against a margin of 1)."""
+    for digits in range(3, 9):
+        if f"{x:.{digits}g}" != f"{margin:.{digits}g}":
+            return f"{x:.{digits}g}"
+    return f"{x!r}"
+
+
+def refusal_reason(ttft_s: float, tpot_s: float, best_over: float, margin: float, ttft_slo_s: float,
+                   idle_over: float, waited_s: float = 0.0) -> str:
+    """What the best placement was predicted to exceed, and by how much: its TTFT (the wait so far included) or
+    its TPOT, against margin x the SLO; or, over its SLO even on an idle worker, the requests it would hold up."""
+    ttft = ttft_s + waited_s
+    if ttft / ttft_slo_s >= best_over * (1 - 1e-9):
+        waited = f" ({waited_s:.3g} s waited already)" if waited_s > 0 else ""
+        what = f"predicted TTFT {ttft:.4g} s{waited} is {_ratio(ttft / ttft_slo_s, margin)}x its {ttft_slo_s:g} s SLO"
+    else:
+        what = (f"predicted TPOT {tpot_s * 1000:.3g} ms is {_ratio(best_over, margin)}x its "
+                f"{tpot_s / best_over * 1000:.3g} ms SLO")
+    if best_over <= margin * idle_over:  # admitted by the idle exception but for the requests it would hold up
+        return (f"admission: {what}, as it would be on an idle worker, and requests behind it would wait; "
+                f"served only while none is expected")
+    return f"admission: {what} > margin {margin:g}"

@@ -196,15 +196,17 @@ class Simulator:
         fl = self.flow
         if fl is not None and not held and fl.arrive(req, req.model or self._model):
             return  # waits in the flow queue behind requests that go first
+        # Its wait so far counts from its first send: the gateway tells admission how long a client retrying a
+        # refusal has waited (hetmesh.gateway.retries), so a retry too late for its SLO is not served late.
         info = RequestInfo(request_id=str(req.rid), model=req.model or self._model, prompt_len=req.n_in,
                            max_tokens=req.n_out, cached_blocks=self._cached_blocks(req.hashes), block_size=block_tokens,
-                           arrival=self.now, waited_s=self.now - req.sent)
+                           arrival=self.now, waited_s=self.now - req.arrival)
         d = self.policy.place(info, self._views())
         if fl is not None and d is not None and d.mode == REFUSED:
             fl.refused(req, d, info.model)  # held in the flow queue, or refused with its tenant's Retry-After
             return
         if d is not None and d.mode == REFUSED and (
-                hold := hold_wait_s(d, info.waited_s, self.cfg.hold_limit_s)) is not None:
+                hold := hold_wait_s(d, self.now - req.sent, self.cfg.hold_limit_s)) is not None:
             # Held by the scheduler and placed again (the client waits on its submit, its clock running).
             self.held += 1
             self._push(self.now + hold, _HOLD, req)

@@ -47,6 +47,7 @@ from .core import ApiError, Formatter, Prepared
 from .limits import SharedBuckets
 from .params import Caps, caps_for, prepare_chat, prepare_completion
 from .responses import error_response
+from .retries import Refused, fingerprint, is_retry
 from .schedulers import Schedulers
 from .schemas import ChatCompletionRequest, CompletionRequest, body_model, from_validation
 from .stream import BUS_GAP
@@ -115,6 +116,7 @@ class Gateway:
         self.schedulers = Schedulers(mesh.heartbeat_timeout_s, max(mesh.heartbeat_interval_s / 2, 0.05))
         self._alive: asyncio.Task[None] | None = None
         self.refused = {"overloaded": 0, "rate_limited": 0, "unauthorized": 0, "too_large": 0}
+        self.retried = Refused()  # when requests the mesh refused were first sent: their retries' wait
 
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -291,6 +293,7 @@ class Gateway:
         return error_response(info, headers)
 
     async def handle(self, request: Request, chat: bool) -> Response:
+        t0 = time.monotonic()
         verdict = self.authenticate(request)
         if verdict.error is not None:
             return self.reject("", verdict.error)
@@ -313,6 +316,8 @@ class Gateway:
         model = self.models.get(body.model)
         if model is None:
             return self.reject("", core.model_not_found(body.model))
+        fp = fingerprint(request.headers.get("authorization", ""), raw) if is_retry(request.headers) else None
+        waited = self.retried.waited_s(fp, t0) if fp is not None else 0.0
         span = trace.INVALID_SPAN
         if self.tracing:
             # A client's traceparent (if any) makes this span its child.
@@ -352,22 +357,29 @@ class Gateway:
         piece = None if prep.sampling.logprobs is None else tok.decode_one
         if len(preps) == 1:
             call = Call(self, rid, model, prep, request, verdict, span)
-            return self._with_limits(await call.run(Formatter(chat, cid, model.name, created, prep.include_usage,
-                                                              prep, piece, self.tool_parsers.get(model.name))),
-                                     verdict)
+            call.req.waited_s = waited
+            response = await call.run(Formatter(chat, cid, model.name, created, prep.include_usage, prep, piece,
+                                                self.tool_parsers.get(model.name)))
+            return self._answered(response, verdict, request, raw, fp, t0 - waited)
         # One mesh request per choice; the first keeps the response's id (and the trace span).
         calls = [Call(self, rid if i == 0 else f"{self.instance}-{next(self._ids)}", model, p, request,
                       verdict, span if i == 0 else trace.INVALID_SPAN)
                  for i, p in enumerate(preps)]
+        for c in calls:
+            c.req.waited_s = waited
         fmts = [Formatter(chat, cid, model.name, created, p.include_usage, p, piece, self.tool_parsers.get(model.name))
                 for p in preps]
-        return self._with_limits(await FanOut(calls, fmts, prep.stream).run(), verdict)
+        return self._answered(await FanOut(calls, fmts, prep.stream).run(), verdict, request, raw, fp, t0 - waited)
 
-    @staticmethod
-    def _with_limits(response: Response, verdict: Verdict) -> Response:
-        """An admitted request's answer carries its key's x-ratelimit-* headers, as OpenAI's do."""
+    def _answered(self, response: Response, verdict: Verdict, request: Request, raw: bytes, fp: bytes | None,
+                  first_sent: float) -> Response:
+        """An admitted request's answer carries its key's x-ratelimit-* headers, as OpenAI's do; one the mesh
+        refused is remembered, so that the client's retry is judged by its wait since its first send."""
         if verdict.headers:
             response.headers.update(verdict.headers)
+        if response.status_code in (429, 503):
+            fp = fp or fingerprint(request.headers.get("authorization", ""), raw)
+            self.retried.remember(fp, first_sent, time.monotonic())
         return response
 
     def _prepare(self, chat: bool, body: ChatCompletionRequest | CompletionRequest, model: config.ModelConfig,

@@ -286,7 +286,7 @@ class Scheduler:
         """SLO-aware admission's hold: place the refused request again after each `hold_s` the policy allows,
         its wait counted in its TTFT, for at most the gateway's hold_limit_s (in engine time)."""
         scale = self.cfg.mesh.time_scale  # the policy's clock is the engines'
-        t0, a0 = time.monotonic(), info.arrival
+        t0, a0, w0 = time.monotonic(), info.arrival, info.waited_s
         limit = self.cfg.gateway.hold_limit_s * scale
         d: Decision | None = decision
         while d is not None and d.mode == REFUSED and (
@@ -294,7 +294,7 @@ class Scheduler:
             self.metrics.held.inc()
             await asyncio.sleep(hold / scale)
             held = time.monotonic() - t0
-            info = msgspec.structs.replace(info, arrival=a0 + held * scale, waited_s=held * scale)
+            info = msgspec.structs.replace(info, arrival=a0 + held * scale, waited_s=w0 + held * scale)
             d = self.policy.place(info, self.state.views())
         return d
 
@@ -320,6 +320,7 @@ class Scheduler:
                 req.exclude_workers),
             # The policy's clock is the engines' (virtual) time: a sim cluster at time_scale k runs k x wall.
             arrival=req.arrival_ts * self.cfg.mesh.time_scale,
+            waited_s=req.waited_s * self.cfg.mesh.time_scale,  # a retry's earlier tries: its TTFT runs from them
         )
         booked = False  # flow control's pump booked it in the view already
         if self.flow is not None:  # held, when it must be, in the fair queue rather than on its own
