@@ -192,6 +192,23 @@ def test_list_token_and_echo_prompts(client: openai.OpenAI) -> None:
     assert "".join(c.choices[0].text for c in stream) == "alpha" + one[0]
 
 
+def test_tools_on_the_sim_mesh_get_one_answer_that_leads_nowhere_else(client: openai.OpenAI) -> None:
+    """Whatever tool_choice a newcomer tries next, the sim mesh gives the same plain answer: this model
+    cannot use tools, and what can (a real model on the vllm engine); no option that fails in turn."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for extra in ({}, {"tool_choice": "auto"}, {"tool_choice": "none"}, {"tool_choice": "required"},
+                  {"tool_choice": named}):
+        try:
+            client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2, tools=[TOOL], **extra)
+        except openai.BadRequestError as e:
+            err = e.body  # type: ignore[assignment]
+            assert isinstance(err, dict) and err["param"] == "tools", (extra, err)
+            assert f"Model '{MODEL}' cannot use tools" in err["message"] and 'engine = "vllm"' in err["message"]
+            assert "its text is random" in err["message"] and "tool_choice '" not in err["message"]
+        else:
+            raise AssertionError(f"tools with {extra} were not refused")
+
+
 def test_refusals_name_the_parameter(mesh: Mesh) -> None:
     cases = [
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},

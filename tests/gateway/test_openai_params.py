@@ -18,7 +18,7 @@ from hetmesh.tokenizer import ByteTokenizer
 
 MODEL = ModelConfig(name="m", max_context=512)
 TOK = ByteTokenizer()
-VLLM = Caps(structured=True, logits=True)
+VLLM = Caps(structured=True, logits=True, engine="vllm")
 MSGS = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
                                                                      "properties": {"x": {"type": "integer"}}}}}
@@ -62,14 +62,42 @@ def test_what_the_engines_cannot_do_is_refused_by_name() -> None:
     refused("top_k", chat, top_k=5)
     refused("repetition_penalty", chat, repetition_penalty=1.5)
     refused("response_format", chat, response_format={"type": "json_object"})
-    refused("tools", chat, tools=[TOOL], tool_choice="required")  # sim: no structured outputs
-    refused("tools", chat, VLLM, tools=[TOOL])  # auto, and no tool_parser for the model
     refused("tools", chat, VLLM, tools=[TOOL], tool_choice="required")  # byte tokenizer: no template for tools
     refused("logit_bias", chat, logit_bias={"²": 1})  # a digit, but not a token id
     refused("n", lambda: prepare_completion(CompletionRequest.model_validate(
         {"model": "m", "prompt": ["a"] * 20, "n": 7, "max_tokens": 1}), MODEL, TOK))  # 140 mesh requests
     refused("min_tokens", chat, max_tokens=2, min_tokens=3)
     refused("continue_final_message", chat, continue_final_message=True)
+
+
+class TemplateTok(ByteTokenizer):
+    has_chat_template = True  # refusals come before any rendering
+
+
+def test_a_tools_refusal_names_what_works_or_says_the_model_cannot() -> None:
+    def says(caps: Caps, tok: ByteTokenizer, **kw: Any) -> tuple[str | None, str]:
+        with pytest.raises(ApiError) as e:
+            prepare_chat(ChatCompletionRequest.model_validate({"model": "m", "messages": MSGS, "tools": [TOOL], **kw}),
+                         MODEL, tok, caps)
+        return e.value.info.param, e.value.info.message
+
+    # the default mesh (sim engine, byte tokenizer): every choice gets the one answer, with the way out
+    sim = Caps(engine="sim")
+    named = {"type": "function", "function": {"name": "f"}}
+    for kw in ({}, {"tool_choice": "auto"}, {"tool_choice": "none"}, {"tool_choice": "required"}, {"tool_choice": named}):
+        param, msg = says(sim, TOK, **kw)
+        assert param == "tools" and "Model 'm' cannot use tools" in msg, kw
+        assert 'engine = "vllm"' in msg and "sim engine (its text is random)" in msg and "tool_choice '" not in msg
+    # a template but no structured outputs: only 'none' works, and the refusal says so
+    assert says(sim, TemplateTok(), tool_choice="required") == (
+        "tool_choice", "tool_choice 'required' needs structured outputs, which the sim engine does not have; "
+                       "model 'm' takes tool_choice 'none'.")
+    # vLLM without a tool-call parser: everything but 'auto' (the default with tools)
+    param, msg = says(VLLM, TemplateTok())
+    assert param == "tools" and msg.startswith("tool_choice 'auto' (the default with tools) needs a tool-call parser")
+    assert msg.endswith("takes tool_choice 'none', 'required' or a named function.")
+    param, msg = says(Caps(engine="sim"), TOK, response_format={"type": "json_object"}, tools=None)
+    assert param == "response_format" and "sim engine (its text is random)" in msg and 'engine = "vllm"' in msg
 
 
 def test_forced_tool_calls_in_the_response() -> None:

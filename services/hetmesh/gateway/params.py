@@ -46,11 +46,17 @@ class Caps:
     logits: bool = False  # a real model's logits: top_k, min_p, repetition_penalty mean something
     tool_parser: bool = False  # tool_choice "auto": the gateway has the model's tool-call parser
     keeps_specials: bool = False  # that parser needs special tokens left in the text
+    engine: str = "sim"  # the engine(s) serving the model, for refusals that name them
 
 
 def caps_for(engines: set[str]) -> Caps:
     real = bool(engines) and engines <= {"vllm"}
-    return Caps(structured=real, logits=real)
+    return Caps(structured=real, logits=real, engine=", ".join(sorted(engines)) or "sim")
+
+
+# What a refusal on the sim engine tells a newcomer, and where a real model's set-up is described
+SIM_TEXT = "its text is random"
+REAL_MODEL = 'a real model with engine = "vllm" (docs/deployment.md#real-vllm-workers)'
 
 
 def _bad(param: str, message: str, code: str | None = None) -> ApiError:
@@ -169,25 +175,49 @@ def _fan_out(body: ChatCompletionRequest | CompletionRequest, prompts: list[tupl
 
 # --- chat ------------------------------------------------------------------------------------------
 
-def _tool_schema(body: ChatCompletionRequest, caps: Caps) -> tuple[ToolMode | None,
-                                                                                 StructuredOutput | None]:
+def _tools_refusal(kind: str, default_choice: bool, model: str, caps: Caps, tok: Tokenizer) -> ApiError | None:
+    """Why this model cannot take `tools` with tool_choice `kind` (none | auto | required | named;
+    `default_choice`: none was given), naming the choices it can take, or saying plainly that it takes
+    none; None when it can."""
+    template = tok.has_chat_template  # every choice renders the tools into the prompt with it
+    works = {"'none'": template, "'auto'": template and caps.tool_parser,
+             "'required'": template and caps.structured, "a named function": template and caps.structured}
+    label = "a named function" if kind == "named" else f"'{kind}'"
+    if works[label]:
+        return None
+    can = [k for k, ok in works.items() if ok]
+    if not can:
+        sim = f"; it runs on the {caps.engine} engine ({SIM_TEXT})" if "sim" in caps.engine else ""
+        return _bad("tools", f"Model {model!r} cannot use tools: tool calls need an engine with structured outputs "
+                             f"and a tokenizer with a chat template, e.g. {REAL_MODEL}{sim}.", "unsupported_parameter")
+    need = ("a tool-call parser for the model (tool_parser in the cluster file)" if kind == "auto" else
+            f"structured outputs, which the {caps.engine} engine does not have")
+    default = " (the default with tools)" if default_choice else ""
+    takes = can[0] if len(can) == 1 else f"{', '.join(can[:-1])} or {can[-1]}"
+    return _bad("tools" if default_choice else "tool_choice", f"tool_choice {label}{default} needs {need}; model "
+                f"{model!r} takes tool_choice {takes}.", "unsupported_parameter")
+
+
+def _tool_schema(body: ChatCompletionRequest, model: str, caps: Caps,
+                 tok: Tokenizer) -> tuple[ToolMode | None, StructuredOutput | None]:
     """tool_choice -> how the reply becomes tool calls, and the JSON the engine must emit for it
     (vLLM's own way for named and required choices: structured outputs, no parser involved)."""
     tools, choice = body.tools, body.tool_choice
     if choice is not None and not tools:
         raise _bad("tool_choice", "Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' "
                                   "are specified.")
-    if not tools or choice == "none":
+    if not tools:
         return None, None
-    if (choice is None or choice == "auto") and caps.tool_parser:
+    kind = "auto" if choice is None else choice if isinstance(choice, str) else "named"
+    if (err := _tools_refusal(kind, choice is None, model, caps, tok)) is not None:
+        raise err
+    if choice == "none":
+        return None, None
+    if kind == "auto":
         request = body.model_dump(include={"model", "messages", "tools", "tool_choice"}, exclude_none=True,
                                   by_alias=True)
         request["tool_choice"] = "auto"
         return ToolMode("auto", request=request), None
-    if choice is None or choice == "auto":
-        raise _unsupported("tools" if choice is None else "tool_choice",
-                           "automatic tool choice needs a tool-call parser for the model; use tool_choice "
-                           "'required' or a named function (structured outputs), or 'none'")
     by_name = {t.function.name: t.function for t in tools}
     if isinstance(choice, str):  # "required": a JSON array of calls, each of one of the tools
         one_of = [{"properties": {"name": {"type": "string", "enum": [f.name]},
@@ -250,17 +280,16 @@ def prepare_chat(body: ChatCompletionRequest, model: ModelConfig, tok: Tokenizer
                  base_seed: int = 0) -> Prepared:
     _chat_checks(body)
     _sampling_checks(body, caps, tok)
-    tools, structured = _tool_schema(body, caps)
+    tools, structured = _tool_schema(body, model.name, caps, tok)
     rf = _response_format(body)
     if structured is None:
         structured = rf
     elif rf is not None:
         raise _bad("response_format", "'response_format' cannot be combined with a forced 'tool_choice'.")
     if structured is not None and not caps.structured:
-        param = "response_format" if tools is None else "tools"
-        raise _unsupported(param, "the model's engine (sim) has no structured-output backend")
-    if body.tools and not tok.has_chat_template:
-        raise _unsupported("tools", "the model's tokenizer has no chat template to render tools with")
+        sim = f" ({SIM_TEXT})" if "sim" in caps.engine else ""
+        raise _unsupported("response_format", f"JSON output needs structured outputs, which the {caps.engine} "
+                                              f"engine{sim} does not have; serve {REAL_MODEL}")
     if body.chat_template_kwargs and not tok.has_chat_template:
         raise _unsupported("chat_template_kwargs", "the model's tokenizer has no chat template")
     messages = [m.model_dump(exclude_none=True, include={"role", "content", "name", "tool_calls", "tool_call_id"})
