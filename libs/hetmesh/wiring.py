@@ -75,13 +75,15 @@ def policy(cfg: ClusterConfig) -> Policy:
 DEFAULT_TENANT = "default"  # requests that name no tenant
 
 
-def flow_queue(tenants: Sequence[Tenant], max_held: int, retry_floor_s: float) -> FlowQueue:
+def flow_queue(tenants: Sequence[Tenant], max_held: int, retry_floor_s: float, reserve: float = 0.0) -> FlowQueue:
     """The flow queue the scheduler and the simulator hold requests in: the given tenants, and the `default`
-    tenant (weight 1, last band) for requests that name none, unless one of them is called that."""
+    tenant (weight 1, last band) for requests that name none, unless one of them is called that. `reserve`:
+    the share of the TTFT SLO a lower band leaves free while a higher one is active (flow.wait_share: as long
+    as a held request may wait)."""
     ts = list(tenants)
     if all(t.name != DEFAULT_TENANT for t in ts):
         ts.append(Tenant(DEFAULT_TENANT, 1.0, max((t.band for t in ts), default=0)))
-    return FlowQueue(ts, max_held=max_held, retry_floor_s=retry_floor_s)
+    return FlowQueue(ts, max_held=max_held, retry_floor_s=retry_floor_s, reserve=reserve)
 
 
 def tenants(cfg: ClusterConfig) -> list[Tenant]:
@@ -94,7 +96,7 @@ def flow(cfg: ClusterConfig) -> FlowQueue | None:
     """The scheduler's flow queue; None without [[tenants]] (flow control off)."""
     if not cfg.tenants:
         return None
-    return flow_queue(tenants(cfg), cfg.flow.max_held, cfg.scheduler.retry_after_s)
+    return flow_queue(tenants(cfg), cfg.flow.max_held, cfg.scheduler.retry_after_s, cfg.flow.wait_share)
 
 
 def pricer(cm: CostModel, max_batch: int) -> Callable[[int, int, int], float]:

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetmesh.placement.flow import FlowQueue, Tenant, token_cost
+from hetmesh.placement import RequestInfo
+from hetmesh.placement.flow import FlowQueue, Tenant, reserved, token_cost
 
 
 def _drain(q: FlowQueue, n: int, now: float = 0.0) -> list[str]:
@@ -65,15 +66,48 @@ def test_an_idle_tenant_banks_no_credit_and_a_lone_tenant_is_served() -> None:
     assert _drain(q, 6).count("b") <= 4
 
 
-def test_a_new_arrival_waits_behind_a_higher_band_or_a_tenant_that_starts_first() -> None:
+def test_a_new_arrival_waits_while_its_band_or_a_higher_one_holds_anything() -> None:
     q = FlowQueue([Tenant("hi", band=0), Tenant("lo", band=1), Tenant("x"), Tenant("y")])
-    assert q.may_try("lo")
+    assert q.may_try("lo") and q.may_try("x")  # nothing held: straight to the policy (work-conserving)
+    q.hold("l", "lo", 1.0, 1e9, 0.0)
+    assert q.may_try("hi") and q.may_try("x") and not q.may_try("lo")  # a lower band holds: a higher one goes
     q.hold("h", "hi", 1.0, 1e9, 0.0)
-    assert not q.may_try("lo") and not q.may_try("hi")  # its own tenant holds one: it queues behind it
-    assert q.may_try("x")  # same band, nothing of its band that starts first
+    assert not q.may_try("x") and not q.may_try("hi")  # held requests go first, in the queue's order
     q.placed("x", 100.0)
+    q.hold("x1", "x", 1.0, 1e9, 0.0)
     q.hold("y1", "y", 1.0, 1e9, 0.0)
-    assert not q.may_try("x")  # y would start before x, which just took 100
+    # the queue's head: the higher band, then y (x just took 100), then x, then the lower band
+    order = []
+    while (h := q.head()) is not None:
+        q.take(h, 0.0)
+        order.append(h.key)
+    assert order == ["h", "y1", "x1", "l"]
+
+
+def test_head_is_the_first_of_order() -> None:
+    q = FlowQueue([Tenant("a", 1.0), Tenant("b", 3.0), Tenant("c", 1.0, band=1)])
+    for k in range(6):
+        q.hold(f"a{k}", "a", 2.0, deadline=10.0 - k, now=0.0)
+        q.hold(f"b{k}", "b", 5.0, deadline=float(k), now=0.0)
+        q.hold(f"c{k}", "c", 1.0, deadline=float(k), now=0.0)
+    while len(q):
+        h = q.head()
+        assert h is next(q.order())
+        q.take(h, 0.0)
+        q.placed(h.tenant, h.cost)
+
+
+def test_a_lower_band_keeps_headroom_while_a_higher_one_is_busy() -> None:
+    q = FlowQueue([Tenant("hi", band=0), Tenant("lo", band=1)], reserve=0.5)
+    assert q.headroom("lo") == 0.0  # the higher band is idle: nothing to keep room for
+    q.placed("hi", 1.0)
+    assert q.headroom("lo") == 0.5 and q.headroom("hi") == 0.0
+    q.finished("hi", 1.0, now=1.0)
+    assert q.headroom("lo") == 0.0
+    info = RequestInfo(request_id="r", model="m", prompt_len=10, max_tokens=5, waited_s=0.25)
+    assert reserved(info, 1.0).waited_s == 1.25 and reserved(info, 0.0) is info
+    with pytest.raises(ValueError, match="reserve"):
+        FlowQueue([Tenant("a")], reserve=1.0)
 
 
 def test_over_share_and_retry_after() -> None:

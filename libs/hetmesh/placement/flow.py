@@ -13,8 +13,11 @@ it here instead of letting every held request retry on its own, where whoever se
 - earliest deadline first within a tenant (deadline = its arrival + its TTFT SLO).
 
 A request's cost is in the cost model's units (`engine_seconds`: its predicted engine time; or tokens).
-A new arrival goes straight to the policy only while nothing of its band or above that would start before
-it waits; otherwise it joins the queue. A tenant over its share (its in-flight cost above its weight's share
+A new arrival goes straight to the policy only while nothing of its band or above waits; otherwise it joins
+the queue and the shell places from the queue's head, so that room the fleet frees goes in fair order
+(work-conserving: with nothing held, nothing waits). While a higher band is active (in flight or held), a
+lower band's request is placed only if its predicted TTFT leaves `reserve` of its TTFT SLO free
+(`headroom`): the room the higher band's next arrivals land in, judged by the policy's own predictions. A tenant over its share (its in-flight cost above its weight's share
 of what the active tenants have in flight) with a full queue, or a held request past its deadline, is refused
 with 429 and a Retry-After: how long until its in-flight cost drains to its share at the rate it has been
 draining. `now` is passed in; no I/O: the scheduler and the simulator drive the same object.
@@ -26,6 +29,10 @@ import heapq
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+
+import msgspec
+
+from hetmesh.placement.state import RequestInfo
 
 MAX_RETRY_AFTER_S = 60.0
 RATE_WINDOW_S = 10.0  # a tenant's drain rate (cost finished per second) decays over this long
@@ -95,13 +102,20 @@ def engine_seconds(prefill_s: float, decode_token_s: float, uncached: int, outpu
     return prefill_s * uncached + decode_token_s * max(output_tokens, 1)
 
 
+def reserved(info: RequestInfo, headroom_s: float) -> RequestInfo:
+    """The request as the policy should judge it to leave `headroom_s` of its TTFT SLO free: as if it had
+    waited that much longer (admission counts the wait against the SLO, and refuses or holds it otherwise)."""
+    return info if headroom_s <= 0.0 else msgspec.structs.replace(info, waited_s=info.waited_s + headroom_s)
+
+
 def token_cost(uncached: int, output_tokens: int) -> float:
     """A request's cost without a cost model: uncached prompt + expected output tokens."""
     return float(max(uncached, 0) + max(output_tokens, 1))
 
 
 class FlowQueue:
-    def __init__(self, tenants: Sequence[Tenant], max_held: int = 1024, retry_floor_s: float = 1.0) -> None:
+    def __init__(self, tenants: Sequence[Tenant], max_held: int = 1024, retry_floor_s: float = 1.0,
+                 reserve: float = 0.0) -> None:
         if not tenants:
             raise ValueError("flow control needs at least one tenant")
         self.tenants = {t.name: _State(t) for t in tenants}
@@ -110,6 +124,9 @@ class FlowQueue:
         self.vtime: dict[int, float] = {t.band: 0.0 for t in tenants}
         self.max_held = max_held  # per tenant
         self.retry_floor_s = retry_floor_s
+        if not 0.0 <= reserve < 1.0:
+            raise ValueError(f"flow reserve must be in [0, 1), not {reserve}")
+        self.reserve = reserve  # share of the TTFT SLO a lower band leaves free while a higher one is active
         self._seq = 0
         self._n_held = 0
 
@@ -150,16 +167,19 @@ class FlowQueue:
         return s.rate * math.exp(-max(now - s.rate_t, 0.0) / RATE_WINDOW_S) / RATE_WINDOW_S
 
     def may_try(self, tenant: str) -> bool:
-        """A new arrival goes to the policy now (True) or joins the queue: nothing of a higher band waits, its
-        tenant holds nothing (EDF keeps its own order), and no waiting tenant of its band would start first."""
-        me = self.tenants[tenant]
-        if me.held:
-            return False
-        band, start = me.tenant.band, self._start(me)
-        for s in self.tenants.values():
-            if s.held and (s.tenant.band < band or (s.tenant.band == band and self._start(s) < start)):
-                return False
-        return True
+        """A new arrival goes to the policy now (True) or joins the queue: nothing of its band or a higher one
+        waits. Held requests go first, in the queue's order, whatever the newcomer's tags."""
+        band = self.tenants[tenant].tenant.band
+        return not any(s.held and s.tenant.band <= band for s in self.tenants.values())
+
+    def headroom(self, tenant: str) -> float:
+        """The share of its TTFT SLO a request of `tenant` must leave free when placed: `reserve` while a tenant
+        of a higher band has work in flight or held, else 0 (no one to keep room for)."""
+        if self.reserve <= 0.0:
+            return 0.0
+        band = self.tenants[tenant].tenant.band
+        busy = any(s.tenant.band < band and (s.held or s.inflight > 1e-12) for s in self.tenants.values())
+        return self.reserve if busy else 0.0
 
     def order(self) -> Iterator[Held]:
         """Every held request in service order: bands first, then tenants by start tag (as if each were placed
@@ -184,7 +204,18 @@ class FlowQueue:
                     heapq.heappush(heap, (max(v, start + h.cost / s.tenant.weight), nw, i, j + 1, queue, s))
 
     def head(self) -> Held | None:
-        return next(self.order(), None)
+        """The held request that goes next: the highest band that holds any, the tenant of it that would start
+        first (ties: the heavier), its earliest deadline. O(tenants)."""
+        best, key = None, None
+        vtime = self.vtime
+        for s in self.tenants.values():
+            if s.held:
+                t = s.tenant
+                v, f = vtime[t.band], s.finish
+                k = (t.band, f if f > v else v, -t.weight)
+                if key is None or k < key:
+                    best, key = s, k
+        return best.held[0] if best is not None else None
 
     # ---- changing ----
     def arrived(self, tenant: str) -> None:
@@ -207,16 +238,23 @@ class FlowQueue:
     def take(self, h: Held, now: float) -> None:
         """`h` leaves the queue (placed or refused next: call placed() or refused())."""
         s = self.tenants[h.tenant]
-        s.held.remove(h)
-        heapq.heapify(s.held)
+        if s.held[0] is h:  # the head: the common case
+            heapq.heappop(s.held)
+        else:
+            s.held.remove(h)
+            heapq.heapify(s.held)
         self._n_held -= 1
         s.stats.held_s += max(now - h.arrival, 0.0)
 
     def expired(self, now: float) -> list[Held]:
-        """Held requests past their deadline, taken out of the queue (refuse each)."""
-        out = [h for s in self.tenants.values() for h in s.held if h.deadline < now]
-        for h in out:
-            self.take(h, now)
+        """Held requests past their deadline, taken out of the queue (refuse each). EDF keeps them on top."""
+        out = []
+        if self._n_held:
+            for s in self.tenants.values():
+                while s.held and s.held[0].deadline < now:
+                    h = s.held[0]
+                    self.take(h, now)
+                    out.append(h)
         return out
 
     def placed(self, tenant: str, cost: float, tokens: int = 0) -> None:

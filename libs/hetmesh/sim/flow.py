@@ -2,30 +2,55 @@
 hetmesh.wiring.flow_queue) at the point where the scheduler holds or refuses a request.
 
 A request the policy refuses but could still serve in time (`Decision.hold_s`) waits in the queue instead of
-being placed again on its own; the queue is pumped, in its fair order, whenever a request finishes and every
-admission hold period while it holds anything, and each pump stops at the first request the fleet still
-cannot take. A new arrival waits in the queue while a request that should go before it waits there.
+being placed again on its own; the queue is pumped, in its fair order, on each arrival it holds, whenever a
+request finishes and every admission hold period while it holds anything, and each pump stops at the first
+request the fleet still cannot take. A new arrival joins the queue while anything of its band or a higher one
+waits there. The policy sees a lower band's request with the headroom a busy higher band is kept
+(`FlowQueue.headroom`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from hetmesh.placement import Decision
 from hetmesh.placement.admission import DEFAULT_HOLD_S, retry_wait_s
-from hetmesh.placement.flow import FlowQueue
+from hetmesh.placement.flow import FlowQueue, reserved
+from hetmesh.placement.state import RequestInfo
 from hetmesh.wiring import flow_queue, pricer
 
 if TYPE_CHECKING:
     from hetmesh.sim.cluster import Simulator
 
 
+class _Reserving:
+    """The simulator's policy as flow control shows it to the cluster: a request placed with its tenant's
+    headroom (`reserved`); everything else is the policy's own."""
+
+    def __init__(self, policy: Any, flow: SimFlow) -> None:
+        self._policy = policy
+        self._flow = flow
+
+    def place(self, info: RequestInfo, workers: Any) -> Decision | None:
+        fl = self._flow
+        req = fl.sim.reqs.get(int(info.request_id))
+        if req is not None:
+            info = reserved(info, fl.q.headroom(req.tenant) * fl.ttft_slo(info.model))
+        return self._policy.place(info, workers)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._policy, name)
+
+
 class SimFlow:
     def __init__(self, sim: Simulator, policy: Any) -> None:
         cfg = sim.cfg
         self.sim = sim
-        self.q: FlowQueue = flow_queue(cfg.tenants, cfg.flow_max_held, cfg.retry_floor_s)
+        self.q: FlowQueue = flow_queue(cfg.tenants, cfg.flow_max_held, cfg.retry_floor_s, cfg.flow_wait_share)
+        if self.q.reserve > 0:
+            sim.policy = _Reserving(policy, self)
         self.tick_s = getattr(policy, "admission_hold_s", DEFAULT_HOLD_S) or DEFAULT_HOLD_S
         slos = getattr(policy, "slos", {})
         default = getattr(policy, "ttft_slo", cfg.hold_limit_s)
@@ -34,7 +59,9 @@ class SimFlow:
         for w in sim.workers:  # each model's first worker prices its requests
             self.prices.setdefault(w.spec.model, pricer(w.cm, w.spec.max_batch))
         self.blocked = False  # the last placement the pump tried was refused: the fleet is still full
-        self.pending = False  # a pump event is queued
+        self.tick_at = -math.inf  # when the next periodic pump is due (past: none queued)
+        self.soon_at = -math.inf  # when a pump for a finished request was last queued
+        self.busy = False  # a pump is running (what it places re-enters arrive() and refused())
 
     def cost(self, req: Any, model: str) -> float:
         return self.prices[model](req.n_in, 0, req.n_out)
@@ -48,6 +75,8 @@ class SimFlow:
         if q.may_try(req.tenant):
             return False
         self._hold(req, model)
+        if not self.busy:
+            self._drain()  # room may have freed since the last pump: it goes to the queue's head
         return True
 
     def refused(self, req: Any, d: Decision, model: str) -> None:
@@ -65,8 +94,7 @@ class SimFlow:
             self._refuse(req, q.retry_after_s(req.tenant, now), 0.0)
             return
         req.held = True
-        if not self.pending:
-            self._schedule(self.tick_s)
+        self._tick()
 
     def _refuse(self, req: Any, retry_after: float, backoff: float) -> None:
         sim = self.sim
@@ -83,25 +111,33 @@ class SimFlow:
         self.q.placed(req.tenant, req.cost, req.n_in + req.n_out)
 
     def finished(self, req: Any) -> None:
-        self.q.finished(req.tenant, req.cost, self.sim.now)
-        if len(self.q) and not self.pending:
-            self._schedule(0.0)
+        now = self.sim.now
+        self.q.finished(req.tenant, req.cost, now)
+        if len(self.q) and self.soon_at != now:  # its room goes to the queue's head, once it is freed
+            self.soon_at = now
+            self.sim.pump_at(now)
 
-    def _schedule(self, delay: float) -> None:
-        self.pending = True
-        self.sim.pump_at(self.sim.now + delay)
+    def _tick(self) -> None:
+        """While the queue holds anything, a pump every admission hold period (predictions change with time)."""
+        if len(self.q) and self.tick_at <= self.sim.now:
+            self.tick_at = self.sim.now + self.tick_s
+            self.sim.pump_at(self.tick_at)
 
     def pump(self) -> None:
+        """A pump event (periodic, or a finished request's room): drain the queue, keep ticking while it holds."""
+        self._drain()
+        self._tick()
+
+    def _drain(self) -> None:
         """Place held requests in the queue's order until the fleet refuses one."""
-        self.pending = False
         q, now = self.q, self.sim.now
+        self.busy = True
         for h in q.expired(now):
             self._refuse(h.item, q.retry_after_s(h.tenant, now), 0.0)
         self.blocked = False
-        for h in list(q.order()):
+        while (h := q.head()) is not None:
             q.take(h, now)
             self.sim.place_held(h.item)
             if self.blocked:
                 break
-        if len(q) and not self.pending:
-            self._schedule(self.tick_s)
+        self.busy = False

@@ -1,9 +1,10 @@
 """The scheduler's side of flow control: the flow queue (hetmesh.placement.flow, built by hetmesh.wiring.flow,
 as the simulator builds its own) at the point where the scheduler holds a request it cannot place yet.
 
-A submit whose tenant must wait behind others, or that the policy refuses while its SLO is still in reach,
-waits on a future; a pump places held requests in the queue's order every admission hold period and whenever
-a request finishes, and stops at the first one the fleet still cannot take. What the pump places is booked
+A submit that arrives while anything of its band or a higher one is held, or that the policy refuses while its
+SLO is still in reach, waits on a future; a pump places held requests in the queue's order as it is held,
+every admission hold period and whenever a request finishes, and stops at the first one the fleet still cannot
+take. The policy sees a lower band's request with the headroom a busy higher band is kept (`FlowQueue.headroom`). What the pump places is booked
 in the cluster view at once (`ClusterState.assigned`), so the next placement of the same pump sees it.
 """
 
@@ -19,7 +20,7 @@ import msgspec
 from hetmesh import config, wiring
 from hetmesh.placement import REFUSED, ClusterState, Decision, RequestInfo, refusals
 from hetmesh.placement.admission import DEFAULT_HOLD_S
-from hetmesh.placement.flow import FlowQueue, token_cost
+from hetmesh.placement.flow import FlowQueue, reserved, token_cost
 from hetmesh.protocol import InferenceRequest
 
 Placed = tuple[Decision | None, bool]  # the decision, and whether it is booked in the cluster view already
@@ -58,6 +59,11 @@ class FlowGate:
         n, out = len(req.prompt_tokens), req.sampling.max_tokens
         return price(n, cached, out) if price is not None else token_cost(n - cached, out)
 
+    def _place(self, req: InferenceRequest, info: RequestInfo) -> Decision | None:
+        """The policy's placement, with the headroom its tenant's band leaves a busy higher band."""
+        share = self.q.headroom(self.tenant(req))
+        return self.place_fn(reserved(info, share * self.cfg.slo(req.model)[0]) if share > 0 else info)
+
     def _refusal(self, req: InferenceRequest, why: str) -> refusals.Refusal:
         t = self.tenant(req)
         self.q.refused(t)
@@ -75,8 +81,9 @@ class FlowGate:
         cost = self.cost(req, cached)
         if req.attempt == 0:
             q.arrived(t)
-        if q.may_try(t):
-            d = self.place_fn(info)
+        tried = q.may_try(t)
+        if tried:
+            d = self._place(req, info)
             if d is None or d.mode != REFUSED:
                 self._booked(req, d, cost)
                 return d, False
@@ -90,6 +97,8 @@ class FlowGate:
             return self._refusal(req, f"it already holds {self.cfg.flow.max_held} requests")
         if self._pump_task is None or self._pump_task.done():
             self._pump_task = asyncio.create_task(self._pump_loop())
+        if not tried:
+            self.pump()  # room the fleet freed since the last pump goes to the queue's head
         return await fut
 
     async def _pump_loop(self) -> None:
@@ -104,13 +113,13 @@ class FlowGate:
             w: _Waiting = h.item  # type: ignore[assignment]
             if not w.fut.done():
                 w.fut.set_result(self._refusal(w.req, "its wait passed its share of the TTFT SLO"))
-        for h in list(q.order()):
+        while (h := q.head()) is not None:
             w = h.item  # type: ignore[assignment]
             if w.fut.done():  # its client went away
                 q.take(h, now)
                 continue
             held = (now - w.t0) * self.scale
-            d = self.place_fn(msgspec.structs.replace(w.info, arrival=w.info.arrival + held, waited_s=held))
+            d = self._place(w.req, msgspec.structs.replace(w.info, arrival=w.info.arrival + held, waited_s=held))
             if d is not None and d.mode == REFUSED and d.hold_s is not None:
                 break  # the fleet is still full for the one that goes next
             q.take(h, now)
