@@ -13,8 +13,12 @@ cost (admission off), whichever is higher. A load of x replays
 the trace's first capacity x --span requests (300 to --max-requests) with arrivals scaled to x times that rate.
 
 The anchors run at their best: per point, the best SLO goodput over llm-d (two scorer profiles x P/D
-threshold 0, 1, 2K, 8K, 16K x static roles or every worker `both`) and over Dynamo (default and agentic
-weights x aggregated over `both` workers, static roles always split, static roles with isl_bounding).
+threshold 0, 1, 2K, 8K, 16K x static roles or every worker `both`), over Dynamo (default and agentic
+weights x aggregated over `both` workers, static roles always split, static roles with isl_bounding) and over
+llm-d's predicted-latency routing (hetmesh.placement.llmd_latency: p90 TTFT/TPOT learned online from the
+latencies it observes, no physics; its tree model or its ridge model type, pooled as llm-d ships it or per pod,
+packing or spreading headroom, aggregated or with its P/D decider at 2K; and warm: trained on one earlier pass
+of the same traffic before the measured one, as a deployment that has run for a while).
 `cost` runs with its config defaults (objective, admission margin); `cost, admission off` beside it, and
 `cost, clients retry`: each refused request sent again after its Retry-After, twice, as the official openai
 client does (its TTFT counted from the first send). The
@@ -104,6 +108,16 @@ LLMD_THRESHOLDS = (0, 1, 2048, 8192, 16384)
 DYNAMO_WEIGHTS = {"default": {}, "agentic": {"overlap_score_credit": 2.0, "prefill_load_scale": 4.0,
                                              "request_weight": 64.0}}
 DYNAMO_MODES = (("both", ""), ("static", ""), ("static", "isl_bounding"))
+# llm-d's predicted-latency routing: (model, per pod, headroom, layout, P/D threshold, warm). llm-d ships the
+# tree model pooled over the pool, packing ("least"); the model type and headroom strategy are its settings, one
+# model per pod a variant it does not ship.
+LATENCY_RUNS = (("trees", False, "least", "both", 0, False), ("trees", False, "most", "both", 0, False),
+                ("trees", True, "least", "both", 0, False), ("trees", True, "most", "both", 0, False),
+                ("ridge", False, "least", "both", 0, False), ("ridge", True, "least", "both", 0, False),
+                ("ridge", True, "most", "both", 0, False),
+                ("trees", False, "least", "static", 2048, False), ("trees", True, "most", "static", 2048, False),
+                ("trees", False, "least", "both", 0, True), ("trees", True, "most", "both", 0, True),
+                ("ridge", True, "most", "both", 0, True))
 
 
 def anchor_runs() -> list[tuple[str, str, str, dict[str, Any]]]:
@@ -112,7 +126,27 @@ def anchor_runs() -> list[tuple[str, str, str, dict[str, Any]]]:
            for prof, kw in LLMD_PROFILES.items() for t in LLMD_THRESHOLDS for layout in ("static", "both")]
     out += [("dynamo", f"dynamo {w} {layout}{' ' + cond if cond else ''}", layout, {**kw, "conditional": cond})
             for w, kw in DYNAMO_WEIGHTS.items() for layout, cond in DYNAMO_MODES]
+    out += [("llm_d_latency", f"llm-d latency {m}{' per-pod' if pp else ''} {h} {layout}{f' t={t}' if t else ''}"
+             f"{' warm' if warm else ''}", layout,
+             {"model": m, "per_pod": pp, "headroom": h, "non_cached_tokens": t, **({"warm": True} if warm else {})})
+            for m, pp, h, layout, t, warm in LATENCY_RUNS]
     return out
+
+
+def anchor_policy(anchor: str, kw: dict[str, Any], ws: list[WorkerSpec], trace: Trace, cfg: SimConfig,
+                  slo: Slo) -> Any:
+    """An anchor's policy for one run. llm-d's predicted-latency scorer reads the SLOs (llm-d: the request's
+    headers); `warm`: it first learns from one pass of the same trace (its placements and completions), so the
+    measured pass starts from a trained model."""
+    kw = dict(kw)
+    warm = kw.pop("warm", False)
+    if anchor == "llm_d_latency":
+        kw = {"ttft_slo_s": slo.ttft_s, "tpot_slo_s": slo.tpot_s, **kw}
+    policy = make_policy(anchor, **kw)
+    if warm:
+        simulate(ws, policy, trace, cfg, slo)
+        policy.pending.clear()
+    return policy
 
 
 def _lengths(trace: Trace) -> tuple[list[int], list[int]]:
@@ -173,7 +207,7 @@ def run_point(build: Callable[[str], list[WorkerSpec]], trace: Trace, cfg: SimCo
         return out
     runs: dict[str, list[tuple[float, str, str, dict[str, Any]]]] = {}
     for anchor, label, layout, kw in anchor_runs():
-        s, _ = simulate(ws[layout], anchor, trace, cfg, slo, **kw)
+        s, _ = simulate(ws[layout], anchor_policy(anchor, kw, ws[layout], trace, cfg, slo), trace, cfg, slo)
         r = _row(s, trace, label, layout)
         runs.setdefault(anchor, []).append((r["goodput_tok_s"], label, layout, kw))
         best = out.get(anchor)
@@ -185,11 +219,22 @@ def run_point(build: Callable[[str], list[WorkerSpec]], trace: Trace, cfg: SimCo
         for _, label, layout, kw in sorted(tried, key=lambda t: -t[0])[:gated_top]:
             predictor = policy_for("cost", ws[layout], slo, objective=sc.objective, admission_margin=sc.admission_margin,
                                    **({"efficiencies": cfg.efficiencies} if cfg.efficiencies else {}))
-            s, _ = simulate(ws[layout], Gated(make_policy(anchor, **kw), predictor), trace, cfg, slo)
+            s, _ = simulate(ws[layout], Gated(anchor_policy(anchor, kw, ws[layout], trace, cfg, slo), predictor), trace,
+                            cfg, slo)
             key = f"{anchor}, admission"
             r = _row(s, trace, f"{label} +admission", layout)
             if key not in out or r["goodput_tok_s"] > out[key]["goodput_tok_s"]:
                 out[key] = r
+    # llm-d's predicted-latency routing has an admission rule of its own: it sheds a sheddable request when no pod
+    # has headroom and every pod is busy. Its best configuration here, every request sheddable.
+    if "llm_d_latency" in runs:
+        _, label, layout, kw = max(runs["llm_d_latency"], key=lambda t: t[0])
+        s, _ = simulate(ws[layout], anchor_policy("llm_d_latency", {**kw, "sheddable": True}, ws[layout], trace, cfg,
+                                                  slo), trace, cfg, slo)
+        r = _row(s, trace, f"{label} +shed", layout)
+        key = "llm_d_latency, admission"
+        if key not in out or r["goodput_tok_s"] > out[key]["goodput_tok_s"]:
+            out[key] = r
     return out
 
 
@@ -215,6 +260,7 @@ def main() -> int:
         results["verdict"] = verdict(results)
         _print(console, results)
         console.print(markdown(results), soft_wrap=True)
+        console.print(learned_markdown(results), soft_wrap=True)
         return 0
     sc = SchedulerConfig()
     if args.margin is not None:
@@ -253,6 +299,7 @@ def main() -> int:
     results["wall_s"] = time.time() - t0
     _print(console, results)
     console.print(markdown(results), soft_wrap=True)
+    console.print(learned_markdown(results), soft_wrap=True)
     out = Path(args.out)
     write_json(out, results)
     try:
@@ -262,7 +309,7 @@ def main() -> int:
     return 0
 
 
-ANCHORS = ("llm_d", "dynamo")
+ANCHORS = ("llm_d", "dynamo", "llm_d_latency")
 OPENAI_CLIENT_RETRIES = 2  # openai-python's DEFAULT_MAX_RETRIES: a 429 is retried after its Retry-After
 RETRYING = "cost, clients retry"
 GATED = tuple(f"{a}, admission" for a in ANCHORS)  # the anchors with the same SLO-aware admission as cost
@@ -372,6 +419,25 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def learned_markdown(results: dict[str, Any]) -> str:
+    """Against the learned black box: per cluster, trace and load, SLO goodput (tok/s) of cost, llm-d, Dynamo and
+    llm-d's predicted-latency routing (each anchor at its best; that one's configuration named), and cost over
+    it."""
+    lines = ["| cluster / trace | load | cost | llm-d | Dynamo | llm-d predicted latency (best config) | cost / it |",
+             "|---|---:|---:|---:|---:|---|---:|"]
+    for cname, c in results["clusters"].items():
+        for tname, t in c["traces"].items():
+            for p in t["points"]:
+                lat = p.get("llm_d_latency")
+                if lat is None:
+                    continue
+                g = {k: p[k]["goodput_tok_s"] for k in ("cost", "llm_d", "dynamo")}
+                lines.append(f"| {cname} / {tname} | {p['load']:g}x | {g['cost']:.0f} | {g['llm_d']:.0f} | "
+                             f"{g['dynamo']:.0f} | {lat['goodput_tok_s']:.0f} ({lat['label']}) | "
+                             f"{g['cost'] / max(lat['goodput_tok_s'], 1e-9):.2f}x |")
+    return "\n".join(lines)
+
+
 def _plot(path: Path, results: dict[str, Any]) -> None:
     import matplotlib
 
@@ -385,7 +451,7 @@ def _plot(path: Path, results: dict[str, Any]) -> None:
         for j, (tname, t) in enumerate(c["traces"].items()):
             ax = axes[i][j]
             for key, style in (("cost", "o-"), ("cost, admission off", "x--"), ("llm_d", "s-"), ("dynamo", "^-"),
-                               ("load balancer", "d:")):
+                               ("llm_d_latency", "v-"), ("load balancer", "d:")):
                 pts = [(p["load"], p[key]["goodput_tok_s"]) for p in t["points"] if key in p]
                 ax.plot(*zip(*pts, strict=True), style, label=key, ms=4)
             ax.set_title(f"{cname} / {tname}", fontsize=9)
@@ -393,7 +459,8 @@ def _plot(path: Path, results: dict[str, Any]) -> None:
             ax.set_ylabel("SLO goodput (tok/s)")
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("SLO goodput vs load: cost vs the anchors at their best (llm-d, Dynamo) and the load balancer")
+    fig.suptitle("SLO goodput vs load: cost vs the anchors at their best (llm-d, Dynamo, llm-d predicted latency) "
+                 "and the load balancer")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from hetmesh.placement.dynamo import Dynamo
 from hetmesh.placement.llmd import LlmD
+from hetmesh.placement.llmd_latency import LlmDLatency
 from hetmesh.placement.state import Decision, RequestInfo, WorkerView
 from hetmesh.protocol import Role
 
@@ -121,6 +122,7 @@ POLICIES: dict[str, Callable[..., Policy]] = {
     # The routers users come from, as their projects document them (benchmarks/anchors.py compares them).
     LlmD.name: LlmD,
     Dynamo.name: Dynamo,
+    LlmDLatency.name: LlmDLatency,  # llm-d's predicted-latency routing: learned from observed TTFT/TPOT, no physics
 }
 
 

@@ -32,6 +32,8 @@ def policy_for(name: str, workers: Sequence[WorkerSpec], slo: Slo | Mapping[str,
             kw["slos"] = {m: (s.ttft_s, s.tpot_s) for m, s in slo.items()}
         kw.update(kwargs)
         return make_policy(name, **kw)
+    if name == "llm_d_latency" and isinstance(slo, Slo):  # its headroom scorer reads the request's SLOs
+        kwargs = {"ttft_slo_s": slo.ttft_s, "tpot_slo_s": slo.tpot_s, **kwargs}
     return make_policy(name, **kwargs)
 
 

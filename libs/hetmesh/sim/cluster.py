@@ -117,6 +117,9 @@ class Simulator:
         self.flow: SimFlow | None = None  # flow control (SimConfig.tenants)
         # Each worker's engine steps go to a policy that learns from them, every report_s (its heartbeat)
         self._observe = getattr(policy, "observe", None) if getattr(policy, "learner", None) is not None else None
+        # A policy that learns from observed latencies hears of each first token (TTFT) and finished request
+        self._first = getattr(policy, "request_first_token", None)
+        self._done = getattr(policy, "request_done", None)
 
     def _build(self, hash_tokens: int) -> None:
         cms: dict[tuple, CostModel] = {}
@@ -334,6 +337,8 @@ class Simulator:
             if r.first < 0:
                 r.first = now
                 r.cached = s.cached_tokens
+                if self._first is not None:
+                    self._first(str(r.rid), now - r.arrival, now)
         for s in out.finished:
             r = reqs[s.rid]
             if s.kind != _PREFILL:
@@ -378,6 +383,10 @@ class Simulator:
             pw.spec.worker_id if pw else "", dw.spec.worker_id if dw else "",
             getattr(d, "predicted_ttft_s", None), getattr(d, "predicted_tpot_s", None), r.model or self._model,
             r.tenant))
+        if self._done is not None:
+            rec = self.records[-1]
+            self._done(str(r.rid), rec.prefill_worker, rec.decode_worker, rec.ttft,
+                       rec.tpot if r.n_out > 1 else None, self.now)
         if dw is not None:
             self._stale.add(dw)
         del self.reqs[r.rid]
