@@ -119,7 +119,7 @@ class FlowGate:
                 q.take(h, now)
                 continue
             held = (now - w.t0) * self.scale
-            d = self._place(w.req, msgspec.structs.replace(w.info, arrival=w.info.arrival + held, waited_s=held))
+            d = self._place(w.req, msgspec.structs.replace(w.info, arrival=w.info.arrival + held, waited_s=w.info.waited_s + held))
             if d is not None and d.mode == REFUSED and d.hold_s is not None:
                 break  # the fleet is still full for the one that goes next
             q.take(h, now)
