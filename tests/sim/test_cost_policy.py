@@ -114,9 +114,9 @@ def test_a_prefill_is_charged_only_the_time_it_takes_from_the_decodes_beside_it(
     ctx = 2048 + 50  # the context every decode is priced at: the prompt and half the output
     pf = cm.step_time([(2048, 0)], [ctx] * 10)
     stolen = pf - cm.decode_step_time(10, 10 * ctx)
-    assert pr.pf[0] == pytest.approx(pf, rel=1e-6)
+    assert pr.prefill[0] == pytest.approx(pf, rel=1e-6)
     assert pr.stolen[0] == pytest.approx(stolen, rel=1e-6) and 0 < stolen < pf
-    assert pr.ext_p[0] == pytest.approx(10 * stolen, rel=1e-6)  # 10 decodes held up
+    assert pr.prefill_delay[0] == pytest.approx(10 * stolen, rel=1e-6)  # 10 decodes held up
 
 
 
@@ -135,8 +135,8 @@ def test_a_short_decode_is_priced_at_the_recent_prefill_share_a_long_one_at_the_
     placed = d.predicted_ttft_s  # the prefill seconds placed at t = 20: the last TTFT includes those before it
     first = make_policy("cost")._price(req(16, 2, t=0.0), [w])  # the t = 0 prefill's seconds
     assert first is not None
-    acc = float(first.pf[0]) * math.exp(-20 / 30) + placed  # the t = 0 prefill decayed, plus the burst
-    acc_short = float(first.pf[0]) * math.exp(-20 / (30 / 27)) + placed
+    acc = float(first.prefill[0]) * math.exp(-20 / 30) + placed  # the t = 0 prefill decayed, plus the burst
+    acc_short = float(first.prefill[0]) * math.exp(-20 / (30 / 27)) + placed
     cm = CostModel(accelerator("nvidia-h100"), model_spec("llama-3.1-70b"), devices=8)
 
     def expected(out: int, tau: float, a: float) -> float:
@@ -158,7 +158,7 @@ def test_a_prefill_workers_running_sequences_are_not_priced_as_decodes() -> None
     busy = make_policy("cost")._price(req(2048, 100), [view("p-0", "nvidia-h100", Role.PREFILL, running=10), d])
     idle = make_policy("cost")._price(req(2048, 100), [view("p-0", "nvidia-h100", Role.PREFILL), d])
     assert busy is not None and idle is not None
-    assert busy.pf[0] == pytest.approx(idle.pf[0], rel=1e-9)
+    assert busy.prefill[0] == pytest.approx(idle.prefill[0], rel=1e-9)
 
 
 def test_a_prompt_behind_a_backlog_books_its_share_of_the_steps_it_fills() -> None:

@@ -1,46 +1,11 @@
-"""The cost-aware placement policy: predict each feasible placement, pick the best.
+"""The cost-aware placement policy: price every feasible placement with the cost model, pick the best.
 
-For a request it prices every aggregated placement (one `both` worker does prefill and decode)
-and every disaggregated one (prefill on P, KV over the NICs, decode on D; a `both` worker may
-take either phase) with the cost model:
-
-    TTFT  = prefill backlog on P + prefill time on P (after P's prefix hit, with P's decode batch riding along)
-    TPOT  = decode step time on D at its batch (running + queued + this one) / (1 - D's prefill share)
-            + with admission on, the wait for a slot when that batch is over full, spread over its output tokens
-    e2e   = TTFT + KV transfer (disaggregated) + (output - 1) * TPOT
-
-The prefill backlog and each worker's prefill share are the policy's own bookkeeping of what
-it placed (prefill seconds it predicted, drained in real time, read off `RequestInfo.arrival`).
-On a data-parallel worker (any role) a prompt that finds a backlog is booked at its share of the steps
-it fills with the prompts ahead of it (the batching core packs chunks under one token budget), not at
-steps of its own: a short prompt alone pays a whole step's weight reads (over 8 devices a 1K-token
-prompt alone costs 8x its share), and booking that made the backlog, hence admission's TTFT, 2-3x too
-long on a busy pool. A prefill worker's running sequences are prefills (in the backlog), not decodes
-riding along.
-The share a decode is priced at is forecast over its own life at its SLO ((output - 1) x TPOT SLO):
-prefills arrive in bursts, and a 12-token decode lives through the burst it lands in, not through the
-30 s mean, so it reads the share at the ladder's shortest time constant covering its life (window,
-window/3, ...; never below the window's);
-batch sizes, memory and roles come from the `WorkerView`s. Objectives: "throughput" takes the
-lowest e2e time plus the delay the placement puts on others (what the prefill's steps on P take
-from every sequence it holds up there beyond the decode steps they would have run anyway: P's
-running batch and the decodes queued on it, not the prefills this policy queued ahead of it; and
-D's slower steps), preferring placements inside the SLOs (in a closed loop, the highest throughput;
-the one that frees the cluster soonest otherwise);
-"latency" takes the lowest TTFT among the placements that meet both SLOs (or the least
-violating one).
-
-With admission on, the policy also keeps the SLOs of the decodes it admitted (hetmesh.placement.guard): a
-decode so short that one full prefill chunk beside it would break its TPOT SLO is guarded for its life, a
-placement whose prefill would push guarded decodes past their SLO ranks after those that keep every SLO,
-and admission looks for a placement that costs them fewer output tokens than the request may bring. The
-share prices the prefill a decode should expect; the guard keeps the policy from placing the one prefill
-that breaks a decode too short to average over. Longer decodes are left to the share: guarding them too
-makes the prefill-strong chip hold decodes (the seed case's closed loop: -15% throughput, measured).
-
-Every worker is priced at once with numpy (`step_seconds_many`, the scalar cost model's
-arithmetic over arrays), so a placement over hundreds of workers stays well under a millisecond;
-the policy's bookkeeping lives in arrays indexed by a slot per worker for the same reason.
+Every aggregated placement (one `both` worker) and the best prefill x decode pairs are priced for TTFT
+(backlog + prefill on P), TPOT (decode step on D slowed by its prefill share) and e2e (TTFT + KV transfer +
+(output - 1) x TPOT); pricing.py holds the arithmetic. "throughput" takes the lowest e2e plus the delay the
+placement puts on others, "latency" the lowest TTFT, both preferring placements inside the SLOs. The backlog,
+the prefill share and the decode guard are the policy's own bookkeeping of what it placed, in arrays indexed
+by a slot per worker. Formulas and reasons: docs/costmodel.md (cost-aware policy).
 """
 
 from __future__ import annotations
@@ -62,34 +27,15 @@ from hetmesh.costmodel import (
 )
 from hetmesh.costmodel.learn import Learner, StepSample, WorkerKey
 from hetmesh.costmodel.model import COEFFICIENTS, step_seconds_many, transfer_time
+from hetmesh.placement import pricing
 from hetmesh.placement.admission import DEFAULT_HOLD_S, DEFAULT_MARGIN, admit, over_slo, quiet_s, refusal
-from hetmesh.placement.fleet import PREFILL, Fleet
+from hetmesh.placement.fleet import Fleet
 from hetmesh.placement.guard import DecodeGuard
+from hetmesh.placement.pricing import Priced
 from hetmesh.placement.state import Decision, RequestInfo, WorkerView
 
 SHARE_RUNGS = 4  # the prefill share's time constants: window, window/3, window/9, window/27
 MAX_CANDIDATES = 16  # options a Decision lists (best first) for the placement span
-
-
-class _Priced(msgspec.Struct, frozen=True, kw_only=True):
-    """One request priced on every worker (arrays indexed like the fleet's workers)."""
-
-    now: float
-    pre: np.ndarray  # workers that can prefill it
-    dec: np.ndarray  # workers that can decode it
-    agg: np.ndarray  # the `both` ones among pre
-    cached: np.ndarray  # prompt tokens each worker holds
-    ctx: int  # the context a decode step is priced at
-    pf: np.ndarray  # prefill seconds on each worker (its steps, the decodes riding along included)
-    booked: np.ndarray  # what it adds to the worker's backlog: pf, or less where it shares steps
-    stolen: np.ndarray  # of which the decodes there would not have spent anyway
-    ttft: np.ndarray  # backlog + prefill on each worker as P
-    plain: np.ndarray  # decode step on each worker as D at its batch, no prefill beside it
-    full_chunk: np.ndarray  # what one full prefill chunk there takes from the decodes beside it
-    tpot: np.ndarray  # that step slowed by the worker's prefill share
-    ext_p: np.ndarray  # seconds a prefill there takes from the sequences running or queued there
-    ext_d: np.ndarray  # seconds this decode there adds to the others' steps
-    fits: np.ndarray  # its KV fits on each worker as D
 
 
 class CostPolicy:
@@ -152,7 +98,7 @@ class CostPolicy:
         self._life = np.zeros(16)  # per worker: the mean seconds a decode placed there holds its slot
         self._starts: list[deque[float]] = []
         self._fleet = Fleet(self._cm_row, self._slot, lambda: self._coef)
-        self._work = np.zeros((4, 0))  # step_seconds_many's prefill arguments, 5 steps per worker
+        self._steps = pricing.StepPricer()
         self._guard = DecodeGuard()
 
     # ---- helpers ----
@@ -235,137 +181,59 @@ class CostPolicy:
         return bw
 
     # ---- the decision ----
-    def _price(self, req: RequestInfo, workers: Sequence[WorkerView]) -> _Priced | None:
+    def _price(self, req: RequestInfo, workers: Sequence[WorkerView]) -> Priced | None:
         """Every worker priced for `req`: TTFT on it as P, TPOT on it as D, and the delay each puts on others."""
         f = self._fleet
         f.sync(workers)
-        pre, dec, agg_i = f.pools(req.model, req.exclude)
+        pre, dec, agg = f.pools(req.model, req.exclude)
         if not len(pre) or not len(dec):
             return None
         now = req.arrival
         if self._t0 < 0:
             self._t0 = now
-        prompt = req.prompt_len
-        slots, sl, nw = f.slots, f.slot_index, len(f.ids)  # sl: slots as a view when it can be
-        running, queue, max_batch, step_tokens, kv_total, kv_used, block_size = f.num.T
-        # a prefill worker's running sequences are prefills (in its backlog already), not decodes beside them
-        prefill_only = f.role == PREFILL
-        running = np.where(prefill_only, 0.0, running)
-        hit_blocks = np.zeros(nw)
-        for wid, nb in req.cached_blocks.items():
-            i = f.index.get(wid)
-            if i is not None:
-                hit_blocks[i] = nb
-        cached = np.minimum(hit_blocks * req.block_size, max(prompt - 1, 0))  # RequestInfo.cached_tokens
-        ctx = prompt + req.max_tokens // 2
-
-        # Priced in one call, per worker: the prefill's first chunk (the chunks the batching core would run,
-        # its decode batch riding along), and a decode step at its batch (running + queued + this one) and at
-        # one fewer (the marginal cost of this sequence), and the running batch's decode step alone (what the
-        # prefill's steps would have cost anyway). Prompts longer than a chunk price the rest after.
-        chunk = np.maximum(step_tokens - running, 1.0)
-        left = np.maximum(prompt - cached, 1.0)
-        n_steps = np.ceil(left / chunk)
-        n = np.minimum(left, chunk)
-        b = running + queue + 1
-        bb = np.minimum(b, max_batch)
-        # Only a data-parallel worker is booked at its packed share (below): priced only if there is one
-        pack = f.dp
-        packing = bool(pack.any())
-        blocks = 6 if packing else 5
-        work = self._work
-        if work.shape[1] != blocks * nw:
-            work = self._work = np.zeros((4, blocks * nw))  # the decode steps' prefill columns stay 0
-        work[0, :nw] = n
-        work[1, :nw] = (n > 0) * 1.0
-        work[2, :nw] = n * cached + n * (n + 1) // 2
-        work[3, :nw] = cached
-        work[0, 4 * nw : 5 * nw] = chunk  # and a full chunk of a fresh prompt beside the running batch
-        work[1, 4 * nw : 5 * nw] = 1.0
-        work[2, 4 * nw : 5 * nw] = chunk * (chunk + 1) // 2
-        batch = [running, bb, bb - 1, running, running]
-        if packing:  # and a step filled with copies of its first chunk: queued behind other prompts it shares
-            # its steps (the batching core packs chunks under one token budget), so it takes that step / copies
-            copies = chunk / np.maximum(n, 1.0)
-            work[:, 5 * nw :] = work[:, :nw] * copies
-            batch.append(running)
-        batch_ = np.concatenate(batch)
-        priced = step_seconds_many(f.tiled(blocks), work[0], work[1], work[2], work[3], batch_, batch_ * ctx)
-        pf, step, fewer, alone = priced[:nw], priced[nw : 2 * nw], priced[2 * nw : 3 * nw], priced[3 * nw : 4 * nw]
-        full_chunk = priced[4 * nw : 5 * nw] - alone
-        packed = priced[5 * nw :] / copies if packing else None
-        done = cached + n
-        left = left - n
-        coef = f.tiled(2) if packing else f.coef
-        while np.count_nonzero(left):  # the rest of the prompt (a worker done with it adds nothing)
-            n = np.minimum(left, chunk)
-            on = (n > 0) * 1.0
-            args = [n, on, n * done + n * (n + 1) // 2, done, running, running * ctx]
-            if packing:  # its last, partial chunk shares a step too
-                k = chunk / np.maximum(n, 1.0)
-                args = [np.concatenate([a, a * k]) for a in args[:4]] + [np.concatenate([a, a]) for a in args[4:]]
-            t = step_seconds_many(coef, *args)
-            pf += t[:nw] * on
-            if packed is not None:
-                packed += t[nw:] / k * on
-            done += n
-            left -= n
-        # Booked: on a data-parallel worker (any role), its packed share as far as the backlog ahead of it
-        # fills its steps (a backlog of a full step or more: full steps; none: a step of its own): a short
-        # prompt takes one of its engines, and its steps alone would book all of them (a `both` dp CPX
-        # prefilling for a decoder refused 57% of a code trace it serves at 98%: measured). Elsewhere its own
-        # steps: on a tp / ep worker the packed share under-predicted TTFT (seed R1 at 0.8x: 8% at the
-        # median, the gated anchors -30% goodput; on tp `both` workers, the anchors -6%: measured), where its
-        # own steps predict it within 3%.
+        sl = f.slot_index  # the workers' bookkeeping slots (a view when it can be)
+        ld = pricing.load(f)
+        p = pricing.prompt(req, f, ld)
+        steps = self._steps(f, ld, p)
+        prefill, packed = pricing.prefill_time(f, ld, p, steps)
         backlog = np.maximum(self._busy_until[sl] - now, 0.0)
-        booked = pf
-        if packed is not None:
-            fill = np.minimum(backlog / np.maximum(priced[4 * nw : 5 * nw], 1e-9), 1.0)
-            booked = np.where(pack, pf - (pf - np.minimum(packed, pf)) * fill, pf)
-        ttft = backlog + pf
-        # What the prefill takes from the decodes beside it (the prefill share's unit): its steps less the
-        # plain decode steps they replace.
-        stolen = np.maximum(pf - n_steps * alone, 0.0)
+        booked = pricing.booking(prefill, packed, backlog, steps, f.dp)
+        # what the prefill takes from the decodes beside it (the prefill share's unit): its steps less the
+        # plain decode steps they replace
+        stolen = np.maximum(prefill - p.steps * steps.decode_alone, 0.0)
+        d = pricing.decode_step(ld, steps)
+        slow = 1.0 - self._decode_share(now, sl, req)
+        tpot = pricing.tpot(d, slow, ld, self._life[sl], req.max_tokens, self._margin(req.model) > 0)
+        return Priced(now=now, pre=pre, dec=dec, agg=agg, cached=p.cached, ctx=p.ctx, prefill=prefill,
+                      booked=booked, stolen=stolen, ttft=backlog + prefill, plain=d.plain, full_chunk=d.full_chunk,
+                      tpot=tpot, prefill_delay=stolen * pricing.stalled(ld, self._queued_prefills(now)),
+                      decode_delay=pricing.decode_delay(ld, d, slow, req.max_tokens), fits=pricing.kv_fits(ld, req))
 
-        # Decode, slowed by the worker's prefill share.
-        waits = b > max_batch
-        if np.count_nonzero(waits):
-            step = np.where(waits, step * (b / max_batch), step)  # waits for a slot: b / max_batch rounds
-        marginal = step - fewer
-        marginal[bb <= 1] = 0.0
+    def _decode_share(self, now: float, sl: np.ndarray | slice, req: RequestInfo) -> np.ndarray:
+        """The prefill share a decode of `req` is priced at: over its life at its TPOT SLO (the ladder's rung
+        covering it), never below the window's."""
         share = self._share(now, sl, 0)
         _, tpot_slo = self._slo(req.model)
-        rung = self._rung(max(req.max_tokens - 1, 1) * tpot_slo)  # the decode's life at its SLO
-        if rung > 0:  # a short decode: the recent share, never below the long-run one
+        rung = self._rung(max(req.max_tokens - 1, 1) * tpot_slo)
+        if rung > 0:
             share = np.maximum(share, self._share(now, sl, rung))
-        slow = 1.0 - share
-        # never slower than a step carrying a full chunk beside the batch: prefill cannot take more of a step
-        tpot = np.minimum(step / slow, step + full_chunk)
-        if np.count_nonzero(waits) and self._margin(req.model) > 0:
-            # Keeping SLOs: it also waits until b - max_batch slots free (the queue before it, then its own), one
-            # every life / max_batch seconds, and pays that wait in its own tokens: a short decode behind a
-            # full batch pays it in a few (the rounds above only price the load; with admission off, serving
-            # everything, the wait costs the cluster nothing and the rounds alone spread a saturated cluster).
-            tpot = tpot + np.maximum(b - max_batch, 0.0) * self._life[sl] / max_batch / max(req.max_tokens - 1, 1)
-        ext_d = (bb - 1) * max(req.max_tokens - 1, 0) * marginal / slow
-        # Sequences a prefill here would hold up: the running batch and the decodes queued (for their KV or
-        # a slot), not the prefills this policy queued ahead of it.
-        for s in slots[self._first_start[sl] <= now].tolist():  # queued prefills that started by now
+        return share
+
+    def _queued_prefills(self, now: float) -> np.ndarray:
+        """The prefills this policy queued on each worker that have not started by `now`."""
+        f = self._fleet
+        sl = f.slot_index
+        for s in f.slots[self._first_start[sl] <= now].tolist():  # queues whose head started by now
             starts = self._starts[s]
             while starts and starts[0] <= now:
                 starts.popleft()
             self._first_start[s] = starts[0] if starts else math.inf
             self._queued[s] = len(starts)
-        stalled = running + np.maximum(queue - self._queued[sl], 0.0)
-        need = np.ceil((prompt + req.max_tokens) / np.maximum(block_size, 1))
-        fits = (kv_total <= 0) | (need <= kv_total - kv_used) | (running == 0)
-        return _Priced(now=now, pre=pre, dec=dec, agg=agg_i, cached=cached, ctx=ctx, pf=pf, booked=booked,
-                       stolen=stolen, ttft=ttft,
-                       plain=step, full_chunk=full_chunk, tpot=tpot, ext_p=stolen * stalled, ext_d=ext_d, fits=fits)
+        return self._queued[sl]
 
-    def _idle(self, pr: _Priced, prefill: np.ndarray, n_out: int, ttft_slo: float, tpot_slo: float) -> float:
+    def _idle(self, pr: Priced, prefill: np.ndarray, n_out: int, ttft_slo: float, tpot_slo: float) -> float:
         """admission's idle reference: the best prefill alone, and a decode step alone in its batch, over SLO."""
-        idle = float(pr.pf[prefill].min()) / ttft_slo
+        idle = float(pr.prefill[prefill].min()) / ttft_slo
         if n_out > 1:
             c = self._fleet.coef[:, pr.dec]
             one, z = np.ones(len(pr.dec)), np.zeros(len(pr.dec))
@@ -421,7 +289,7 @@ class CostPolicy:
             order = np.lexsort((o_e2e, o_ttft, harm > 0, np.maximum(over, 1.0), miss))
         else:  # the cluster-seconds this request costs: its own time plus the delay it puts on others
             # within its SLOs first, then sparing the guarded decodes, then the cheapest
-            order = np.lexsort((o_e2e + pr.ext_p[ip] + pr.ext_d[id_], harm > 0, over > 1.0, miss))
+            order = np.lexsort((o_e2e + pr.prefill_delay[ip] + pr.decode_delay[id_], harm > 0, over > 1.0, miss))
         k = int(order[0])
         p, d = int(ip[k]), int(id_[k])
         self._guarded(pr, int(f.slots[p]), int(f.slots[d]), p, d, n_out, pr.now + float(o_ttft[k] + xfer[k]), tpot_slo)
@@ -462,7 +330,7 @@ class CostPolicy:
         self._commit(int(self._fleet.slots[p]), float(pr.booked[p]), pr.now)
         return msgspec.structs.replace(decision, predicted_ttft_s=ttft, predicted_tpot_s=tpot)
 
-    def _refusal(self, req: RequestInfo, pr: _Priced, prefills: np.ndarray, p: int, over: float, ttft: float,
+    def _refusal(self, req: RequestInfo, pr: Priced, prefills: np.ndarray, p: int, over: float, ttft: float,
                  tpot: float, margin: float) -> Decision | None:
         """Admission's rule for a placement over `margin` (prefill worker p; its predictions): None if the idle
         exception admits it, else the refusal. The idle reference (over `prefills`) and the arrivals at p are
@@ -470,13 +338,13 @@ class CostPolicy:
         n_out = max(req.max_tokens, 1)
         ttft_slo, tpot_slo = self._slo(req.model)
         idle = self._idle(pr, prefills, n_out, ttft_slo, tpot_slo)
-        busy = self._arrivals(pr.now, int(self._fleet.slots[p]), float(pr.pf[p]))
+        busy = self._arrivals(pr.now, int(self._fleet.slots[p]), float(pr.prefill[p]))
         if admit(over, margin, idle, busy):
             return None
         return refusal(ttft, tpot, over, margin, ttft_slo, idle, req.waited_s, self.admission_hold_s,
                        quiet_s(over, margin, idle, busy, self.window))
 
-    def _guarded(self, pr: _Priced, slot_p: int, slot_d: int, p: int, d: int, n_out: int, start: float,
+    def _guarded(self, pr: Priced, slot_p: int, slot_d: int, p: int, d: int, n_out: int, start: float,
                  tpot_slo: float) -> None:
         """Commit the prefill on P (the decodes there absorb what it takes from them) and guard the decode on D
         from its first token on (DecodeGuard)."""
@@ -522,7 +390,7 @@ class CostPolicy:
         return max(tau * (1.0 - math.exp(-max(now - self._t0, 1e-3) / tau)), min(1.0, tau))
 
     def _commit(self, slot: int, booked: float, now: float) -> None:
-        """Queue `booked` prefill seconds (`_Priced.booked`) on the worker behind what it holds."""
+        """Queue `booked` prefill seconds (`Priced.booked`) on the worker behind what it holds."""
         start = max(float(self._busy_until[slot]), now)
         if not self._starts[slot]:
             self._first_start[slot] = start

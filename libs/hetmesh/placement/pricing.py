@@ -1,0 +1,217 @@
+"""One request priced on every worker at once, in named steps: the cost policy's arithmetic over a `Fleet`'s arrays.
+
+Each step is a pure function of the fleet's numbers and the request; the policy's own bookkeeping (each
+worker's backlog, prefill share, decode slot life) is passed in. Every worker is priced in one numpy call
+(`step_seconds_many`), so a placement over hundreds of workers stays well under a millisecond. What is
+priced and why: docs/costmodel.md (cost-aware policy, a prefill worker's backlog).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from hetmesh.costmodel.model import step_seconds_many
+from hetmesh.placement.fleet import PREFILL, Fleet
+from hetmesh.placement.state import RequestInfo
+
+
+class Priced(msgspec.Struct, frozen=True, kw_only=True):
+    """One request priced on every worker (arrays indexed like the fleet's workers)."""
+
+    now: float
+    pre: np.ndarray  # workers that can prefill it
+    dec: np.ndarray  # workers that can decode it
+    agg: np.ndarray  # the `both` ones among pre
+    cached: np.ndarray  # prompt tokens each worker holds
+    ctx: int  # the context a decode step is priced at
+    prefill: np.ndarray  # prefill seconds on each worker (its steps, the decodes riding along included)
+    booked: np.ndarray  # what it adds to the worker's backlog: `prefill`, or less where it shares steps
+    stolen: np.ndarray  # of which the decodes there would not have spent anyway
+    ttft: np.ndarray  # backlog + prefill on each worker as P
+    plain: np.ndarray  # decode step on each worker as D at its batch, no prefill beside it
+    full_chunk: np.ndarray  # what one full prefill chunk there takes from the decodes beside it
+    tpot: np.ndarray  # that step slowed by the worker's prefill share
+    prefill_delay: np.ndarray  # seconds a prefill there takes from the sequences running or queued there
+    decode_delay: np.ndarray  # seconds this decode there adds to the others' steps
+    fits: np.ndarray  # its KV fits on each worker as D
+
+
+class Load(msgspec.Struct, frozen=True):
+    """Each worker's numbers (`Fleet.num`'s columns) as pricing reads them, and the batch a decode joins."""
+
+    running: np.ndarray  # decodes running (0 on a prefill worker: its running sequences are prefills, booked)
+    queue: np.ndarray
+    max_batch: np.ndarray
+    step_tokens: np.ndarray
+    kv_total: np.ndarray
+    kv_used: np.ndarray
+    block_size: np.ndarray
+    batch: np.ndarray  # running + queued + this one
+    seated: np.ndarray  # of which in the batch at once (at most max_batch)
+
+
+def load(f: Fleet) -> Load:
+    running, queue, max_batch, step_tokens, kv_total, kv_used, block_size = f.num.T
+    running = np.where(f.role == PREFILL, 0.0, running)
+    batch = running + queue + 1
+    return Load(running, queue, max_batch, step_tokens, kv_total, kv_used, block_size, batch,
+                np.minimum(batch, max_batch))
+
+
+class Prompt(msgspec.Struct, frozen=True):
+    """The request's prompt on each worker: what it holds of it and the chunks the rest is prefilled in."""
+
+    cached: np.ndarray  # prompt tokens the worker holds (RequestInfo.cached_tokens)
+    chunk: np.ndarray  # tokens a prefill step takes beside the running batch
+    left: np.ndarray  # tokens to prefill (at least one)
+    steps: np.ndarray  # prefill steps: left / chunk, rounded up
+    first: np.ndarray  # the first step's tokens
+    ctx: int  # the context a decode step is priced at: the prompt and half the output
+
+
+def prompt(req: RequestInfo, f: Fleet, ld: Load) -> Prompt:
+    length = req.prompt_len
+    hit_blocks = np.zeros(len(f.ids))
+    for wid, nb in req.cached_blocks.items():
+        i = f.index.get(wid)
+        if i is not None:
+            hit_blocks[i] = nb
+    cached = np.minimum(hit_blocks * req.block_size, max(length - 1, 0))
+    chunk = np.maximum(ld.step_tokens - ld.running, 1.0)
+    left = np.maximum(length - cached, 1.0)
+    return Prompt(cached, chunk, left, np.ceil(left / chunk), np.minimum(left, chunk), length + req.max_tokens // 2)
+
+
+class Steps(msgspec.Struct, frozen=True):
+    """The steps priced per worker in one cost-model call (a block of the fleet's width each, in this order)."""
+
+    first_chunk: np.ndarray  # the prompt's first chunk, the decode batch riding along
+    decode: np.ndarray  # a decode step at the batch it joins (Load.seated)
+    decode_fewer: np.ndarray  # at one fewer: the difference is this sequence's marginal cost
+    decode_alone: np.ndarray  # the running batch alone: what a prefill's steps would have cost anyway
+    with_chunk: np.ndarray  # a full chunk of a fresh prompt beside the running batch
+    packed: np.ndarray | None  # its share of a step filled with copies of its first chunk (dp fleets only)
+
+
+class StepPricer:
+    """Prices `Steps` in one `step_seconds_many` call, its prefill arguments in a buffer reused per fleet size."""
+
+    def __init__(self) -> None:
+        self._work = np.zeros((4, 0))  # prefill tokens, sequences, pairs, cached: a block per step
+        self._block = self._work.reshape(4, 0, 0)  # the same, block[:, k] step k's arguments
+
+    def __call__(self, f: Fleet, ld: Load, p: Prompt) -> Steps:
+        nw = len(f.ids)
+        # A data-parallel worker books a prompt at its packed share (`booking`): priced only if there is one.
+        packing = bool(f.dp.any())
+        blocks = 6 if packing else 5
+        if self._work.shape[1] != blocks * nw:
+            self._work = np.zeros((4, blocks * nw))  # the decode steps' prefill arguments stay 0
+            self._block = self._work.reshape(4, blocks, nw)  # a view
+        work, block = self._work, self._block
+        n = p.first
+        block[0, 0] = n
+        block[1, 0] = 1.0  # one sequence: every worker has at least a token of it to prefill
+        block[2, 0] = n * p.cached + n * (n + 1) // 2
+        block[3, 0] = p.cached
+        block[0, 4] = p.chunk
+        block[1, 4] = 1.0
+        block[2, 4] = p.chunk * (p.chunk + 1) // 2
+        running = ld.running
+        batch = [running, ld.seated, ld.seated - 1, running, running]
+        if packing:
+            copies = p.chunk / np.maximum(n, 1.0)
+            block[:, 5] = block[:, 0] * copies
+            batch.append(running)
+        sizes = np.concatenate(batch)
+        priced = step_seconds_many(f.tiled(blocks), work[0], work[1], work[2], work[3], sizes, sizes * p.ctx)
+        steps = priced.reshape(blocks, nw)
+        return Steps(steps[0], steps[1], steps[2], steps[3], steps[4], steps[5] / copies if packing else None)
+
+
+def prefill_time(f: Fleet, ld: Load, p: Prompt, s: Steps) -> tuple[np.ndarray, np.ndarray | None]:
+    """Prefill seconds on each worker (the first chunk, then the rest of the prompt chunk by chunk, the
+    decode batch riding along), and with a data-parallel worker in the fleet its packed share of them (both
+    summed in place into `s.first_chunk` and `s.packed`)."""
+    nw = len(f.ids)
+    seconds = s.first_chunk
+    packed = s.packed
+    done = p.cached + p.first
+    left = p.left - p.first
+    coef = f.tiled(2) if packed is not None else f.coef
+    running = ld.running
+    while np.count_nonzero(left):  # a worker done with the prompt adds nothing
+        n = np.minimum(left, p.chunk)
+        on = (n > 0) * 1.0
+        args = [n, on, n * done + n * (n + 1) // 2, done, running, running * p.ctx]
+        if packed is not None:  # its last, partial chunk shares a step too
+            k = p.chunk / np.maximum(n, 1.0)
+            args = [np.concatenate([a, a * k]) for a in args[:4]] + [np.concatenate([a, a]) for a in args[4:]]
+        t = step_seconds_many(coef, *args)
+        seconds += t[:nw] * on
+        if packed is not None:
+            packed += t[nw:] / k * on
+        done += n
+        left -= n
+    return seconds, packed
+
+
+def booking(seconds: np.ndarray, packed: np.ndarray | None, backlog: np.ndarray, s: Steps,
+            dp: np.ndarray) -> np.ndarray:
+    """What a prefill adds to each worker's backlog. On a data-parallel worker its packed share as far as
+    the backlog ahead of it fills its steps (a full step or more: full steps; none: a step of its own),
+    since the batching core packs queued prompts' chunks under one token budget and a short prompt alone
+    would book every engine's weight reads. Elsewhere its own steps: on tensor/expert-parallel workers a
+    queued prompt waits for decode slots as much as for steps, and its own steps predict its TTFT."""
+    if packed is None:
+        return seconds
+    fill = np.minimum(backlog / np.maximum(s.with_chunk, 1e-9), 1.0)
+    return np.where(dp, seconds - (seconds - np.minimum(packed, seconds)) * fill, seconds)
+
+
+class DecodeStep(msgspec.Struct, frozen=True):
+    """A decode step on each worker as D, before the prefill share slows it."""
+
+    plain: np.ndarray  # the decode step at the batch it joins; beyond max_batch, batch / max_batch of them
+    marginal: np.ndarray  # what this sequence adds to that step (0 in a batch of one)
+    full_chunk: np.ndarray  # what a full prefill chunk beside the running batch adds to its step
+    waits: np.ndarray  # the batch it joins is over full: it waits for a slot
+
+
+def decode_step(ld: Load, s: Steps) -> DecodeStep:
+    step = s.decode
+    waits = ld.batch > ld.max_batch
+    if np.count_nonzero(waits):
+        step = np.where(waits, step * (ld.batch / ld.max_batch), step)  # waits for a slot: b / max_batch rounds
+    marginal = step - s.decode_fewer
+    marginal[ld.seated <= 1] = 0.0
+    return DecodeStep(step, marginal, s.with_chunk - s.decode_alone, waits)
+
+
+def tpot(d: DecodeStep, slow: np.ndarray, ld: Load, life: np.ndarray, n_out: int, keep_slo: bool) -> np.ndarray:
+    """Time per output token on each worker as D: its step slowed by the prefill share (`slow` = 1 - share),
+    never by more than a full chunk beside the batch. Keeping SLOs (`keep_slo`), a decode behind a full
+    batch also waits for batch - max_batch slots to free, one every life / max_batch seconds, and pays that
+    wait in its own tokens (with admission off the wait costs the cluster nothing: the rounds alone price it)."""
+    out = np.minimum(d.plain / slow, d.plain + d.full_chunk)
+    if keep_slo and np.count_nonzero(d.waits):
+        out = out + np.maximum(ld.batch - ld.max_batch, 0.0) * life / ld.max_batch / max(n_out - 1, 1)
+    return out
+
+
+def decode_delay(ld: Load, d: DecodeStep, slow: np.ndarray, n_out: int) -> np.ndarray:
+    """Seconds a decode there adds to the other sequences' steps over its life."""
+    return (ld.seated - 1) * max(n_out - 1, 0) * d.marginal / slow
+
+
+def stalled(ld: Load, queued_prefills: np.ndarray) -> np.ndarray:
+    """Sequences a prefill would hold up on each worker: its running batch and the decodes queued there
+    (for their KV or a slot), not the prefills the policy queued ahead of it."""
+    return ld.running + np.maximum(ld.queue - queued_prefills, 0.0)
+
+
+def kv_fits(ld: Load, req: RequestInfo) -> np.ndarray:
+    """The request's KV fits on each worker as D (or the worker reports no KV, or runs nothing)."""
+    need = np.ceil((req.prompt_len + req.max_tokens) / np.maximum(ld.block_size, 1))
+    return (ld.kv_total <= 0) | (need <= ld.kv_total - ld.kv_used) | (ld.running == 0)
