@@ -99,7 +99,7 @@ class EventLog:
 
 async def collect_events(nats_url: str) -> AsyncIterator[EventLog]:
     """An EventLog filled from `hetmesh.event.>` while the generator is open (reconnects on its own)."""
-    nc = await nats.connect(nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    nc = await nats.connect(nats_url.split(","), max_reconnect_attempts=-1, reconnect_time_wait=0.2)  # a cluster too
     log = EventLog()
     await nc.subscribe(subjects.EVENTS_ALL, cb=log.on_msg)
     await nc.flush()

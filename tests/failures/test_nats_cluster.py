@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from hetmesh import servers, subjects
+from hetmesh.cli.mesh import fetch_status
 from hetmesh.launcher import Mesh
 
 from ..clusters import cluster_toml, group, model
@@ -114,5 +115,6 @@ async def test_one_nats_node_killed_under_load_loses_nothing(nats_cluster: serve
                     and info.cluster is not None and info.cluster.leader:
                 break
             await asyncio.sleep(0.5)
-    # and the mesh still serves
+    # and the mesh still serves; `hetmesh status` takes the cluster's URL list too
     assert await one(client, REQUESTS) == expected_text(f"request {REQUESTS} of the steady load", MAX_TOKENS)
+    assert len((await fetch_status(nats_cluster.url, 5)).workers) == 2

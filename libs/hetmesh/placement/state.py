@@ -107,7 +107,11 @@ class ClusterState:
         self.timeout_s = heartbeat_timeout_s
         self.wedge_timeout_s = wedge_timeout_s
         self._workers: dict[str, _Entry] = {}
+        # The placement views, kept between placements: a booking or a heartbeat rebuilds only its worker's view
+        # (placing costs O(changed workers), not O(fleet)); a worker joining, leaving or wedged rebuilds all.
         self._views: list[WorkerView] | None = None
+        self._at: dict[str, int] = {}  # worker -> its index in _views
+        self._dirty: set[str] = set()
 
     def observe(self, hb: Heartbeat, now: float) -> str:
         """Fold a heartbeat in: "joined" for a worker not known, "restarted" for a known one whose heartbeat
@@ -115,14 +119,19 @@ class ClusterState:
         timeout and holds nothing the last run held), else ""."""
         old = self._workers.get(hb.worker_id)
         e = self._workers[hb.worker_id] = _Entry(hb, now, progress_at=now)
-        self._views = None
         if old is None:
+            self._views = None
             return "joined"
+        self._changed(hb.worker_id)
         if old.hb.instance and hb.instance and old.hb.instance != hb.instance:
-            return "restarted"
-        if hb.running > 0 and progress(hb) == progress(old.hb):  # busy and still: the clock runs on
-            e.progress_at, e.wedged = old.progress_at, old.wedged
-        return ""
+            seen = "restarted"
+        else:
+            seen = ""
+            if hb.running > 0 and progress(hb) == progress(old.hb):  # busy and still: the clock runs on
+                e.progress_at, e.wedged = old.progress_at, old.wedged
+        if old.wedged != e.wedged:  # back in the placement views
+            self._views = None
+        return seen
 
     def wedged(self, now: float) -> list[str]:
         """Workers newly found wedged: running requests, yet no token in or out for wedge_timeout_s while their
@@ -148,7 +157,7 @@ class ClusterState:
             e = self._workers.get(w)
             if e is not None:
                 e.assigned_since += 1
-        self._views = None
+                self._changed(w)
 
     def finished(self, worker_id: str, ts: float) -> None:
         """A request left the worker at `ts` (worker clock): it stops counting before the next heartbeat,
@@ -157,7 +166,7 @@ class ClusterState:
         e = self._workers.get(worker_id)
         if e is not None and ts > e.hb.ts:
             e.finished_since += 1
-            self._views = None
+            self._changed(worker_id)
 
     def remove(self, worker_id: str) -> bool:
         self._views = None
@@ -192,10 +201,25 @@ class ClusterState:
     def heartbeats(self) -> list[Heartbeat]:
         return [e.hb for e in self._workers.values()]
 
+    def _changed(self, worker_id: str) -> None:
+        if self._views is not None:
+            self._dirty.add(worker_id)
+
     def views(self) -> list[WorkerView]:
-        """The workers placement may use (not wedged)."""
+        """The workers placement may use (not wedged). A list handed out is never changed afterwards."""
         if self._views is None:
-            self._views = [self._view(e) for e in self._workers.values() if not e.wedged]
+            live = [(w, e) for w, e in self._workers.items() if not e.wedged]
+            self._views = [self._view(e) for _, e in live]
+            self._at = {w: i for i, (w, _) in enumerate(live)}
+            self._dirty.clear()
+        elif self._dirty:
+            views = list(self._views)
+            for w in self._dirty:
+                i, e = self._at.get(w), self._workers.get(w)
+                if i is not None and e is not None:
+                    views[i] = self._view(e)
+            self._views = views
+            self._dirty.clear()
         return self._views
 
     def view(self, worker_id: str) -> WorkerView | None:

@@ -22,7 +22,7 @@ import nats.js.errors
 from rich.console import Console
 from rich.table import Table
 
-from hetmesh import subjects
+from hetmesh import config, subjects
 from hetmesh.cli import calibrate, plan
 from hetmesh.cli.mesh import DEFAULT_NATS, fetch_status, nats_url
 from hetmesh.launcher import runfile
@@ -94,7 +94,8 @@ def table(status: SchedulerStatus) -> Table:
 async def fetch_proposal(url: str, timeout_s: float) -> PlanProposal | None:
     """The leading planner's last proposal (JetStream KV bucket hetmesh_planner_plan), None if none yet."""
     async with asyncio.timeout(timeout_s * 2):
-        nc = await nats.connect(url, connect_timeout=timeout_s, allow_reconnect=False, max_reconnect_attempts=0)
+        nc = await nats.connect(config.nats_servers(url), connect_timeout=timeout_s, allow_reconnect=False,
+                                max_reconnect_attempts=0)
     try:
         kv = await nc.jetstream(timeout=timeout_s).key_value(subjects.PLAN_BUCKET)
         entry = await kv.get("latest")

@@ -35,8 +35,8 @@ async def fetch_status(url: str, timeout_s: float) -> SchedulerStatus:
         pass
 
     async with asyncio.timeout(timeout_s * 2):
-        nc = await nats.connect(url, connect_timeout=timeout_s, allow_reconnect=False, max_reconnect_attempts=0,
-                                error_cb=quiet)
+        nc = await nats.connect(config.nats_servers(url), connect_timeout=timeout_s, allow_reconnect=False,
+                                max_reconnect_attempts=0, error_cb=quiet)
     try:
         reply = await nc.request(subjects.SCHED_STATUS, b"", timeout=timeout_s)
         return msgspec.json.decode(reply.data, type=SchedulerStatus)

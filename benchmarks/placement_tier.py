@@ -1,0 +1,109 @@
+"""Placement tier: how many requests one scheduler process's placement core places per second, by fleet size
+and policy. Pure core only (no bus, no Redis, no engines): synthetic workers' heartbeats fold into a
+`ClusterState`, and each placement is what the scheduler does between two awaits: read the views, ask the
+policy, book the decision (which makes the next placement rebuild the views, as in the scheduler).
+
+Times are this process's CPU time (the machine may be shared). Heartbeats cost too: every worker sends `mesh.heartbeat_interval_s` (0.5 s) apart, so a fleet of N folds 2N
+a second. `placements/s` is one core's capacity left after those: (1 - heartbeat share) / time per placement.
+
+    python benchmarks/placement_tier.py [--sizes 16 64 256 1024 4096] [--policies ...] [--out results/placement_tier.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from hetmesh import config, subjects, wiring
+from hetmesh.placement import ClusterState, RequestInfo
+from hetmesh.protocol import Heartbeat, Role
+
+ACCELERATORS = ("nvidia-h100", "nvidia-h200", "amd-mi300x")
+POLICIES = ("round_robin", "least_loaded", "prefix_aware", "cost", "llm_d", "dynamo")
+HEARTBEATS_PER_WORKER_S = 2.0  # mesh.heartbeat_interval_s = 0.5
+
+
+def cluster(policy: str) -> config.ClusterConfig:
+    cfg = config.ClusterConfig(scheduler=config.SchedulerConfig(policy=policy),
+                               models=[config.ModelConfig(name="m", spec="llama-3.1-8b", block_size=16)])
+    return cfg.validate()
+
+
+def heartbeat(i: int, rng: random.Random, ts: float) -> Heartbeat:
+    acc = ACCELERATORS[i % len(ACCELERATORS)]
+    wid = f"w{i}"
+    role = Role.BOTH if i % 4 else (Role.PREFILL if i % 8 else Role.DECODE)
+    return Heartbeat(worker_id=wid, model="m", accelerator=acc, vendor=acc.split("-")[0], devices=1, role=role,
+                     engine="sim", work_subject=subjects.work_direct(role.value, "v", acc, wid),
+                     queue_depth=rng.randint(0, 4), running=rng.randint(0, 64), max_batch=64,
+                     kv_blocks_total=100_000, kv_blocks_used=rng.randint(0, 90_000), block_size=16, ts=ts)
+
+
+def measure(policy: str, size: int, seconds: float) -> dict[str, float]:
+    rng = random.Random(size)
+    pol = wiring.policy(cluster(policy))
+    state = ClusterState(heartbeat_timeout_s=1e9)
+    beats = [heartbeat(i, rng, 0.0) for i in range(size)]
+    for hb in beats:
+        state.observe(hb, 0.0)
+    # heartbeats: fold the whole fleet's once, timed
+    t0 = time.process_time()
+    for hb in beats:
+        state.observe(hb, 1.0)
+    state.views()
+    hb_s = (time.process_time() - t0) / size
+    ids = [hb.worker_id for hb in beats]
+    # requests made up front (the prefix index's answer: a few workers holding some of the prompt)
+    reqs = [RequestInfo(request_id=f"r{k}", model="m", prompt_len=rng.randint(200, 4000), max_tokens=256,
+                        cached_blocks={ids[rng.randrange(size)]: rng.randint(0, 32) for _ in range(4)},
+                        block_size=16, arrival=k * 1e-3) for k in range(256)]
+    n, t0 = 0, time.process_time()  # this process's CPU: other processes on a shared machine do not count
+    while (elapsed := time.process_time() - t0) < seconds:
+        for info in reqs[:50] if n % 100 else reqs[50:100]:
+            d = pol.place(info, state.views())
+            if d is not None and d.mode != "refused":
+                state.assigned(d)
+            n += 1
+        if n % 5000 == 0:  # a round of heartbeats now and then: the bookings start again from the workers' counts
+            for hb in beats:
+                state.observe(hb, 1.0)
+    per = elapsed / n
+    hb_share = min(hb_s * HEARTBEATS_PER_WORKER_S * size, 1.0)
+    return {"us_per_placement": per * 1e6, "us_per_heartbeat": hb_s * 1e6, "heartbeat_cpu_share": hb_share,
+            "placements_per_s": (1 - hb_share) / per}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[16, 64, 256, 1024, 4096])
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES))
+    ap.add_argument("--seconds", type=float, default=1.5, help="per (policy, size)")
+    ap.add_argument("--out", default="results/placement_tier.json")
+    args = ap.parse_args()
+    rows = []
+    t = Table(title="placements per second of one scheduler process (pure core, heartbeats at 2/s per worker)")
+    for col in ("policy", "workers", "µs / placement", "µs / heartbeat", "heartbeat CPU", "placements/s"):
+        t.add_column(col, justify="left" if col == "policy" else "right")
+    for policy in args.policies:
+        for size in args.sizes:
+            r = {"policy": policy, "workers": size, **measure(policy, size, args.seconds)}
+            rows.append(r)
+            t.add_row(policy, str(size), f"{r['us_per_placement']:.0f}", f"{r['us_per_heartbeat']:.1f}",
+                      f"{100 * r['heartbeat_cpu_share']:.1f}%", f"{r['placements_per_s']:,.0f}")
+    Console().print(t)
+    out = {"machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine()},
+           "seconds_each": args.seconds, "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
