@@ -389,10 +389,10 @@ def _print(console: Console, results: dict[str, Any]) -> None:
 
 
 def markdown(results: dict[str, Any]) -> str:
-    """The README table: per cluster and trace, cost's goodput over the best anchor's at each load (admission
-    on / off / against the anchors with admission too), the ceiling (offered over the best anchor's goodput),
-    which anchor configuration was best, and cost's goodput at 2x over its peak. ✗: a real loss; ✗c: a miss
-    at the ceiling (no policy could reach the target there)."""
+    """docs/benchmarks.md's table: per cluster and trace, cost's goodput over the best anchor's at each load
+    (admission on / off / against the anchors with admission too), the ceiling (offered over the best anchor's
+    goodput), which anchor configuration was best, and cost's goodput at 2x over its peak. ✗: a real loss;
+    ✗c: a miss at the ceiling (no policy could reach the target there)."""
     loads = results["loads"]
     head = ("| cluster / trace | capacity req/s | " + " | ".join(f"{x:g}x" for x in loads)
             + f" | {results['overload']:g}x vs peak |")

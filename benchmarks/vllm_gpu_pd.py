@@ -1,7 +1,7 @@
 """On a GPU host: real vLLM through the mesh, aggregated and disaggregated with both KV connectors, vs vLLM alone.
 
-Prepared for a GPU run; it has not run yet (no GPU was lent when it was written), and the README's GPU rows
-stay empty until it does. It installs nothing: run it inside the docker/vllm-cuda.Dockerfile image (vLLM's
+Prepared for a GPU run; it has not run yet (no GPU was lent when it was written), and docs/benchmarks.md's GPU
+rows stay empty until it does. It installs nothing: run it inside the docker/vllm-cuda.Dockerfile image (vLLM's
 official CUDA image plus Hetmesh; NixlConnector ships in it), with NATS and Redis reachable
 (HETMESH_NATS_URL / HETMESH_REDIS_URL, e.g. the compose file's services; otherwise the launcher starts
 nats-server and redis-server from PATH):

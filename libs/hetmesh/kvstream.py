@@ -1,20 +1,9 @@
 """The direct KV data plane: one TCP stream from the prefill worker straight into the decode worker.
 
-kv-transfer coordinates (it knows each decode worker's KV endpoint from its heartbeats and keeps
-the records); the bytes themselves never cross NATS or a third process. A frame is
-
-    4-byte big-endian header length | KvTransferRequest (msgspec JSON) | 32-byte tag | `nbytes` raw bytes
-
-where the tag is HMAC-SHA256 of the header under the cluster's KV secret (`HETMESH_KV_SECRET`;
-zeros when none is set): a receiver with a secret takes no transfer whose sender does not know it,
-so nobody else on the network can put KV, and with it the next tokens, into its engine. The
-bytes themselves are not authenticated (that would cost a hash pass over every byte); an
-attacker on the path is TLS's problem, not this one's.
-
-The receiver answers one byte: ACK_OK once every byte is in its sink, ACK_REFUSED when it will
-not take the transfer (wrong worker, unknown secret, no room in the engine's sink, too many at
-once). It reads straight into the engine's sink buffer (vLLM: an mmap of the spool file its
-connector loads), so a landed transfer has cost one copy out of the socket and nothing else.
+kv-transfer coordinates; the bytes never cross NATS or a third process. A frame is a 4-byte big-endian
+header length, the KvTransferRequest (msgspec JSON), a 32-byte HMAC-SHA256 tag of the header under the
+cluster's KV secret, then `nbytes` raw bytes (not authenticated: that is TLS's job). The receiver reads
+straight into the engine's sink and answers one byte, ACK_OK or ACK_REFUSED. Protocol: docs/workers.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """The batching core: one continuous-batching engine as plain data, no clock, no I/O.
 
-Shaped like vLLM v1's scheduler: `schedule(now) -> Step` picks what the next engine step
-runs (every decoding sequence plus prefill chunks under one token budget, admitting queued
-sequences while batch slots and KV blocks last); `update(step) -> Outcome` applies the step
-once it has run (prompt KV stored in the prefix cache, tokens counted, sequences finished by
-length or handed off). The live `sim` engine (hetmesh.engines.simulated) sleeps each step's
-cost-model time between the two calls and samples the tokens; the offline simulator
-(hetmesh.sim.cluster) puts the same step on an event heap. So both run this code.
-
-Decoding sequences are kept lazily: each step advances all of them by one token, so a
-sequence's length is a function of the step counter, and the core only touches it when it
-needs a new KV block or reaches its token limit (two heaps keyed by step). That keeps a step
-O(events) instead of O(batch), which the simulator needs for large fleets.
+Shaped like vLLM v1's scheduler: `schedule(now) -> Step` picks what the next engine step runs (every
+decoding sequence plus prefill chunks under one token budget, while batch slots and KV blocks last);
+`update(step) -> Outcome` applies the step once it has run. The live `sim` engine and the offline
+simulator both run this code. Decoding sequences advance lazily (a sequence's length is a function of the
+step counter, touched only when it needs a KV block or ends), so a step is O(events), not O(batch).
 """
 
 from __future__ import annotations

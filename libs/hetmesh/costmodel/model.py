@@ -1,22 +1,9 @@
 """The step-time model: how long one engine step takes on a server for a given batch shape.
 
-One continuous-batching step runs every scheduled token (prefill chunks and one token per
-decoding sequence) through the model once. Its time is a roofline per kind of kernel, summed
-(kernels run one after another; each is bound by its own compute or memory traffic), plus a
-fixed cost:
-
-    t = overhead + per_seq * sequences + comm
-        + sum over op in (dense GEMMs, expert GEMMs, attention) of
-          max(FLOPs_op / (peak_op * compute_eff), bytes_op / (bw * memory_eff))
-
-Dense GEMMs: 2 FLOPs per shared parameter per token (attention projections, dense MLPs, shared
-experts, routers) and the LM head for the tokens that produce logits; their weights are read
-once per step. Expert GEMMs (MoE): 2 FLOPs per routed-expert parameter per token, and only the
-experts the batch touches are read, E * (1 - (1 - k/E)^tokens) per layer. Attention: QK^T and
-PV per (query, key) pair (quadratic in prefill; MLA decode in the absorbed latent form), run
-in bf16, reading the KV cache. comm: tensor-parallel all-reduces / expert-parallel
-all-to-alls over the scale-up links. Efficiency factors come from calibration
-(hetmesh.costmodel.calibrate).
+A continuous-batching step runs every scheduled token (prefill chunks and one token per decoding sequence)
+through the model once; its time is a roofline per kind of kernel (dense GEMMs, expert GEMMs, attention),
+summed, plus overhead, a per-sequence cost and the parallel layout's communication. Efficiency factors come
+from calibration (hetmesh.costmodel.calibrate). The formula and what each term counts: docs/costmodel.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """vLLM's incremental detokenizer, primed so that a prompt ending mid-character is not echoed back.
 
-vLLM (v1's FastIncrementalDetokenizer) primes tokenizers' `DecodeStream` with the prompt's ids in one
-native prefill. In tokenizers 0.23 that prefill goes wrong when the prompt's text ends in an unfinished
-character (a byte token that the next one completes, or bytes that never form one): the first `step`
-then returns the whole prompt's text. In the mesh a migrated stream's prompt ends with its completion so
-far and a decode worker's with the prefill's first token, so the client would get the prompt again in
-its completion (and a stop string in the prompt would end the request at once). Measured
-(benchmarks/vllm_migration_numerics.py, a move after every k of 63 greedy tokens on 6 prompts): the join was
-wrong at every move whose prompt + k ended mid-character (52 of 378 in fp32), with this primer at none (each
-compared with stepping every token from the start, which is what the undisturbed stream did). Reported upstream as
-vllm-project/vllm#48853 (open; its proposed fix, #48854, falls back to the slow detokenizer for such prompts).
-
-The primer prefills natively up to the last point whose text ends cleanly and steps the rest. vLLM looks
-`tokenizers.decoders.DecodeStream` up on the module at each request so that shims like this one apply;
-`install` puts it there (in the worker process, where AsyncLLM's output processor detokenizes).
+vLLM primes tokenizers' `DecodeStream` with the prompt's ids in one native prefill; in tokenizers 0.23 that
+goes wrong when the prompt's text ends in an unfinished character, and the first `step` returns the whole
+prompt's text. A migrated stream's prompt ends with its completion so far (a decode worker's with the
+prefill's first token), so the client would get the prompt again. This primer prefills natively up to the
+last point whose text ends cleanly and steps the rest, as stepping every token from the start would
+(benchmarks/vllm_migration_numerics.py; upstream: vllm-project/vllm#48853). `install` puts it on the
+module where vLLM looks `DecodeStream` up at each request (in the worker process).
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
-"""SLO-aware admission (early rejection): refuse a request the cost model predicts will miss its SLO by far.
+"""SLO-aware admission (early rejection, as Mooncake's overload-oriented scheduling, FAST'25 section 7).
 
-Mooncake (Qin et al., FAST'25, "Mooncake: A KVCache-centric Architecture", section 7: overload-oriented
-scheduling) rejects a request at arrival when its predicted TTFT/TBT would break the SLO, instead of
-serving it late and making every request behind it late too. Here the prediction is the cost policy's
-own: for each placement it weighs, TTFT (backlog + prefill) and TPOT (decode step at the batch it joins)
-from the cost model. A request is refused when even its best placement is over `margin` times an SLO:
-
-    over(placement) = max(predicted TTFT / TTFT SLO, predicted TPOT / TPOT SLO)   (TPOT only if > 1 token)
-    best   =  min over placements of over(placement)
-    admit  iff  margin <= 0 (off)  or  best <= margin
-                or  (best <= margin x idle  and  arrivals < 1)
-
-where idle is what no load would give: the larger of the best prefill alone / TTFT SLO and the best decode
-step alone in its batch / TPOT SLO. A request that misses its SLO even on an idle worker is refused only for
-what load adds (a retry could never do better than idle), and only served while it holds up no one:
-arrivals is the requests expected at its prefill worker while it prefills there (their rate there over the
-policy's window x its prefill time). Served late it brings no goodput; a 60 s prefill at load makes every
-request that lands behind it late too (seed/Mooncake at 0.8-2x: +8-13% goodput, measured).
-
-Before it refuses, the scheduler may hold the request and place it again (`hold_s`): every DEFAULT_HOLD_S
-while its TTFT (the wait so far included) would still be within what admission allows. Most refusals at
-moderate load are for TPOT: a burst of prefill on the decoders, over in a second or two; held, the request
-is served within its SLO instead of refused. A hold takes nothing from the cluster (no worker holds it).
-The live scheduler answers a refusal with 429 and `Retry-After` (the predicted excess wait: how long
-until the backlog it saw would let the request in); the simulator counts it as rejected.
-Pure functions: predictions in, verdict out.
+A request is refused when even its best placement is predicted over `margin` x its TTFT or TPOT SLO: served
+late it brings no goodput and makes the requests behind it late too. One that would miss its SLO even on an
+idle worker is judged against that idle figure and served only while it holds up no one. Before refusing,
+the shell may hold the request and place it again (`hold_s`) while its TTFT is still in reach. Pure
+functions: predictions in, verdict out. The rule in full: docs/placement.md (Admission).
 """
 
 from __future__ import annotations
@@ -41,7 +21,7 @@ MAX_RETRY_AFTER_S = 60.0
 DEFAULT_MARGIN = 1.0
 # A refusal is held and the request placed again this often while its TTFT SLO is still within reach: a
 # refusal for TPOT is mostly a burst of prefill on the decoders, over in a second or two. One default for the
-# live scheduler and the simulator; 0.1 s and 0.25 s measure alike (benchmarks/anchors.py).
+# live scheduler and the simulator; a shorter interval gains nothing on benchmarks/anchors.py.
 DEFAULT_HOLD_S = 0.25
 
 

@@ -1,21 +1,11 @@
-"""The short decodes a worker holds, and the TPOT slack each has left: so a prefill is not placed where it
-would push an admitted decode past its TPOT SLO. hetmesh.placement.cost guards the decodes one full prefill
-chunk could break (slack below what a chunk takes from them) and leaves longer ones to its share estimate.
+"""The short decodes a worker holds and the TPOT slack each has left, so that a prefill is not placed where it
+would push an admitted decode past its TPOT SLO.
 
-A prefill on a worker runs in the steps its decodes run in, so every decode alive while it runs is slowed
-by (about) the prefill's seconds. The share estimate in hetmesh.placement.cost prices that on average, for
-the decode being placed; a short decode (a dozen tokens, under a second) instead lives through the one or
-two prefills that land beside it, and a single 8K-token chunk can double its TPOT. The guard keeps, per
-worker, each decode the policy placed there: its predicted life [start, end] and its slack, the seconds of
-prefill it can absorb and still meet its TPOT SLO:
-
-    slack = (output - 1) x TPOT SLO - (output - 1) x its plain decode step - prefill already queued in its life
-
-A prefill that takes x seconds from the decodes beside it (its steps less the plain decode steps they
-replace) starting at s would push past their SLO the decodes alive after s with less slack than x; the
-policy counts their output tokens as goodput that placement loses (`harmed`). Once placed, each decode
-whose life it overlaps absorbs all of x (its steps run the chunks) and lives x longer; one past its SLO
-is no longer guarded. Plain arrays, a row per worker slot; `now` passed in.
+The cost policy's prefill share prices a prefill beside a decode on average; a short decode instead lives
+through the one or two prefills that land beside it. The policy guards the decodes one full prefill chunk
+could break; a prefill placed on a worker takes its stolen seconds from the slack of every guarded decode
+whose life it overlaps (`harmed` counts the output tokens a placement would push past their SLO). Plain
+arrays, a row per worker slot; `now` passed in. Slack and the rule: docs/costmodel.md (The decode guard).
 """
 
 from __future__ import annotations

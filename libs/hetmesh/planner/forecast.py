@@ -1,19 +1,9 @@
 """Demand forecasts for the next planning window from the windows seen so far (pure).
 
-A planner that plans the next window from the last one lags any trend by a window. Real planners
-forecast the load: NVIDIA Dynamo's SLA planner predicts the next interval's request count and mean
-prompt / output lengths with a constant (last value), ARIMA or Prophet predictor, and sizes the
-next interval for the prediction. These are the light-weight classics, each closed form:
-
-- `last`: the last window (Dynamo's constant predictor).
-- `trend`: the straight line through the last two windows, one window on.
-- `holt`: Holt's linear trend (double exponential smoothing): a level and a slope, each an
-  exponentially weighted average of what the windows showed; alpha = beta = 1 is `trend`.
-- `seasonal`: the window one period back (seasonal naive: a daily pattern repeats), `last` until a
-  whole period has been seen.
-
-Every field of a model's demand (rate, peak rate, mean lengths, prefix hits) is forecast the same
-way, then clamped to what it can be (rates >= 0, lengths >= 1, prefix hits in [0, 1]).
+A planner that plans from the last window lags any trend by a window, so it forecasts: `last` (Dynamo's
+constant predictor), `trend` (the line through the last two windows), `holt` (Holt's linear trend) and
+`seasonal` (the window one period back). Every field of a model's demand is forecast the same way, then
+clamped to what it can be (rates >= 0, lengths >= 1, prefix hits in [0, 1]). See docs/planner.md.
 """
 
 from __future__ import annotations

@@ -30,8 +30,7 @@ STORAGE_BYTES_PER_S = 5e9  # assumed weight-load bandwidth of one server (NVMe R
 LAYOUT_TIE = 0.05
 # A check sample shorter than a few request lives (TTFT + output x TPOT, at the SLOs) fits in a layout's
 # batches at once and drains after its last arrival: it shows neither the queue nor the refusals of an
-# overloaded layout (one H200 on Llama-3.1-70B at 20 req/s, life ~28 s: 9.8 req/s good on 300 requests,
-# 8.5 on 1,000, 7.7 on 3,000, 7.5 on 10,000; docs/planner.md). The check keeps at least this many lives.
+# overloaded layout, and overstates its goodput (docs/planner.md). The check keeps at least this many lives.
 MIN_LIVES = 4.0
 # The candidate layouts `plan` simulates besides its variants, and how each is found
 CANDIDATES = {"flexible": "the solver's best (a both server may also prefill or decode for others)",

@@ -1,20 +1,11 @@
 """The planner's integer program (SciPy's HiGHS): how many servers of each group run each
 (model, parallel layout, role) option.
 
-A `both` server is flexible: the cost policy places each request aggregated or split over any two
-workers, so its time may go to aggregated requests, to prefills or to decodes of P/D requests in
-any mix (continuous split variables under its integer count). A `prefill` or `decode` server does
-only that. A model serves a_m requests/s aggregated and d_m P/D, the latter bounded by both its
-prefill and its decode capacity, and at most its demand.
-
-Every model with demand keeps at least one server where the fleet has one for each such model (and no
-budget caps it): a model left with none is an outage (its requests refused at the door), which the
-goodput objective alone would accept for a small model next to a busy one.
-
-Stage 1 maximises the priority-weighted output tokens/s served, less a small price term and a small
-move term (both only break ties). Stage 2 keeps stage 1's served rates and spends what is left on
-headroom: the largest common factor (1 + u) by which every served rate could grow.
-Capacities per server come from hetmesh.planner.capacity (the cost model's steady state).
+A `both` server's time may go to aggregated requests, prefills or decodes in any mix (continuous split
+variables under its integer count); a `prefill` or `decode` server does only that. Every model with
+demand keeps at least one server where the fleet allows (none would be an outage). Stage 1 maximises
+priority-weighted output tokens/s (price and moves only break ties); stage 2 keeps those rates and spends
+what is left on headroom. Capacities come from hetmesh.planner.capacity. See docs/planner.md.
 """
 
 from __future__ import annotations

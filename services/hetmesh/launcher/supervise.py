@@ -2,8 +2,8 @@
 
 A service that exits (killed, crashed, or drained by SIGTERM and exited 0: an operator's drain is not the
 end of the mesh) is started again; so are the nats-server and redis-server the launcher started, on the
-same port (nats-server with its JetStream store). Meanwhile the rest of the mesh goes on as the README's
-"When a process dies" says: streams migrate, the bus reconnects, the prefix index is rebuilt.
+same port (nats-server with its JetStream store). Meanwhile the rest of the mesh goes on as
+docs/operations.md's "When a process dies" says: streams migrate, the bus reconnects, the prefix index is rebuilt.
 
 Restarts back off exponentially (0.5 s doubling to 10 s; a run of 30 s resets it). A process that exits
 more than `max_restarts` times within `window_s` crash-loops: it is given up and reported, and the rest
