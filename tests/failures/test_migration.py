@@ -307,7 +307,8 @@ async def test_an_item_reaching_a_draining_worker_is_handed_over_at_once(mesh: M
         if r.attempt == 0 and r.prompt_tokens == TOK.encode(prompt) and not submitted.done():
             submitted.set_result(r)
 
-    await nc.subscribe(subjects.SUBMIT, cb=on_submit)
+    await nc.subscribe(subjects.SUBMIT, cb=on_submit)  # any scheduler (queue group) ...
+    await nc.subscribe(f"{subjects.SUBMIT}.*", cb=on_submit)  # ... or the one the gateway picked
     victims: list[str] = []
     drains: list[asyncio.Task[None]] = []
     sent = asyncio.Event()
