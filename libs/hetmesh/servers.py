@@ -183,30 +183,36 @@ class NatsCluster:
             proc.wait()
 
     def restart(self, i: int, timeout_s: float = 30.0) -> None:
-        """Start node `i` again on its ports and store; returns once it is back in the cluster with JetStream."""
+        """Start node `i` again on its ports and store; returns once its JetStream is up (catching up with the
+        cluster may take longer: an idle consumer's replica can stay behind until it has work)."""
         self.nodes[i].start()
-        _wait_jetstream(self.monitor_ports[i], timeout_s)
+        _wait_jetstream(self.monitor_ports[i], timeout_s, "?js-enabled-only=true")
 
     def stop(self) -> None:
         for n in self.nodes:
             n.stop()
 
 
-def _wait_jetstream(monitor_port: int, timeout_s: float) -> None:
-    """nats-server's /healthz answers 200 once the node's JetStream is current with the cluster."""
+def _wait_jetstream(monitor_port: int, timeout_s: float, query: str = "") -> None:
+    """nats-server's /healthz answers 200 once the node's JetStream is current with the cluster (`query`
+    "?js-enabled-only=true": once it is up at all)."""
     import urllib.error
     import urllib.request
 
     deadline = time.monotonic() + timeout_s
+    said = ""
     while True:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{monitor_port}/healthz", timeout=1) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{monitor_port}/healthz{query}", timeout=1) as r:
                 if r.status == 200:
                     return
-        except (urllib.error.URLError, OSError):
-            pass
+        except urllib.error.HTTPError as e:
+            said = e.read().decode(errors="replace")[:300]
+        except (urllib.error.URLError, OSError) as e:
+            said = repr(e)
         if time.monotonic() > deadline:
-            raise TimeoutError(f"NATS node with monitor port {monitor_port}: JetStream not ready in {timeout_s}s")
+            raise TimeoutError(f"NATS node with monitor port {monitor_port}: JetStream not ready in {timeout_s}s "
+                               f"(/healthz: {said})")
         time.sleep(0.1)
 
 
@@ -221,7 +227,7 @@ def start_nats_cluster(size: int = 3, name: str = "hetmesh", timeout_s: float = 
         for i, (port, route, mon) in enumerate(ports):
             work = Path(tempfile.mkdtemp(prefix=f"hetmesh-nats{i}-"))
             args = [binary, "-a", "127.0.0.1", "-p", str(port), "-m", str(mon), "-n", f"{name}-{i}",
-                    "-l", str(work / "nats-server.log"), "-js", "-sd", str(work / "js"),
+                    "-l", str(work / f"nats-server-{i}.log"), "-js", "-sd", str(work / "js"),
                     "--cluster_name", name, "--cluster", f"nats://127.0.0.1:{route}", "--routes", routes]
             # Not start(): a node waits for its peers' routes before it serves; start them all, then wait.
             nodes.append(ServerProcess(f"nats-server-{i}", f"nats://127.0.0.1:{port}", args, work))

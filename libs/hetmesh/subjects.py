@@ -15,7 +15,7 @@ PREFIX = "hetmesh"
 
 SUBMIT = f"{PREFIX}.sched.submit"  # request/reply: InferenceRequest -> SubmitReply
 SCHED_STATUS = f"{PREFIX}.sched.status"  # request/reply, empty -> SchedulerStatus
-SCHED_ALIVE_ALL = f"{PREFIX}.sched.alive.*"  # every scheduler's beat (empty), so gateways know who answers submits
+SCHED_ALIVE_ALL = f"{PREFIX}.sched.alive.*"  # every scheduler's beat, so gateways know who answers submits
 GATEWAY_ALIVE_ALL = f"{PREFIX}.gateway.alive.*"  # every gateway's beat (empty): workers drop a dead one's work
 FINISHED = f"{PREFIX}.sched.finished"
 CANCEL = f"{PREFIX}.cancel"
@@ -138,8 +138,9 @@ TABLE: tuple[SubjectRow, ...] = (
     SubjectRow(SCHED_STATUS, "gateway (/ready)", "scheduler (queue group)", "empty -> SchedulerStatus", "request/reply"),
     SubjectRow(f"{SUBMIT}.<scheduler>", "gateway", "that scheduler", "InferenceRequest -> SubmitReply",
                "request/reply to one live scheduler; resent to another if it goes silent before it answers"),
-    SubjectRow(f"{PREFIX}.sched.alive.<scheduler>", "every scheduler", "gateways", "empty",
-               "every mesh.heartbeat_interval_s: the schedulers that take submits"),
+    SubjectRow(f"{PREFIX}.sched.alive.<scheduler>", "every scheduler", "gateways", "its count of reconnects (text)",
+               "every mesh.heartbeat_interval_s: the schedulers that take submits; a new count: what it was sent "
+               "meanwhile may be lost, and gateways send it again"),
     SubjectRow(f"{PREFIX}.gateway.alive.<gateway>", "every gateway", "workers", "empty",
                "every mesh.heartbeat_interval_s: a worker cancels the requests of a gateway silent for "
                "mesh.heartbeat_timeout_s"),

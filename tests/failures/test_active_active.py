@@ -6,7 +6,8 @@
   untouched, and the workers cancel what the dead one placed within about a heartbeat timeout (its beats
   stop), rather than decode for nobody.
 - The gateway's submit itself, against peers on a real nats-server: a scheduler that takes a request and
-  dies before answering is replaced by another live one within the heartbeat timeout.
+  dies before answering is replaced by another live one within the heartbeat timeout; a submit a bus gap
+  ate (the scheduler's beat says it reconnected) is sent to it again.
 """
 
 from __future__ import annotations
@@ -196,3 +197,40 @@ async def test_submit_goes_to_another_scheduler_when_its_own_dies(nats_url: str)
 
 async def send_via(watch: Schedulers, send: object, lost: list[str]) -> bytes:
     return await watch.submit(send, lambda: True, lost.append)  # type: ignore[arg-type]
+
+
+async def test_submit_sent_again_when_its_scheduler_reconnected(nats_url: str) -> None:
+    nc = await nats.connect(nats_url)
+    loop = asyncio.get_running_loop()
+    watch = Schedulers(timeout_s=5.0, check_s=0.05)
+    epoch = [b"0"]
+    got: list[bytes] = []
+
+    async def scheduler(msg: nats.aio.msg.Msg) -> None:  # the first copy is lost in its bus gap
+        got.append(msg.data)
+        if len(got) > 1:
+            await msg.respond(b"placed")
+
+    await nc.subscribe(subjects.sched_submit("s"), cb=scheduler)
+
+    async def beats() -> None:
+        while True:
+            watch.heard("s", loop.time(), epoch[0])
+            await asyncio.sleep(0.05)
+
+    watch.heard("s", loop.time(), epoch[0])
+    beat = asyncio.create_task(beats())
+
+    async def send(subject: str) -> bytes:
+        return (await nc.request(subject, b"req", timeout=10)).data
+
+    async def reconnect_soon() -> None:
+        await asyncio.sleep(0.3)
+        epoch[0] = b"1"
+
+    gap = asyncio.create_task(reconnect_soon())
+    assert await watch.submit(send, lambda: True, lambda _s: None) == b"placed"
+    assert len(got) == 2 and watch.resent == 1 and watch.lost == 0
+    beat.cancel()
+    await gap
+    await nc.close()

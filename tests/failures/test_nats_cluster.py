@@ -59,6 +59,23 @@ def varz(monitor_port: int, path: str) -> dict[str, object]:
         return json.loads(r.read())
 
 
+async def rejoined(cluster: servers.NatsCluster, i: int) -> bool:
+    """Node `i` has routes to both peers, and the work queue's replicas are all current, as seen from it
+    (its JetStream API may not answer yet just after its start: not yet, then)."""
+    if int(str(varz(cluster.monitor_ports[i], "routez").get("num_routes", 0))) < 2:
+        return False
+    try:
+        nc = await nats.connect(cluster.nodes[i].url)
+        try:
+            info = await nc.jetstream(timeout=2).stream_info(subjects.WORK_STREAM)
+        finally:
+            await nc.close()
+    except (nats.errors.Error, TimeoutError):
+        return False
+    peers = (info.cluster.replicas or []) if info.cluster else []
+    return bool(info.cluster and info.cluster.leader) and len(peers) == 2 and all(p.current for p in peers)
+
+
 async def one(client: openai.AsyncOpenAI, i: int) -> str:
     prompt = f"request {i} of the steady load"
     stream = await client.completions.create(model="m", prompt=prompt, max_tokens=MAX_TOKENS, stream=True,
@@ -103,16 +120,9 @@ async def test_one_nats_node_killed_under_load_loses_nothing(nats_cluster: serve
 
     # Started again on its own store, it rejoins: routes to both peers and the stream's replica current again
     await asyncio.to_thread(nats_cluster.restart, victim)
-    port = nats_cluster.monitor_ports[victim]
     async with asyncio.timeout(30):
         while True:
-            routes = varz(port, "routez").get("num_routes", 0)
-            nc = await nats.connect(nats_cluster.nodes[victim].url)
-            info = await nc.jetstream().stream_info(subjects.WORK_STREAM)
-            await nc.close()
-            peers = info.cluster.replicas or [] if info.cluster else []
-            if int(str(routes)) >= 2 and len(peers) == 2 and all(p.current for p in peers) \
-                    and info.cluster is not None and info.cluster.leader:
+            if await rejoined(nats_cluster, victim):
                 break
             await asyncio.sleep(0.5)
     # and the mesh still serves; `hetmesh status` takes the cluster's URL list too

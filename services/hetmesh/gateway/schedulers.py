@@ -8,6 +8,11 @@ the dead one had already stored carries the same dedup id (`<request_id>-<attemp
 keeps it once and the request is served once. A scheduler gone from the bus answers at once with "no
 responders": the next one is tried without waiting. With none known (just started) the shared queue-group
 subject is used, as before.
+
+A submit and its answer are core NATS: a bus gap on either side can eat them (a node of a NATS cluster
+dying under the gateway or the scheduler). So a submit still waiting is sent again, to the same scheduler,
+when this gateway reconnects or when its scheduler's beat says that it did (the beat carries a count of its
+reconnects).
 """
 
 from __future__ import annotations
@@ -29,16 +34,25 @@ class Schedulers:
         self.timeout_s = timeout_s  # silent this long: gone
         self.check_s = check_s  # how often a waiting submit looks at its scheduler
         self._seen: dict[str, float] = {}
+        self._epoch: dict[str, bytes] = {}  # scheduler -> its count of reconnects, as its beat says
+        self._gaps = 0  # this gateway's own reconnects
         self._rng = random.Random()
         self.lost = 0  # submits sent again because their scheduler went away before answering
+        self.resent = 0  # submits sent again after a bus gap
 
-    def heard(self, instance: str, now: float) -> None:
+    def heard(self, instance: str, now: float, epoch: bytes = b"") -> None:
         self._seen[instance] = now
+        self._epoch[instance] = epoch
 
-    def touch_all(self, now: float) -> None:
-        """After this gateway's own bus outage: the beats it missed say nothing about the schedulers."""
+    def bus_gap(self, now: float) -> None:
+        """This gateway reconnected: what it sent or was sent meanwhile may be lost, and the beats it missed
+        say nothing about the schedulers."""
+        self._gaps += 1
         for k in self._seen:
             self._seen[k] = max(self._seen[k], now)
+
+    def _mark(self, target: str | None) -> tuple[int, bytes]:
+        return self._gaps, self._epoch.get(target, b"") if target is not None else b""
 
     def alive(self, instance: str, now: float) -> bool:
         seen = self._seen.get(instance)
@@ -60,25 +74,34 @@ class Schedulers:
         tried: set[str] = set()
         while True:
             target = self.pick(loop.time(), tried)
-            if target is None:
-                return await send(subjects.SUBMIT)
-            tried.add(target)
-            task = asyncio.ensure_future(send(subjects.sched_submit(target)))
-            gone = False
+            mark = self._mark(target)
+            task = asyncio.ensure_future(send(subjects.SUBMIT if target is None else subjects.sched_submit(target)))
+            why = ""  # gone: its scheduler died; gap: a bus gap may have eaten the submit or its answer
             try:
-                while not gone:
+                while not why:
                     done, _ = await asyncio.wait({task}, timeout=self.check_s)
                     if done:
                         break
-                    gone = connected() and not self.alive(target, loop.time())
+                    if self._mark(target) != mark:
+                        why = "gap"
+                    elif target is not None and connected() and not self.alive(target, loop.time()):
+                        why = "gone"
             finally:
                 if not task.done():
                     task.cancel()
-            if gone:
+            if why == "gap":
+                self.resent += 1
+                continue
+            if why == "gone":
+                assert target is not None
+                tried.add(target)
                 self.lost += 1
                 on_lost(target)
                 continue
             try:
                 return task.result()
             except nats.errors.NoRespondersError:  # its subscription is gone: it died or is stopping
+                if target is None:
+                    raise
+                tried.add(target)
                 self.drop(target)

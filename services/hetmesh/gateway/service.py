@@ -184,12 +184,12 @@ class Gateway:
             box.put(ev)
 
     async def _on_reconnect(self) -> None:
-        self.schedulers.touch_all(asyncio.get_running_loop().time())
+        self.schedulers.bus_gap(asyncio.get_running_loop().time())
         for box in list(self.inboxes.values()):
             box.put(BUS_GAP)
 
     async def _on_sched_alive(self, m: Msg) -> None:
-        self.schedulers.heard(m.subject.rsplit(".", 1)[-1], asyncio.get_running_loop().time())
+        self.schedulers.heard(m.subject.rsplit(".", 1)[-1], asyncio.get_running_loop().time(), m.data)
 
     async def _alive_loop(self) -> None:
         """Beats for the workers: a gateway silent for a heartbeat timeout is dead, and its requests with it."""

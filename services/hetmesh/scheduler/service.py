@@ -111,6 +111,7 @@ class Scheduler:
         self.placed = 0
         self.refused = 0
         self.duplicates = 0  # WorkItems the stream already held (its dedup id): placed once, served once
+        self.reconnects = 0
         # what the planner plans from (hetmesh.sched.demand), SLOs judged in engine time
         self.demand = DemandWindow(cfg.planner.window_s, {m.name: cfg.slo(m.name) for m in cfg.models},
                                    cfg.mesh.time_scale)
@@ -187,6 +188,7 @@ class Scheduler:
             await self._event("", f"worker_{alarm}", worker_id=hb.worker_id, vs_peers=round(ratio, 3))
 
     async def _on_reconnect(self) -> None:
+        self.reconnects += 1  # in its beats: gateways send again what they still wait on (it may be lost)
         # The workers reconnect too, each on its own backoff: one more heartbeat timeout from now before
         # silence counts again, rather than failing their streams for the bus's outage.
         self.state.touch_all(time.monotonic() + self.cfg.mesh.heartbeat_timeout_s)
@@ -479,7 +481,7 @@ class Scheduler:
         subject = subjects.sched_alive(self.instance)
         while True:
             if self.bus.nc.is_connected:
-                await self.bus.nc.publish(subject, b"")
+                await self.bus.nc.publish(subject, str(self.reconnects).encode())
             await asyncio.sleep(self.cfg.mesh.heartbeat_interval_s)
 
     async def on_cancel(self, c: Cancel, _m: Msg) -> None:
