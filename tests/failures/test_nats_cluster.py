@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -97,11 +98,14 @@ async def test_one_nats_node_killed_under_load_loses_nothing(nats_cluster: serve
     gate = asyncio.Semaphore(CONCURRENCY)
     done = 0
     quarter = asyncio.Event()
+    took: list[float] = []
 
     async def bounded(i: int) -> str:
         nonlocal done
         async with gate:
+            t0 = time.monotonic()
             out = await one(client, i)
+            took.append(time.monotonic() - t0)
             done += 1
             if done >= REQUESTS // 4:
                 quarter.set()
@@ -117,6 +121,7 @@ async def test_one_nats_node_killed_under_load_loses_nothing(nats_cluster: serve
     failed = [r for r in results if isinstance(r, BaseException)]
     assert not failed, failed[:3]
     assert killed_at < REQUESTS  # the kill landed under load
+    print(f"requests took {sorted(took)[len(took) // 2]:.2f} s at the median, {max(took):.2f} s at most")
 
     # Started again on its own store, it rejoins: routes to both peers and the stream's replica current again
     await asyncio.to_thread(nats_cluster.restart, victim)
