@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -139,6 +141,25 @@ async def wait_load(nats_url: str, done: Callable[[int], bool], timeout_s: float
                 got[hb.worker_id] = hb.running + hb.queue_depth
     finally:
         await nc.close()
+
+
+async def test_gateway_stopped_for_a_while_keeps_its_streams(mesh2: tuple[Mesh, str]) -> None:
+    """A gateway silent for 3 heartbeat timeouts (SIGSTOP: an event loop running late) still holds its reply
+    subscription, so the workers keep its requests, and its clients get their whole streams."""
+    m, url_b = mesh2
+    b = client(url_b)
+    streams = [asyncio.create_task(streamed(b, f"paused gateway's stream {i}", 40)) for i in range(2)]
+    await wait_load(m.nats_url, lambda held: held >= 2, 30)
+    gw = m.services["gateway-b"].proc
+    assert gw is not None
+    os.kill(gw.pid, signal.SIGSTOP)
+    try:
+        await asyncio.sleep(3 * HEARTBEAT_TIMEOUT_S)
+        await wait_load(m.nats_url, lambda held: held >= 2, 10)  # still held: not cancelled
+    finally:
+        os.kill(gw.pid, signal.SIGCONT)
+    for i, t in enumerate(streams):
+        assert await asyncio.wait_for(t, 60) == expected_text(f"paused gateway's stream {i}", 40)
 
 
 async def test_gateway_killed_its_work_is_cancelled_others_go_on(mesh2: tuple[Mesh, str]) -> None:

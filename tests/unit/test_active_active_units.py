@@ -44,15 +44,15 @@ def test_a_gateway_heard_then_silent_is_gone() -> None:
     w.heard(subjects.gateway_alive("gw2"), 0.0)
     held = [("r1", subjects.reply_to("gw1", "r1-0")), ("r2", subjects.reply_to("gw2", "r2-0")),
             ("r3", subjects.reply_to("never-heard", "r3-0"))]
-    assert w.orphans(held, 0.9) == []
+    assert w.gone(0.9) == set()
     w.heard(subjects.gateway_alive("gw2"), 1.0)
-    assert w.orphans(held, 1.5) == ["r1"]  # gw2 beats on; a gateway never heard is left alone
+    assert w.gone(1.5) == {"gw1"}  # gw2 beats on; a gateway never heard is left alone
+    assert w.orphans(held, {"gw1"}) == ["r1"]
 
 
 def test_the_workers_own_bus_gap_is_not_a_gateways_death() -> None:
     w = GatewayWatch(timeout_s=1.0)
     w.heard(subjects.gateway_alive("gw1"), 0.0)
     w.bus_gap(5.0)  # it heard nothing meanwhile: its own outage
-    held = [("r1", subjects.reply_to("gw1", "r1-0"))]
-    assert w.orphans(held, 5.5) == []
-    assert w.orphans(held, 6.5) == ["r1"]  # a timeout after the gap, still silent: gone
+    assert w.gone(5.5) == set()
+    assert w.gone(6.5) == {"gw1"}  # a timeout after the gap, still silent: gone

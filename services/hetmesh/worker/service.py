@@ -405,8 +405,9 @@ class Worker:
         if not self.bus.nc.is_connected:
             self.gateways.bus_gap(now)
             return
+        dead = await self.gateways.sweep(self.bus.nc, now)
         live = [(r.request_id, r.item.request.reply_subject) for r in self.book.live() if not r.cancelled]
-        for rid in self.gateways.orphans(live, now):
+        for rid in self.gateways.orphans(live, dead):
             log.info("request %s: its gateway is gone; cancelled", rid)
             await self.on_cancel(Cancel(request_id=rid, reason="gateway_gone"))
 
