@@ -121,7 +121,7 @@ class WorkerStatus(Struct, kw_only=True):
     parallel: str = "tp"  # its layout over its devices now (tp | ep | dp; a ModelSwitch may change it)
     wedged: bool = False  # running requests, heartbeats on, no token in or out for mesh.wedge_timeout_s: placed on no more
     # Its speed learned from its engine's steps, against the catalog prior (> 1: faster; 1.0 until it reports),
-    # that fit's largest relative std, the steps it was fitted on, and its step time over its peers' (degraded
+    # the fit's relative std of that typical step's time, the steps it was fitted on, and its step time over its peers' (degraded
     # past the scheduler's alarm ratio)
     speed: float = 1.0
     speed_rel_std: float = 0.0

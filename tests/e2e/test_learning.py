@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -82,6 +83,7 @@ async def test_a_slow_worker_is_learned_and_flagged(mesh: Mesh) -> None:
                 break
             await asyncio.sleep(0.2)
         assert st["slow-0"]["speed"] == pytest.approx(1 / 3, rel=0.25), st["slow-0"]
+        assert 0 < st["slow-0"]["speed_rel_std"] < 0.2, st["slow-0"]
         for wid in ("fast-0", "fast-1"):
             assert st[wid]["speed"] == pytest.approx(1.0, rel=0.15) and not st[wid]["degraded"], st[wid]
         assert st["slow-0"]["degraded"] and st["slow-0"]["vs_peers"] > 2.0
@@ -98,7 +100,7 @@ async def test_a_slow_worker_is_learned_and_flagged(mesh: Mesh) -> None:
     assert samples[("hetmesh_scheduler_worker_degraded", (("worker", "slow-0"),))] == 1.0
     table = await asyncio.to_thread(_cli, mesh)
     row = next(ln for ln in table.splitlines() if " slow-0 " in ln)
-    assert "0.3" in row and "degraded" in row, row
+    assert re.search(r"x0\.[234]\d ±\d+%", row) and "degraded" in row, row  # about a third of its prior
 
 
 async def test_calibrate_saves_what_the_scheduler_learned(mesh: Mesh, tmp_path) -> None:

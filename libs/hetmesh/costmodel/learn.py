@@ -264,6 +264,16 @@ class Learner:
         f = _reference(cm)
         return float(predict(f, fit.prior)[0] / predict(f, fit.theta)[0])
 
+    def speed_rel_std(self, worker_id: str) -> float:
+        """The fit's relative std of the worker's typical step time (what `speed` rests on), 0.0 when unknown."""
+        fit = self.fits.get(worker_id)
+        cm = self.models.get(worker_id)
+        if fit is None or cm is None or not fit.samples:
+            return 0.0
+        f = _reference(cm)
+        h = _design(f, fit.theta)[0]
+        return float(math.sqrt(max(h @ fit.cov @ h, 0.0)) / predict(f, fit.theta)[0])
+
     def degraded(self, worker_id: str) -> float:
         """The worker's step time over its pool's on the reference step (> degraded_ratio: alarm), 1.0 if unknown."""
         fit, key, cm = self.fits.get(worker_id), self.key_of.get(worker_id), self.models.get(worker_id)

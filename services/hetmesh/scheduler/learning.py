@@ -49,7 +49,7 @@ class Learning:
         if lr is None or worker_id not in lr.fits:
             return {}
         rep = lr.report(worker_id)
-        return {"speed": lr.speed(worker_id), "speed_rel_std": rep.get("rel_std", 0.0),
+        return {"speed": lr.speed(worker_id), "speed_rel_std": lr.speed_rel_std(worker_id),
                 "fitted_steps": int(rep.get("samples", 0)), "vs_peers": lr.degraded(worker_id),
                 "degraded": worker_id in self.degraded,
                 "efficiency": {k: rep[k] for k in ("compute", "memory", "overhead_s", "per_seq_s")},
