@@ -201,6 +201,10 @@ class Learner:
         self.fits: dict[str, Fit] = {}
         self.key_of: dict[str, WorkerKey] = {}
         self.models: dict[str, CostModel] = {}  # worker id -> the prior cost model the features come from
+        # A typical step's features per worker, and its time at the worker's current fit (once it has reported):
+        # what speed, spread and the degraded alarm compare, kept up to date as reports arrive.
+        self._typical: dict[str, np.ndarray] = {}
+        self.typical_s: dict[str, float] = {}
         self._published: dict[str, np.ndarray] = {}
         self._runs: dict[str, tuple[str, float]] = {}  # worker id -> (the run reporting under it, when)
         self.rejected_reports = 0  # reports of a second process under a worker's id
@@ -223,12 +227,14 @@ class Learner:
             fit = self.fits[worker_id] = self.pool(key, cm.eff).copy_as_prior()
             self.key_of[worker_id] = key
             self.models[worker_id] = cm
+            self._typical[worker_id] = _reference(cm)
         if not samples:
             return None
         f = features(self.models[worker_id], samples)
         secs = np.array([s.seconds for s in samples], dtype=float)
         if not fit.update(f, secs, now):
             return None
+        self.typical_s[worker_id] = float(predict(self._typical[worker_id], fit.theta)[0])
         last = self._published.get(worker_id)
         if last is not None and (np.abs(fit.theta - last) <= self.republish_rel * np.abs(last)).all():
             return None
@@ -249,6 +255,8 @@ class Learner:
         self.fits.pop(worker_id, None)
         self.key_of.pop(worker_id, None)
         self.models.pop(worker_id, None)
+        self._typical.pop(worker_id, None)
+        self.typical_s.pop(worker_id, None)
         self._published.pop(worker_id, None)
 
     def efficiency(self, worker_id: str) -> Efficiency | None:
@@ -257,34 +265,30 @@ class Learner:
 
     def speed(self, worker_id: str) -> float:
         """How fast the worker runs against its catalog prior on a typical step (> 1: faster), 1.0 when unknown."""
-        fit = self.fits.get(worker_id)
-        cm = self.models.get(worker_id)
-        if fit is None or cm is None or not fit.samples:
+        mine = self.typical_s.get(worker_id)
+        if mine is None:
             return 1.0
-        f = _reference(cm)
-        return float(predict(f, fit.prior)[0] / predict(f, fit.theta)[0])
+        return float(predict(self._typical[worker_id], self.fits[worker_id].prior)[0]) / mine
 
     def speed_rel_std(self, worker_id: str) -> float:
         """The fit's relative std of the worker's typical step time (what `speed` rests on), 0.0 when unknown."""
-        fit = self.fits.get(worker_id)
-        cm = self.models.get(worker_id)
-        if fit is None or cm is None or not fit.samples:
+        mine = self.typical_s.get(worker_id)
+        if mine is None:
             return 0.0
-        f = _reference(cm)
-        h = _design(f, fit.theta)[0]
-        return float(math.sqrt(max(h @ fit.cov @ h, 0.0)) / predict(f, fit.theta)[0])
+        fit = self.fits[worker_id]
+        h = _design(self._typical[worker_id], fit.theta)[0]
+        return math.sqrt(max(float(h @ fit.cov @ h), 0.0)) / mine
 
     def degraded(self, worker_id: str) -> float:
-        """The worker's step time over its pool's on the reference step (> degraded_ratio: alarm), 1.0 if unknown."""
-        fit, key, cm = self.fits.get(worker_id), self.key_of.get(worker_id), self.models.get(worker_id)
-        if fit is None or key is None or cm is None or not fit.samples:
+        """The worker's typical step time over its peers' of the same kind (> degraded_ratio: alarm), 1.0 if
+        unknown. Peers of one kind share the typical step's features, so their cached times compare."""
+        mine, key = self.typical_s.get(worker_id), self.key_of.get(worker_id)
+        if mine is None:
             return 1.0
-        peers = [self.fits[w] for w, k in self.key_of.items() if k == key and w != worker_id and self.fits[w].samples]
+        peers = [t for w, t in self.typical_s.items() if w != worker_id and self.key_of[w] == key]
         if not peers:
             return 1.0
-        f = _reference(cm)
-        mine = float(predict(f, fit.theta)[0])
-        theirs = float(np.median([predict(f, p.theta)[0] for p in peers]))
+        theirs = float(np.median(peers))
         return mine / theirs if theirs > 0 else 1.0
 
     def report(self, worker_id: str) -> dict[str, float]:
