@@ -16,36 +16,15 @@ import pytest
 
 from hetmesh.launcher import Mesh
 
+from ..clusters import cluster_toml, group, model
 from .conftest import collect_events, running_mesh, scrape
 
-CLUSTER = """
-[mesh]
-time_scale = 1.0
-heartbeat_interval_s = 0.2
-heartbeat_timeout_s = 2.0
-
-[scheduler]
-policy = "cost"
-admission_margin = 0.0
-
-[[models]]
-name = "tiny"
-spec = "tiny-llama"
-max_context = 4096
-block_size = 16
-
-[[workers]]
-name = "fast"
-model = "tiny"
-accelerator = "nvidia-h100"
-count = 2
-
-[[workers]]
-name = "slow"
-model = "tiny"
-accelerator = "nvidia-h100"
-sim_slowdown = 3.0
-"""
+CLUSTER = cluster_toml(
+    mesh={"time_scale": 1.0, "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0},
+    scheduler={"policy": "cost", "admission_margin": 0.0},
+    models=[model("tiny", spec="tiny-llama", max_context=4096, block_size=16)],
+    workers=[group("fast", "tiny", "nvidia-h100", count=2),
+             group("slow", "tiny", "nvidia-h100", sim_slowdown=3.0)])
 
 
 @pytest.fixture(scope="module")
