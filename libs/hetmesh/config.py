@@ -227,7 +227,7 @@ class WorkQueueConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     """`[work_queue]`: the JetStream work-queue stream every WorkItem goes through (`hetmesh.workqueue`)."""
 
     # file (default): queued WorkItems, the stream and its consumers survive a nats-server restart, which is
-    # what the queue is for. memory: ~0.1 ms less per item (benchmarks/jetstream_cost.py) and no disk, but a
+    # what the queue is for. memory: a little less CPU per item (benchmarks/jetstream_cost.py) and no disk, but a
     # restart loses what was queued (the services re-create the stream and consumers when they reconnect).
     storage: str = "file"
     # Copies of the stream and of the planner's KV buckets on a clustered JetStream (3 on a 3-node NATS cluster:
