@@ -328,7 +328,7 @@ def main() -> None:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
-    con = Console()
+    con = Console(width=160)  # the whole rows in a log file too
     t = Table(title="kill -9 through hetmesh up")
     for col in ("#", "at s", "killed", "pid", "restarted s", "back s", "mesh ready s"):
         t.add_column(col, no_wrap=True)
