@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hetmesh.costmodel import CostModel, Efficiency, accelerator, model_spec
-from hetmesh.costmodel.learn import Learner, StepLog, StepSample, WorkerKey, features, predict
+from hetmesh.costmodel.learn import FitBudget, Learner, StepLog, StepSample, WorkerKey, features, predict
 from hetmesh.costmodel.truth import Truth
 from hetmesh.protocol import Role
 from hetmesh.sim import Slo, pool, simulate, synthetic
@@ -140,3 +140,51 @@ def test_pooled_weights_each_kinds_fitted_workers_by_their_steps() -> None:
     eff, steps, ids = got["nvidia-h100/llama-3.1-70b"]
     assert steps == 400 and ids == ["a", "b"]
     assert eff.compute == pytest.approx(1 / (0.75 / 0.2 + 0.25 / 0.4))  # time multipliers averaged, not speeds
+
+
+def test_a_deferred_report_waits_for_the_next_fit_thinned_to_the_cap() -> None:
+    rng = np.random.default_rng(5)
+    truth, prior = _cm(TRUE), _cm(PRIOR)
+    lr = Learner(cap=16)
+    lr.observe("w0", KEY, prior, _steps(truth, 8, rng), 0.0)
+    assert lr.fitted("w0") and lr.fits["w0"].samples == 8
+    for i in range(3):  # kept, not fitted: the fit does not move
+        theta = lr.fits["w0"].theta.copy()
+        assert lr.observe("w0", KEY, prior, _steps(truth, 8, rng), 2.0 * (i + 1), fit=False) is None
+        assert np.array_equal(lr.fits["w0"].theta, theta) and lr.fits["w0"].samples == 8
+    lr.observe("w0", KEY, prior, _steps(truth, 8, rng), 8.0)  # 32 waiting steps thinned to the cap, then fitted
+    assert lr.fits["w0"].samples == 8 + 16
+    lr.forget("w0")
+    lr.observe("w0", KEY, prior, _steps(truth, 4, rng), 10.0, fit=False)
+    assert not lr.fitted("w0")
+
+
+def test_fit_budget_earns_a_share_of_other_cpu_and_a_floor_and_bounds_its_debt() -> None:
+    b = FitBudget(share=0.1, floor=0.01, burst_s=0.05)
+    b.tick(10.0, 100.0)
+    b.credit = 0.0
+    b.tick(10.2, 101.0)  # 0.2 s of other CPU and 1 s of wall: 0.02 + 0.01
+    assert b.credit == pytest.approx(0.03) and b.ok
+    b.spend(0.5)  # a storm of first fits: the debt stops at burst_s
+    assert b.credit == pytest.approx(-0.05) and not b.ok
+    b.tick(10.8, 101.0)  # the fit's own 0.5 s earns nothing; 0.1 s of other CPU earns 0.01
+    assert b.credit == pytest.approx(-0.04)
+    b.tick(100.0, 1000.0)  # idle credit is capped
+    assert b.credit == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="share"):
+        FitBudget(share=-1.0)
+
+
+def test_degraded_compares_against_the_median_of_the_other_peers() -> None:
+    rng = np.random.default_rng(6)
+    lr = Learner()
+    speeds = {"w0": 1.0, "w1": 1.0, "w2": 1.1, "w3": 2.5}
+    for wid, slow in speeds.items():
+        eff = Efficiency(compute=TRUE.compute / slow, memory=TRUE.memory / slow, overhead_s=TRUE.overhead_s * slow,
+                         per_seq_s=TRUE.per_seq_s * slow)
+        for i in range(10):
+            lr.observe(wid, KEY, _cm(TRUE), _steps(_cm(eff), 16, rng, noise=0.02), 0.5 * i)
+    for wid in speeds:
+        others = [lr.typical_s[w] for w in speeds if w != wid]
+        assert lr.degraded(wid) == pytest.approx(lr.typical_s[wid] / float(np.median(others)))
+    assert lr.degraded("w3") > lr.degraded_ratio > lr.degraded("w2")

@@ -13,6 +13,7 @@ samples (not finite, <= 0, or 100x off the prediction) are dropped and counted.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -64,23 +65,24 @@ class StepLog:
 def features(cm: CostModel, samples: Sequence[StepSample]) -> np.ndarray:
     """(n, 8) per-step (dense_c, dense_m, expert_c, expert_m, attn_c, attn_m, comm, seqs) at 100% efficiency."""
     n = len(samples)
+    out = np.empty((n, 8))
     if not n:
-        return np.zeros((0, 8))
-    a = np.array([(s.prefill_tokens, s.prefill_seqs, s.prefill_pairs, s.prefill_cached, s.n_decode, s.decode_context)
-                  for s in samples], dtype=float)
+        return out
+    a = np.array([msgspec.structs.astuple(s) for s in samples], dtype=float)
     seqs = a[:, 1] + a[:, 4]
     cols = cm.features(a[:, 0] + a[:, 4], seqs, a[:, 2], a[:, 5], a[:, 3] + a[:, 5], seqs)  # the scalar formulas
-    return np.column_stack([np.broadcast_to(np.asarray(c, dtype=float), (n,)) for c in cols])
+    for j, c in enumerate(cols):
+        out[:, j] = c
+    return out
 
 
 def _design(f: np.ndarray, theta: np.ndarray) -> np.ndarray:
     """Each step's h at `theta`: which of compute or memory bounds each kernel kind picks its column."""
     c, m = f[:, 0:6:2], f[:, 1:6:2]
     comp = c * theta[0] >= m * theta[1]
-    h = np.empty((len(f), 4))
-    h[:, 0] = (c * comp).sum(axis=1)
-    h[:, 1] = (m * ~comp).sum(axis=1)
-    h[:, 2] = 1.0
+    h = np.ones((len(f), 4))
+    h[:, 0] = np.where(comp, c, 0.0).sum(axis=1)
+    h[:, 1] = np.where(comp, 0.0, m).sum(axis=1)
     h[:, 3] = f[:, 7]
     return h
 
@@ -180,6 +182,40 @@ class Fit:
         return len(y)
 
 
+class FitBudget:
+    """The CPU the fits may take: `share` of what the rest of the process takes, and `floor` of a core besides
+    (an idle scheduler still learns); unspent credit is kept up to `burst_s`. A token bucket in CPU seconds: the
+    fits' cost grows with the fleet (every worker reports), the placements' with the requests, and this keeps the
+    first a bounded fraction of the second. The caller measures both clocks and passes them in."""
+
+    def __init__(self, share: float = 0.06, floor: float = 0.002, burst_s: float = 0.05) -> None:
+        if share < 0 or floor < 0 or burst_s <= 0:
+            raise ValueError(f"FitBudget: share {share} and floor {floor} must be >= 0, burst_s {burst_s} > 0")
+        self.share, self.floor, self.burst_s = share, floor, burst_s
+        self.credit = burst_s
+        self._cpu = self._wall = math.nan
+        self._spent = 0.0
+        self.skipped = 0  # reports kept for a later fit for want of credit
+
+    def tick(self, cpu_s: float, wall_s: float) -> None:
+        """Earn credit for the process CPU (`cpu_s`, a running total) and wall time (`wall_s`) since last tick."""
+        if not math.isnan(self._cpu):
+            other = max(cpu_s - self._cpu - self._spent, 0.0)
+            gain = self.share * other + self.floor * max(wall_s - self._wall, 0.0)
+            self.credit = min(self.credit + gain, self.burst_s)
+        self._cpu, self._wall, self._spent = cpu_s, wall_s, 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.credit > 0.0
+
+    def spend(self, cpu_s: float) -> None:
+        """Charge a fit. The debt is bounded by `burst_s`: a storm of first fits (a fleet joining, never put
+        off) holds the others back for a moment, not for as long as it took."""
+        self.credit = max(self.credit - cpu_s, -self.burst_s)
+        self._spent += cpu_s
+
+
 class WorkerKey(msgspec.Struct, frozen=True):
     """The pool a worker's fit is shared with: one kind of server serving one model."""
 
@@ -194,8 +230,9 @@ class Learner:
     worker's new efficiency when it moved by more than `republish_rel` on any factor since last returned."""
 
     def __init__(self, settings: FitSettings = FitSettings(), republish_rel: float = 0.02,
-                 degraded_ratio: float = 1.5) -> None:
+                 degraded_ratio: float = 1.5, cap: int = 64) -> None:
         self.s = settings
+        self.cap = cap  # steps in one fit at most: what waits beyond is thinned evenly
         self.republish_rel = republish_rel
         self.degraded_ratio = degraded_ratio
         self.fits: dict[str, Fit] = {}
@@ -207,19 +244,26 @@ class Learner:
         self.typical_s: dict[str, float] = {}
         self._published: dict[str, np.ndarray] = {}
         self._runs: dict[str, tuple[str, float]] = {}  # worker id -> (the run reporting under it, when)
+        self._pending: dict[str, list[StepSample]] = {}  # steps kept for the worker's next fit
+        # Per pool, a snapshot of its workers' typical step times, sorted, and when it was taken: what the
+        # degraded alarm compares against (re-taken at most every REPORT_S / 2, so an alarm costs a bisection).
+        self._peers: dict[WorkerKey, tuple[float, dict[str, float], list[float]]] = {}
+        self._now = -math.inf
         self.rejected_reports = 0  # reports of a second process under a worker's id
 
     def observe(self, worker_id: str, key: WorkerKey, cm: CostModel, samples: Iterable[StepSample],
-                now: float, instance: str = "") -> Efficiency | None:
-        """Fold in a report of `worker_id` (of kind `key`, run `instance`) at engine time `now`. A report from
+                now: float, instance: str = "", fit: bool = True) -> Efficiency | None:
+        """Fold in a report of `worker_id` (of kind `key`, run `instance`) at engine time `now`; with `fit`
+        False its steps wait for the next report that is fitted (the fit's CPU is budgeted). A report from
         another run than the one reporting within IMPOSTOR_S is dropped (two processes under one id)."""
-        samples = list(samples)
+        samples, defer = list(samples), not fit
         run, last_t = self._runs.get(worker_id, ("", -math.inf))
         if instance and run and instance != run and now - last_t < IMPOSTOR_S:
             self.rejected_reports += 1
             return None
         if instance:
             self._runs[worker_id] = (instance, now)
+        self._now = max(self._now, now)
         if self.key_of.get(worker_id, key) != key:
             self.forget(worker_id)  # a new model or layout (a re-plan): start again from its pool
         fit = self.fits.get(worker_id)
@@ -230,6 +274,10 @@ class Learner:
             self._typical[worker_id] = _reference(cm)
         if not samples:
             return None
+        if defer:
+            self._pending[worker_id] = _thin(self._pending.get(worker_id, []) + samples, self.cap)
+            return None
+        samples = _thin(self._pending.pop(worker_id, []) + samples, self.cap)
         f = features(self.models[worker_id], samples)
         secs = np.array([s.seconds for s in samples], dtype=float)
         if not fit.update(f, secs, now):
@@ -258,6 +306,12 @@ class Learner:
         self._typical.pop(worker_id, None)
         self.typical_s.pop(worker_id, None)
         self._published.pop(worker_id, None)
+        self._pending.pop(worker_id, None)
+
+    def fitted(self, worker_id: str) -> bool:
+        """Whether the worker's own steps have been fitted yet."""
+        fit = self.fits.get(worker_id)
+        return fit is not None and fit.samples > 0
 
     def efficiency(self, worker_id: str) -> Efficiency | None:
         fit = self.fits.get(worker_id)
@@ -280,15 +334,16 @@ class Learner:
         return math.sqrt(max(float(h @ fit.cov @ h), 0.0)) / mine
 
     def degraded(self, worker_id: str) -> float:
-        """The worker's typical step time over its peers' of the same kind (> degraded_ratio: alarm), 1.0 if
-        unknown. Peers of one kind share the typical step's features, so their cached times compare."""
+        """The worker's typical step time over the median of its peers' of the same kind (> degraded_ratio:
+        alarm), 1.0 if unknown. Peers of one kind share the typical step's features, so their times compare."""
         mine, key = self.typical_s.get(worker_id), self.key_of.get(worker_id)
-        if mine is None:
+        if mine is None or key is None:
             return 1.0
-        peers = [t for w, t in self.typical_s.items() if w != worker_id and self.key_of[w] == key]
-        if not peers:
-            return 1.0
-        theirs = float(np.median(peers))
+        snap = self._peers.get(key)
+        if snap is None or worker_id not in snap[1] or self._now - snap[0] >= REPORT_S / 2:
+            times = {w: t for w, t in self.typical_s.items() if self.key_of[w] == key}
+            snap = self._peers[key] = (self._now, times, sorted(times.values()))
+        theirs = _median_without(snap[2], snap[1][worker_id])
         return mine / theirs if theirs > 0 else 1.0
 
     def report(self, worker_id: str) -> dict[str, float]:
@@ -299,6 +354,27 @@ class Learner:
         rel = fit.std / np.maximum(np.abs(fit.theta), _FLOOR)
         return {"compute": e.compute, "memory": e.memory, "overhead_s": e.overhead_s, "per_seq_s": e.per_seq_s,
                 "rel_std": float(rel.max()), "samples": float(fit.samples), "dropped": float(fit.dropped)}
+
+
+def _median_without(v: list[float], x: float) -> float:
+    """The median of sorted `v` with one `x` (in it) left out; 0.0 when nothing is left."""
+    m = len(v) - 1
+    if m <= 0:
+        return 0.0
+    i = bisect.bisect_left(v, x)
+
+    def at(k: int) -> float:
+        return v[k] if k < i else v[k + 1]
+
+    return at(m // 2) if m % 2 else 0.5 * (at(m // 2 - 1) + at(m // 2))
+
+
+def _thin(samples: list[StepSample], cap: int) -> list[StepSample]:
+    """At most `cap` of `samples`, evenly spread (the newest kept)."""
+    n = len(samples)
+    if n <= cap:
+        return samples
+    return [samples[n - 1 - (i * (n - 1)) // (cap - 1)] for i in range(cap - 1, -1, -1)] if cap > 1 else samples[-1:]
 
 
 def _reference(cm: CostModel) -> np.ndarray:

@@ -81,7 +81,7 @@ class CostPolicy:
         self._cms: dict[tuple[str, str, int, str], int] = {}  # server shape -> row of _coef / _cm_list
         self._cm_list: list[CostModel] = []
         self._coef = np.zeros((0, len(COEFFICIENTS)))
-        self._links: dict[tuple[int, int], float] = {}  # (P, D) cost-model rows -> KV link bandwidth
+        self._links: dict[tuple[str, int, str, int], float] = {}  # (P chip, devices, D chip, devices) -> KV link
         self._t0 = -1.0  # time of the first placement (the share estimator's warm-up)
         # What this policy placed on each worker (a slot per worker id): prefill seconds queued until
         # busy_until, the predicted start of each queued prefill, and a decaying prefill share (acc at last).
@@ -123,14 +123,16 @@ class CostPolicy:
         return self._cm_list[self._cm_row(w)]
 
     # ---- learning ----
-    def observe(self, w: WorkerView, steps: Sequence[StepSample], now: float, instance: str = "") -> Efficiency | None:
+    def observe(self, w: WorkerView, steps: Sequence[StepSample], now: float, instance: str = "",
+                fit: bool = True) -> Efficiency | None:
         """A worker's engine steps (engine time `now`): its learned factors, when they moved enough to reprice
-        it (the worker's own cost-model row from then on); None otherwise or with learning off."""
+        it (the worker's own cost-model row from then on); None otherwise, with learning off, or while its steps
+        wait for a later fit (`fit` False: Learner.observe)."""
         if self.learner is None:
             return None
         key = (w.accelerator, w.model, w.devices, w.parallel)
         prior = self._cm_list[self._shape_row(key, w)]
-        eff = self.learner.observe(w.worker_id, WorkerKey(*key), prior, steps, now, instance)
+        eff = self.learner.observe(w.worker_id, WorkerKey(*key), prior, steps, now, instance, fit)
         if eff is None:
             return None
         cm = CostModel(prior.accel, prior.model, devices=prior.devices, parallel=prior.parallel, dtype=prior.dtype,
@@ -172,11 +174,12 @@ class CostPolicy:
         return s
 
     def _link(self, p_row: int, d_row: int) -> float:
-        """KV link bandwidth between two servers: it depends on their shapes only (cost-model rows)."""
-        key = (p_row, d_row)
+        """KV link bandwidth between two servers: it depends on their chips and device counts only (not on a
+        worker's own learned row)."""
+        p, d = self._cm_list[p_row], self._cm_list[d_row]
+        key = (p.accel.id, p.devices, d.accel.id, d.devices)
         bw = self._links.get(key)
         if bw is None:
-            p, d = self._cm_list[p_row], self._cm_list[d_row]
             bw = self._links[key] = link_bandwidth(p.accel, p.devices, d.accel, d.devices)
         return bw
 

@@ -3,10 +3,11 @@ worker much slower than its peers of the same kind raises an alarm (an event and
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from hetmesh import metrics
-from hetmesh.costmodel.learn import Learner
+from hetmesh.costmodel.learn import FitBudget, Learner
 from hetmesh.placement import WorkerView
 from hetmesh.protocol import Heartbeat
 
@@ -19,6 +20,7 @@ class Learning:
         self.learner: Learner | None = getattr(policy, "learner", None)
         self.time_scale = time_scale
         self.degraded: set[str] = set()
+        self.budget = FitBudget()  # the fits' share of this process's CPU
 
     @property
     def on(self) -> bool:
@@ -30,7 +32,15 @@ class Learning:
         if not self.on or view is None or not hb.steps:
             return ""
         assert self.observe is not None and self.learner is not None
-        self.observe(view, hb.steps, now * self.time_scale, hb.instance)
+        b = self.budget
+        b.tick(time.process_time(), now)
+        fit = b.ok or not self.learner.fitted(hb.worker_id)  # a worker's first fit is never put off
+        if not fit:
+            b.skipped += 1
+        c0 = time.process_time()
+        self.observe(view, hb.steps, now * self.time_scale, hb.instance, fit)
+        if fit:
+            b.spend(time.process_time() - c0)
         ratio = self.learner.degraded(hb.worker_id)
         if hb.worker_id not in self.degraded and ratio > self.learner.degraded_ratio:
             self.degraded.add(hb.worker_id)
@@ -77,6 +87,8 @@ class Learning:
                          "gauge", labels, lr.degraded(wid)))
             rows.append(("hetmesh_scheduler_worker_degraded", "1 while a worker is much slower than its peers",
                          "gauge", labels, 1.0 if wid in self.degraded else 0.0))
+        rows.append(("hetmesh_scheduler_step_reports_deferred", "Step reports kept for a later fit (the fits' CPU "
+                     "budget was spent)", "counter", {}, float(self.budget.skipped)))
         rows.append(("hetmesh_scheduler_rejected_step_reports", "Step reports from a second process under a worker's "
                      "id", "gauge", {}, float(lr.rejected_reports)))
         return rows
