@@ -240,6 +240,36 @@ class Finished(Struct, kw_only=True):
 FinishedBatch = list[Finished]
 
 
+class Booking(Struct, frozen=True, kw_only=True):
+    """What a cost-policy placement adds to the policy's own bookkeeping (CostPolicy.booked), in numbers another
+    scheduler replica can book the same way."""
+
+    prefill_s: float = 0.0  # prefill seconds queued on the prefill worker
+    stolen_s: float = 0.0  # of which the decodes beside it there lose
+    first_token_s: float = 0.0  # from placing to its first token on the decode worker (TTFT and KV transfer)
+    decode_step_s: float = 0.0  # its decode step there, no prefill beside it
+    full_chunk_s: float = 0.0  # what one full prefill chunk beside it adds to that step
+    decode_batch: int = 1  # the decode worker's max_batch
+    max_tokens: int = 1
+    tpot_slo_s: float = 0.0
+    placed_at: float = 0.0  # the policy's clock when placed (RequestInfo.arrival: the gateways' clock)
+
+
+class Booked(Struct, kw_only=True):
+    """Scheduler -> every scheduler: a placement it made. The others count it on its workers until their next
+    heartbeats and book it in their policy (CostPolicy.booked), so no replica prices the fleet as if its own
+    placements were the only ones."""
+
+    scheduler: str  # the placing scheduler's instance (a scheduler skips its own)
+    request_id: str
+    decode_worker: str
+    prefill_worker: str | None = None
+    booking: Booking | None = None  # Decision.booking
+
+
+BookedBatch = list[Booked]
+
+
 class StepSample(Struct, frozen=True, array_like=True):
     """One engine step's totals and its wall seconds (in engine time): compact on the bus as an array."""
 

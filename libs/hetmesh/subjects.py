@@ -18,6 +18,7 @@ SCHED_STATUS = f"{PREFIX}.sched.status"  # request/reply, empty -> SchedulerStat
 SCHED_ALIVE_ALL = f"{PREFIX}.sched.alive.*"  # every scheduler's beat, so gateways know who answers submits
 GATEWAY_ALIVE_ALL = f"{PREFIX}.gateway.alive.*"  # every gateway's beat (empty): workers drop a dead one's work
 FINISHED = f"{PREFIX}.sched.finished"
+SCHED_BOOKED = f"{PREFIX}.sched.booked"  # every scheduler -> every scheduler: its placements (BookedBatch)
 CANCEL = f"{PREFIX}.cancel"
 RESUME = f"{PREFIX}.resume"
 HEARTBEAT_ALL = f"{PREFIX}.heartbeat.*"
@@ -156,6 +157,8 @@ TABLE: tuple[SubjectRow, ...] = (
     SubjectRow(CANCEL, "gateway", "workers, scheduler, kv-transfer", "Cancel", "broadcast"),
     SubjectRow(RESUME, "gateway", "workers", "Resume", "broadcast: republish a stream's chunks after a bus gap"),
     SubjectRow(FINISHED, "workers", "scheduler", "FinishedBatch (JSON array of Finished)", "in-flight bookkeeping, batched"),
+    SubjectRow(SCHED_BOOKED, "every scheduler", "every scheduler", "BookedBatch (JSON array of Booked)",
+               "each scheduler's placements, batched: the others count them until the workers' next heartbeats"),
     SubjectRow(f"{PREFIX}.heartbeat.<worker_id>", "workers", "scheduler", "Heartbeat", "liveness + load"),
     SubjectRow(f"{PREFIX}.kv.events.<worker_id>", "workers", "scheduler (-> Redis index)", "KvEvent", "prefix blocks stored/removed"),
     SubjectRow(KV_RESYNC, "scheduler", "every worker", "KvResync", "Redis back or restarted: republish caches"),

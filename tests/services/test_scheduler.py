@@ -16,6 +16,8 @@ from hetmesh import subjects
 from hetmesh.bus import Bus
 from hetmesh.kvindex.blocks import block_hashes
 from hetmesh.protocol import (
+    Booked,
+    BookedBatch,
     DemandReport,
     Heartbeat,
     InferenceRequest,
@@ -131,6 +133,41 @@ async def test_places_publishes_work_and_follows_prefix(bus: Bus) -> None:
     assert subject == subjects.work_direct("both", "nvidia", "nvidia-h100", "a-1")
     assert item.request.request_id == "r1" and item.phase == "full"
     beater.task.cancel()
+
+
+async def test_placements_are_shared_with_the_other_schedulers(bus: Bus) -> None:
+    """Each placement goes out on hetmesh.sched.booked; another scheduler's bookings count on their worker in this
+    one's view until the worker's next heartbeat; its own echoes and bookings of workers it does not know do not."""
+    heard: asyncio.Queue[Booked] = asyncio.Queue()
+
+    async def on_booked(batch: BookedBatch, _m: object) -> None:
+        for b in batch:
+            await heard.put(b)
+
+    await bus.subscribe(subjects.SCHED_BOOKED, BookedBatch, on_booked)
+    beater = Beater(bus, ["a-0", "a-1"])
+    await asyncio.sleep(0.3)
+    reply = await submit(bus, request("r-booked", [5, 6, 7, 8]))
+    assert reply.placement is not None
+    b = await asyncio.wait_for(heard.get(), 5)
+    while b.request_id != "r-booked":  # an earlier test's placement, still in its batch
+        b = await asyncio.wait_for(heard.get(), 5)
+    assert (b.request_id, b.decode_worker, b.prefill_worker) == ("r-booked", reply.placement.decode_worker, None)
+
+    async def queued(wid: str) -> tuple[str, int]:
+        st = await bus.request(subjects.SCHED_STATUS, b"", SchedulerStatus, timeout_s=2)
+        return st.instance, next(d.queue_depth for d in st.details if d.worker_id == wid)
+
+    beater.task.cancel()  # no heartbeat resets the counts meanwhile (the view keeps a worker for 0.6 s)
+    await asyncio.sleep(0.05)
+    me, before = await queued("a-0")
+    assert b.scheduler == me
+    await bus.publish(subjects.SCHED_BOOKED, [Booked(scheduler="sched-other", request_id=f"o{i}", decode_worker="a-0")
+                                              for i in range(3)]
+                      + [Booked(scheduler=me, request_id="echo", decode_worker="a-0"),
+                         Booked(scheduler="sched-other", request_id="g", decode_worker="ghost")])
+    await asyncio.sleep(0.15)
+    assert (await queued("a-0"))[1] == before + 3
 
 
 async def test_lost_worker_notifies_the_reply_subject(bus: Bus) -> None:

@@ -33,6 +33,7 @@ from hetmesh.placement.fleet import Fleet
 from hetmesh.placement.guard import DecodeGuard
 from hetmesh.placement.pricing import Priced
 from hetmesh.placement.state import Decision, RequestInfo, WorkerView
+from hetmesh.protocol import Booking
 
 SHARE_RUNGS = 4  # the prefill share's time constants: window, window/3, window/9, window/27
 MAX_CANDIDATES = 16  # options a Decision lists (best first) for the placement span
@@ -295,7 +296,11 @@ class CostPolicy:
             order = np.lexsort((o_e2e + pr.prefill_delay[ip] + pr.decode_delay[id_], harm > 0, over > 1.0, miss))
         k = int(order[0])
         p, d = int(ip[k]), int(id_[k])
-        self._guarded(pr, int(f.slots[p]), int(f.slots[d]), p, d, n_out, pr.now + float(o_ttft[k] + xfer[k]), tpot_slo)
+        booking = Booking(prefill_s=float(pr.booked[p]), stolen_s=float(pr.stolen[p]),
+                          first_token_s=float(o_ttft[k] + xfer[k]), decode_step_s=float(pr.plain[d]),
+                          full_chunk_s=float(pr.full_chunk[d]), decode_batch=int(f.num[d, 2]), max_tokens=n_out,
+                          tpot_slo_s=tpot_slo, placed_at=pr.now)
+        self._book(booking, int(f.slots[p]), int(f.slots[d]), pr.now)
         agg = p == d
         ids = f.ids
         shown = order[:MAX_CANDIDATES]  # the best options, for the placement span
@@ -307,6 +312,7 @@ class CostPolicy:
             reason=f"cost/{self.objective}: e2e {o_e2e[k]:.3f}s",
             predicted_ttft_s=float(o_ttft[k]),
             predicted_tpot_s=float(o_tpot[k]) if n_out > 1 else 0.0,
+            booking=booking,
             candidates=tuple(zip([ids[i] for i in ip[shown].tolist()], [ids[i] for i in id_[shown].tolist()],
                                  o_ttft[shown].tolist(), o_tpot[shown].tolist(), o_e2e[shown].tolist(), strict=True)),
         )
@@ -331,7 +337,20 @@ class CostPolicy:
         if margin > 0 and over > margin and (no := self._refusal(req, pr, pr.pre, p, over, ttft, tpot, margin)):
             return no
         self._commit(int(self._fleet.slots[p]), float(pr.booked[p]), pr.now)
-        return msgspec.structs.replace(decision, predicted_ttft_s=ttft, predicted_tpot_s=tpot)
+        return msgspec.structs.replace(decision, predicted_ttft_s=ttft, predicted_tpot_s=tpot,
+                                       booking=Booking(prefill_s=float(pr.booked[p]), placed_at=pr.now))
+
+    def booked(self, decision: Decision) -> None:
+        """Another scheduler replica's placement, heard on the bus: booked here as that replica booked it, at the
+        time it placed it (its prefill backlog, prefill share, guarded decode), so each replica prices what every
+        replica placed."""
+        b = decision.booking
+        if b is None:
+            return
+        if self._t0 < 0:
+            self._t0 = b.placed_at
+        p = decision.prefill_worker or decision.decode_worker
+        self._book(b, self._slot(p), self._slot(decision.decode_worker), b.placed_at)
 
     def _refusal(self, req: RequestInfo, pr: Priced, prefills: np.ndarray, p: int, over: float, ttft: float,
                  tpot: float, margin: float) -> Decision | None:
@@ -347,21 +366,22 @@ class CostPolicy:
         return refusal(ttft, tpot, over, margin, ttft_slo, idle, req.waited_s, self.admission_hold_s,
                        quiet_s(over, margin, idle, busy, self.window))
 
-    def _guarded(self, pr: Priced, slot_p: int, slot_d: int, p: int, d: int, n_out: int, start: float,
-                 tpot_slo: float) -> None:
+    def _book(self, b: Booking, slot_p: int, slot_d: int, now: float) -> None:
         """Commit the prefill on P (the decodes there absorb what it takes from them) and guard the decode on D
         from its first token on (DecodeGuard)."""
-        self._guard.charge(slot_p, max(float(self._busy_until[slot_p]), pr.now), float(pr.stolen[p]))
-        self._commit(slot_p, float(pr.booked[p]), pr.now)
+        self._guard.charge(slot_p, max(float(self._busy_until[slot_p]), now), b.stolen_s)
+        self._commit(slot_p, b.prefill_s, now)
+        n_out = b.max_tokens
         if n_out > 1:
-            life = (n_out - 1) * float(pr.plain[d])
+            start = now + b.first_token_s
+            life = (n_out - 1) * b.decode_step_s
             # the slot's life, in the mean over the last max_batch or so decodes placed there
-            old, mb = float(self._life[slot_d]), max(float(self._fleet.num[d, 2]), 1.0)
+            old, mb = float(self._life[slot_d]), max(float(b.decode_batch), 1.0)
             self._life[slot_d] = life if old == 0.0 else old + (life - old) / mb
             queued = max(float(self._busy_until[slot_d]) - start, 0.0)  # prefill still queued on D by then
-            slack = (n_out - 1) * tpot_slo - life - queued
-            if slack < float(pr.full_chunk[d]):  # fragile: one prefill chunk beside it would break its SLO
-                self._guard.add(slot_d, start, start + life + queued, n_out, slack, pr.now)
+            slack = (n_out - 1) * b.tpot_slo_s - life - queued
+            if slack < b.full_chunk_s:  # fragile: one prefill chunk beside it would break its SLO
+                self._guard.add(slot_d, start, start + life + queued, n_out, slack, now)
 
     def _slo(self, model: str) -> tuple[float, float]:
         """The model's (TTFT, TPOT) SLO seconds: its own, else the policy's."""

@@ -13,7 +13,7 @@ from typing import Protocol
 
 from msgspec import Struct, field
 
-from hetmesh.protocol import Heartbeat, Role
+from hetmesh.protocol import Booking, Heartbeat, Role
 
 
 class WorkerView(Struct, frozen=True, kw_only=True):
@@ -69,6 +69,8 @@ class Decision(Struct, frozen=True, kw_only=True):
     # A refusal the scheduler may hold instead: place it again after this many seconds (its TTFT SLO still in
     # reach then); None: answer the refusal now.
     hold_s: float | None = None
+    # What the cost policy booked for it, for the other scheduler replicas to book too (CostPolicy.booked)
+    booking: Booking | None = None
     # Every placement the policy weighed: (prefill worker, decode worker, ttft s, tpot s, e2e s); for traces.
     candidates: tuple[tuple[str, str, float, float, float], ...] = ()
 

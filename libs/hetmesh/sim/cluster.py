@@ -32,7 +32,7 @@ from hetmesh.sim.spec import SimConfig, WorkerSpec
 from hetmesh.sim.traces import ClosedLoop, Trace, TraceRequest
 from hetmesh.wiring import DEFAULT_TENANT, kv_blocks_for
 
-_ARRIVAL, _KICK, _STEP_END, _KV_LANDED, _RETRY, _HOLD, _FLOW = 0, 1, 2, 3, 4, 5, 6
+_ARRIVAL, _KICK, _STEP_END, _KV_LANDED, _RETRY, _HOLD, _FLOW, _CALL = 0, 1, 2, 3, 4, 5, 6, 7
 _FULL, _PREFILL, _DECODE = Kind  # module names: cheaper than member lookups
 MAX_SPAN = 256  # plain decode steps one event may stand for
 
@@ -401,6 +401,9 @@ class Simulator:
     def pump_at(self, t: float) -> None:
         self._push(t, _FLOW, None)
 
+    def call_at(self, t: float, fn: Callable[[], None]) -> None:  # an event of an extension (sim.replicas)
+        self._push(t, _CALL, fn)
+
     def retry(self, req: _Req, after: float) -> None:
         self._push(self.now + after, _RETRY, req)
 
@@ -484,6 +487,8 @@ class Simulator:
                 self._arrive(obj, block_tokens, held=True)  # type: ignore[arg-type]
             elif kind == _FLOW:
                 self.flow.pump()  # type: ignore[union-attr]
+            elif kind == _CALL:
+                obj()  # type: ignore[operator]
             else:
                 self._landed(obj)  # type: ignore[arg-type]
         if progress is not None:

@@ -33,12 +33,14 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 
 from hetmesh import config, metrics, subjects, telemetry, wiring
-from hetmesh.bus import REQUEST_ID, Bus, EventBatcher, encode, headers_for
+from hetmesh.bus import REQUEST_ID, Batcher, Bus, EventBatcher, encode, headers_for
 from hetmesh.kvindex.index import PrefixIndex
 from hetmesh.placement import REFUSED, ClusterState, Decision, RequestInfo, aggregated, refusals
 from hetmesh.placement.admission import hold_wait_s
 from hetmesh.planner.live import DemandWindow
 from hetmesh.protocol import (
+    Booked,
+    BookedBatch,
     Cancel,
     DemandReport,
     ErrorInfo,
@@ -64,6 +66,7 @@ from .reconcile import IdleWatch
 from .reports import metric_rows, placement_attributes, status
 
 log = logging.getLogger("hetmesh.scheduler")
+BOOKING_BATCH_S = 0.001  # its placements go out to the other schedulers this soon
 
 PREFIX_POLICIES = {"prefix_aware", "cost", "llm_d", "dynamo"}  # policies that read the prefix index
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, passed on untouched when not tracing
@@ -111,6 +114,8 @@ class Scheduler:
         self.placed = 0
         self.refused = 0
         self.duplicates = 0  # WorkItems the stream already held (its dedup id): placed once, served once
+        self.heard_bookings = 0  # other schedulers' placements counted here (hetmesh.sched.booked)
+        self.unknown_bookings = 0  # of them naming a worker not in this view: ignored
         self.reconnects = 0
         # what the planner plans from (hetmesh.sched.demand), SLOs judged in engine time
         self.demand = DemandWindow(cfg.planner.window_s, {m.name: cfg.slo(m.name) for m in cfg.models},
@@ -120,6 +125,8 @@ class Scheduler:
         self.bus = await Bus.for_mesh(self.cfg.mesh, f"scheduler-{self.instance}")
         self.bus.on_reconnect.append(self._on_reconnect)
         self.events = EventBatcher(self.bus, "scheduler")
+        # What it places, for the other schedulers: within a millisecond (what it places in one goes as one message)
+        self.bookings = Batcher(self.bus, subjects.SCHED_BOOKED, BOOKING_BATCH_S)
         self.prefix = PrefixMirror(self.bus, PrefixIndex.for_mesh(self.cfg.mesh, self.cfg.scheduler.prefix_ttl_s),
                                    self.events, self.instance)
         self.queue = WorkQueue(self.bus, self.cfg.work_queue)
@@ -128,6 +135,7 @@ class Scheduler:
         await self.bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
         await self.bus.subscribe(subjects.KV_EVENTS_ALL, KvEvent, self.prefix.on_kv_event)
         await self.bus.subscribe(subjects.FINISHED, FinishedBatch, self.on_finished)
+        await self.bus.subscribe(subjects.SCHED_BOOKED, BookedBatch, self.on_booked)
         await self.bus.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
         await self.bus.subscribe(subjects.TURNED_AWAY, TurnedAway, self.on_turned_away, queue=subjects.SCHEDULER_QUEUE)
         # A restarted scheduler knows no workers yet: gather a round of heartbeats before taking requests,
@@ -152,6 +160,7 @@ class Scheduler:
         for t in self._tasks:
             t.cancel()
         await self.events.close()
+        await self.bookings.close()
         await self.bus.close()
         await self.prefix.close()
 
@@ -404,6 +413,8 @@ class Scheduler:
                         headers: dict[str, str] | None, booked: bool = False) -> None:
         if not booked:
             self.state.assigned(d)
+        self.bookings.add(Booked(scheduler=self.instance, request_id=req.request_id, decode_worker=d.decode_worker,
+                                 prefill_worker=d.prefill_worker, booking=d.booking))
         # A new attempt replaces the last one: its workers no longer hold the request (were one of them lost or
         # back as a new run, it must not send this attempt a WorkerLost)
         self._forget(req.request_id)
@@ -451,6 +462,24 @@ class Scheduler:
                 self.by_worker.get(w, set()).discard(rid)
 
     # --- bookkeeping --------------------------------------------------------------------
+    async def on_booked(self, batch: BookedBatch, _m: Msg) -> None:
+        """Other schedulers' placements: counted on their workers until those workers' next heartbeats (as its
+        own are), and booked in the policy's own bookkeeping (the cost policy's prefill backlog). Without them
+        each replica would price the fleet as if its placements were the only ones."""
+        book = getattr(self.policy, "booked", None)
+        for b in batch:
+            if b.scheduler == self.instance:
+                continue
+            d = Decision(mode="aggregated" if b.prefill_worker is None else "disaggregated",
+                         decode_worker=b.decode_worker, prefill_worker=b.prefill_worker, booking=b.booking)
+            if not all(w in self.state for w in d.workers):
+                self.unknown_bookings += 1  # a worker this view has lost (or not heard yet): nothing to count
+                continue
+            self.heard_bookings += 1
+            self.state.assigned(d)
+            if book is not None:
+                book(d)
+
     async def on_finished(self, batch: FinishedBatch, _m: Msg) -> None:
         for f in batch:
             self.state.finished(f.worker_id, f.ts)

@@ -1,0 +1,228 @@
+"""Several scheduler replicas in the simulator, each placing on the view the live mesh gives it.
+
+Live schedulers share nothing but the bus (docs/architecture.md, several gateways and schedulers): each folds
+every worker's heartbeats (one per `heartbeat_s`) and Finished records (batched, `finished_s` late) into its own
+`ClusterState`, and adds what it placed itself since a worker's last heartbeat on top; another replica's
+placements it sees only in the worker's next heartbeat. Each replica runs its own policy object, so a policy's
+own bookkeeping (the cost policy's prefill backlog) holds that replica's placements only. A gateway sends each
+request to a replica picked at random. The worker's engine is the arbiter: its batching core admits nothing
+past its batch or its KV blocks, the rest waits in its queue.
+
+`ReplicaSimulator` is the Simulator with that in front of the workers; its `overbooking` says what the replicas
+did not see when they placed, and checks after every step that no worker holds more than its limits.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from msgspec.structs import replace
+
+from hetmesh.config import MeshConfig
+from hetmesh.placement import REFUSED, Decision, Policy, RequestInfo, WorkerView
+from hetmesh.sim import policy_for
+from hetmesh.sim.cluster import Simulator
+from hetmesh.sim.metrics import Slo, summarize
+from hetmesh.sim.results import SimResult
+from hetmesh.sim.spec import SimConfig, WorkerSpec
+from hetmesh.sim.traces import Trace
+
+FINISHED_S = 0.02  # a worker's Finished records wait this long for company on the bus (hetmesh.bus.EVENT_BATCH_S)
+
+
+@dataclass
+class Overbooking:
+    """What the replicas' placements did not see, over a run."""
+
+    placements: int = 0
+    unseen: int = 0  # requests on the chosen workers the placing replica's view did not count, summed
+    unseen_max: int = 0
+    blind_full: int = 0  # placed on a worker its view showed with a free batch slot, whose batch was in fact full
+    pool_full_missed: int = 0  # admitted while the pool held more than pool_full allows (its view said less)
+    peak_pool_load: float = 0.0  # the most the pool held, over what pool_full lets it hold
+    over_limit: int = 0  # steps in which a worker ran past its max_batch or KV blocks (must stay 0)
+    per_replica: list[int] = field(default_factory=list)  # placements each replica made
+
+
+class _Replica:
+    """One scheduler's books: the heartbeats every replica shares, plus its own placements since each."""
+
+    __slots__ = ("assigned", "dirty", "policy", "views")
+
+    def __init__(self, policy: Policy, views: list[WorkerView]) -> None:
+        self.policy = policy
+        self.views = list(views)
+        self.assigned = [0] * len(views)  # placed on each worker since its last heartbeat
+        self.dirty: set[int] = set()
+
+
+class ReplicaSimulator(Simulator):
+    """`replicas` policy objects (one per scheduler) over one simulated cluster. queue_factor: the scheduler's
+    pool_full bound, for counting admissions past it (the simulated replicas do not refuse by it)."""
+
+    def __init__(self, workers: Sequence[WorkerSpec], replicas: Sequence[Policy], config: SimConfig | None = None,
+                 heartbeat_s: float = MeshConfig().heartbeat_interval_s, finished_s: float = FINISHED_S,
+                 seed: int = 0, queue_factor: float = 4.0, share_s: float | None = None) -> None:
+        self._reps: list[Policy] = list(replicas)
+        super().__init__(workers, _Router(self), config)
+        self.heartbeat_s = heartbeat_s
+        self.finished_s = finished_s
+        self.queue_factor = queue_factor
+        self.share_s = share_s
+        self._rng = random.Random(seed)
+        self.overbooking = Overbooking(per_replica=[0] * len(self._reps))
+        self._books: list[_Replica] = []
+        self._hb: list[WorkerView] = []  # each worker's last heartbeat
+        self._hb_t: list[float] = []
+        self._fin: list[int] = []  # Finished records heard since it (every replica hears them)
+        self._beats = 0  # heartbeat events pending
+
+    # ---- the replicas' views ----
+    def _start(self) -> None:
+        """The workers' first heartbeats at the first placement, then one per heartbeat_s each, out of phase."""
+        truth = self._views()
+        self._hb, self._hb_t, self._fin = list(truth), [self.now] * len(truth), [0] * len(truth)
+        self._books = [_Replica(p, truth) for p in self._reps]
+        for i in range(len(truth)):
+            self._beat_at(i, self.now + self._rng.uniform(0.0, self.heartbeat_s))
+
+    def _beat_at(self, i: int, t: float) -> None:
+        self._beats += 1
+        self.call_at(t, lambda: self._beat(i))
+
+    def _beat(self, i: int) -> None:
+        self._beats -= 1
+        self._hb[i] = self._views()[i]
+        self._hb_t[i] = self.now
+        self._fin[i] = 0
+        for b in self._books:
+            b.assigned[i] = 0
+            b.dirty.add(i)
+        if len(self._events) > self._beats:  # anything else still to happen
+            self._beat_at(i, self.now + self.heartbeat_s)
+
+    def _heard_finished(self, i: int, ts: float) -> None:
+        if ts > self._hb_t[i]:  # else the heartbeat in hand already counts it
+            self._fin[i] += 1
+            for b in self._books:
+                b.dirty.add(i)
+
+    def _heard_booking(self, b: _Replica, d: Decision) -> None:
+        """Another replica's placement, heard on the bus: counted on its workers until their next heartbeat,
+        and booked in this replica's policy (its prefill backlog)."""
+        for wid in d.workers:
+            i = self._index[wid]
+            b.assigned[i] += 1
+            b.dirty.add(i)
+        booked = getattr(b.policy, "booked", None)
+        if booked is not None:
+            booked(d)
+
+    def view_of(self, b: _Replica) -> list[WorkerView]:
+        """The replica's views, as its ClusterState builds them (only workers that moved get a new one)."""
+        for i in b.dirty:
+            hb, fin = self._hb[i], self._fin[i]
+            leftover = max(fin - hb.running, 0)
+            b.views[i] = replace(hb, queue_depth=max(hb.queue_depth + b.assigned[i] - leftover, 0),
+                                 running=max(hb.running - fin, 0))
+        b.dirty.clear()
+        return b.views
+
+    # ---- placing ----
+    def place(self, info: RequestInfo, truth: list[WorkerView]) -> Decision | None:
+        if not self._books:
+            self._start()
+        k = self._rng.randrange(len(self._books))
+        b = self._books[k]
+        mine = self.view_of(b)
+        d = b.policy.place(info, mine)
+        if d is None or d.mode == REFUSED:
+            return d
+        ob = self.overbooking
+        ob.placements += 1
+        ob.per_replica[k] += 1
+        idx = self._index
+        for wid in d.workers:
+            i = idx[wid]
+            t, m = truth[i], mine[i]
+            unseen = max(t.load - m.load, 0)
+            ob.unseen += unseen
+            ob.unseen_max = max(ob.unseen_max, unseen)
+            ob.blind_full += m.load < m.max_batch <= t.load
+            b.assigned[i] += 1
+            b.dirty.add(i)
+        if self.share_s is not None:
+            for other in self._books:
+                if other is not b:
+                    self.call_at(self.now + self.share_s, lambda o=other: self._heard_booking(o, d))
+        cap = sum(w.max_batch for w in truth if w.model == info.model) * (1.0 + self.queue_factor)
+        held = sum(w.load for w in truth if w.model == info.model)
+        ob.peak_pool_load = max(ob.peak_pool_load, held / cap)
+        ob.pool_full_missed += held >= cap
+        return d
+
+    # ---- the simulator's events, heard by every replica ----
+    def _build(self, hash_tokens: int) -> None:
+        super()._build(hash_tokens)
+        self._index = {w.spec.worker_id: w.index for w in self.workers}
+
+    def _finished(self, r) -> None:  # type: ignore[no-untyped-def]
+        if r.dw is not None:
+            self._finished_at(r.dw.index)
+        super()._finished(r)
+
+    def _ship_kv(self, src, r) -> None:  # type: ignore[no-untyped-def]
+        self._finished_at(src.index)  # the prefill side's Finished ("prefill_done")
+        super()._ship_kv(src, r)
+
+    def _finished_at(self, i: int) -> None:
+        if self._books:
+            ts = self.now
+            self.call_at(ts + self.finished_s, lambda: self._heard_finished(i, ts))
+
+    def _start_step(self, w) -> None:  # type: ignore[no-untyped-def]
+        super()._start_step(w)
+        c = w.core
+        self.overbooking.over_limit += len(c.running) > c.s.max_batch or c.cache.used > c.s.kv_blocks
+
+
+class _Router:
+    """The gateways' side: the Simulator's one policy, handing each request to a replica."""
+
+    def __init__(self, sim: ReplicaSimulator) -> None:
+        self.sim = sim
+        first = sim._reps[0]
+        self.name = getattr(first, "name", type(first).__name__)
+        self.learner = getattr(first, "learner", None)  # every replica learns from every worker's steps
+        for hook in ("request_first_token", "request_done"):
+            if getattr(first, hook, None) is not None:
+                setattr(self, hook, self._fan(hook))
+
+    def _fan(self, hook: str) -> Callable[..., None]:
+        def call(*args: object) -> None:
+            for p in self.sim._reps:
+                getattr(p, hook)(*args)
+        return call
+
+    def observe(self, *args: object) -> None:
+        for p in self.sim._reps:
+            p.observe(*args)  # type: ignore[attr-defined]
+
+    def place(self, info: RequestInfo, workers: Sequence[WorkerView]) -> Decision | None:
+        return self.sim.place(info, workers)  # type: ignore[arg-type]
+
+
+def simulate_replicas(workers: Sequence[WorkerSpec], policy: str, replicas: int, trace: Trace,
+                      config: SimConfig | None = None, slo: Slo = Slo(), seed: int = 0,
+                      share_s: float | None = None, queue_factor: float = 4.0, **policy_kwargs: Any) -> tuple[dict[str, Any], SimResult, Overbooking]:
+    """`simulate` with `replicas` schedulers, each its own `policy` object, placing on its own view (share_s: each
+    placement heard by the other replicas this late; None: not shared)."""
+    if policy == "cost" and config is not None and config.efficiencies:
+        policy_kwargs.setdefault("efficiencies", config.efficiencies)
+    reps = [policy_for(policy, workers, slo, **policy_kwargs) for _ in range(replicas)]
+    sim = ReplicaSimulator(workers, reps, config, seed=seed, queue_factor=queue_factor, share_s=share_s)
+    res = sim.run(trace)
+    return summarize(res, slo), res, sim.overbooking

@@ -1,0 +1,62 @@
+"""Several scheduler replicas: another replica's placement booked in a cost policy (CostPolicy.booked), and the
+simulator's replicas (hetmesh.sim.replicas), each placing on its own heartbeat-old view."""
+
+from __future__ import annotations
+
+from hetmesh.placement import RequestInfo, WorkerView
+from hetmesh.placement.cost import CostPolicy
+from hetmesh.protocol import Role
+from hetmesh.sim import policy_for, pool, synthetic
+from hetmesh.sim.replicas import ReplicaSimulator
+
+
+def _view(wid: str) -> WorkerView:
+    return WorkerView(worker_id=wid, model="m", accelerator="nvidia-h100", vendor="nvidia", devices=8, role=Role.BOTH,
+                      queue_depth=0, running=0, max_batch=64, kv_blocks_total=100_000, kv_blocks_used=0, block_size=16)
+
+
+def _req(rid: str, now: float) -> RequestInfo:
+    return RequestInfo(request_id=rid, model="m", prompt_len=8000, max_tokens=64, arrival=now)
+
+
+def _policy() -> CostPolicy:
+    return CostPolicy(models={"m": "llama-3.1-70b"}, admission_margin=0.0, learn=False)
+
+
+def test_a_booking_heard_from_another_replica_prices_like_its_own() -> None:
+    views = [_view("w0")]
+    a, b, alone = _policy(), _policy(), _policy()
+    first = a.place(_req("r1", 0.0), views)
+    assert first is not None and first.booking is not None and first.booking.prefill_s > 0
+    b.booked(first)
+    # the next request: b prices the backlog a put there exactly as a does; a replica that heard nothing does not
+    da, db, dn = (p.place(_req("r2", 0.01), views) for p in (a, b, alone))
+    assert da is not None and db is not None and dn is not None
+    assert db.predicted_ttft_s == da.predicted_ttft_s
+    assert dn.predicted_ttft_s is not None and db.predicted_ttft_s is not None
+    assert db.predicted_ttft_s > dn.predicted_ttft_s + first.booking.prefill_s * 0.9
+
+
+def _run(replicas: int, share_s: float | None) -> ReplicaSimulator:
+    ws = pool("h100", 2, "nvidia-h100", model="llama-3.1-70b", max_batch=16)
+    trace = synthetic(300, rate=12.0, input_mean=2000, output_mean=100, seed=3)
+    reps = [policy_for("cost", ws, admission_margin=0.0) for _ in range(replicas)]
+    sim = ReplicaSimulator(ws, reps, share_s=share_s, seed=1)
+    res = sim.run(trace)
+    assert len(res.records) + res.rejected == len(trace)  # every request served once
+    return sim
+
+
+def test_one_replica_sees_all_it_placed_and_the_worker_is_the_arbiter() -> None:
+    ob = _run(1, None).overbooking
+    assert ob.placements == 300 and ob.unseen == 0 and ob.blind_full == 0
+    assert ob.over_limit == 0
+
+
+def test_replicas_miss_each_others_placements_until_they_share_them() -> None:
+    own = _run(2, None).overbooking
+    shared = _run(2, 0.001).overbooking
+    assert all(n > 50 for n in own.per_replica)  # requests split among the replicas
+    assert own.unseen > 0  # placed on a worker holding more than its view said
+    assert shared.unseen < own.unseen / 2
+    assert own.over_limit == shared.over_limit == 0  # the batching core never runs past its batch or KV
