@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from scipy.optimize import least_squares
 
 from hetmesh.costmodel.catalog import accelerator, model_spec
 from hetmesh.costmodel.efficiency import Efficiency, lookup
@@ -97,6 +96,9 @@ def calibrate(cm: CostModel, samples: Sequence[Sample], fit_per_seq: bool = Fals
                 + np.maximum(feats[:, 0] * c, feats[:, 1] * m) + np.maximum(feats[:, 2] * c, feats[:, 3] * m)
                 + np.maximum(feats[:, 4] * c, feats[:, 5] * m))
         return (pred - t) / t
+
+    # Imported here: only a fit needs scipy, and its import slows the start of every service.
+    from scipy.optimize import least_squares
 
     best = None
     starts = {"compute": (1.5, 3.0, 10.0, 1e3, 1e4), "memory": (1.2, 2.0, 5.0, 1e2), "overhead_s": (0.0, float(t.min()) / 2),

@@ -14,7 +14,6 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from hetmesh.planner.inputs import ModelDemand, ServerGroup
 from hetmesh.protocol import Role
@@ -153,6 +152,9 @@ def solve(groups: Sequence[ServerGroup], demands: Sequence[ModelDemand], options
     integrality[:p.n] = 0 if relaxed else 1
     A = np.array(p.rows)
     opts = {"time_limit": time_limit_s, "presolve": True}
+    # Imported here: only a solve needs scipy, and its import slows the start of every service.
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
     r1 = milp(c, constraints=LinearConstraint(A, p.lo, p.hi), integrality=integrality, bounds=Bounds(0, p.ub),
               options=opts)
     if r1.x is None:
