@@ -8,7 +8,9 @@ engine's own step log, per-request TTFT and TPOT predicted against observed, bef
    concurrent requests. Every --report-s the engine's step log is drained into hetmesh.costmodel.learn.Learner
    (as a worker's heartbeats would be) and the learned factors are snapshotted.
 3. Each request's TTFT and TPOT are predicted from the steps it waited through (the engine's steps between its
-   submission and its first token, and between its first and last), each step priced by the cost model: with
+   submission and its first token, and between its first and last), each step priced by the cost model, and
+   for TTFT the first-token gap learned as the worker learns it (the median, over the requests reported so
+   far, of each one's time to first token outside the engine's steps: hand-off, input and output work): with
    the prior ("before") and with the factors learned by the time the request was submitted ("after", over the
    second half of the requests). "Requests needed": the fewest requests after which the learned factors meet
    the targets (p50 |error| <= 10%, p90 <= 25%, TTFT and TPOT) on the second half.
@@ -116,6 +118,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         learner = Learner()
         key = WorkerKey(ACCEL, MODEL, 1, "tp")
         snapshots = [theta_of(prior)]  # factors after each report
+        gap_snaps = [0.0]  # the learned first-token gap after each report (the prior knows none)
+        gaps: list[float] = []  # the gaps measured since the last report, as a worker's heartbeat carries them
         done_at = [0]  # requests finished at each snapshot
         stamped.clear()
         engine.step_log()
@@ -128,7 +132,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 steps = engine.step_log()
                 if steps:
                     learner.observe("cpu-0", key, cm, steps, time.perf_counter() - t0)
+                    learner.observe_gaps("cpu-0", gaps)
+                    gaps.clear()
                     snapshots.append(learner.fits["cpu-0"].theta.copy())
+                    gap_snaps.append(learner.first_token_gap("cpu-0"))
                     done_at.append(finished)
 
         async def one(r: Req) -> None:
@@ -136,10 +143,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             req = runner.request(r.prompt, r.output)
             r.snapshot = len(snapshots) - 1
             r.submit = time.perf_counter()
+            busy = engine.stats().busy_s
             await engine.submit(req)
             async for out in engine.stream(req.request_id):
                 if out.token_ids and not r.first:
                     r.first = time.perf_counter()
+                    gaps.append(max(r.first - r.submit - (engine.stats().busy_s - busy), 0.0))  # as the worker
                 r.tokens += len(out.token_ids)
                 r.last = time.perf_counter()
             finished += 1
@@ -182,7 +191,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         for r in rs:
             p = predict_at(idx_of(r))
             if r.steps_ttft and r.first > r.submit:
-                ttft.append(float(p[r.steps_ttft].sum()) / (r.first - r.submit) - 1.0)
+                gap = gap_snaps[min(idx_of(r), len(gap_snaps) - 1)]
+                ttft.append((float(p[r.steps_ttft].sum()) + gap) / (r.first - r.submit) - 1.0)
             if r.tokens > 1 and r.steps_tpot and r.last > r.first:
                 tpot.append(float(p[r.steps_tpot].sum()) / (r.last - r.first) - 1.0)
         return {"ttft": ttft, "tpot": tpot}
@@ -214,7 +224,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     last = len(snapshots) - 1
     rows = [{"prompt": r.prompt, "output": r.output, "ttft_s": r.first - r.submit,
              "tpot_s": (r.last - r.first) / max(r.tokens - 1, 1),
-             "ttft_pred_s": float(predict_at(last)[r.steps_ttft].sum()),
+             "ttft_pred_s": float(predict_at(last)[r.steps_ttft].sum()) + gap_snaps[last],
              "tpot_pred_s": float(predict_at(last)[r.steps_tpot].sum()) / max(r.tokens - 1, 1),
              # the engine's own measured seconds of those steps: where far below the client's, the time went
              # outside the engine's steps (the host's other load, the client's event loop)
@@ -227,14 +237,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "workload_wall_s": wall, "total_wall_s": time.perf_counter() - t_start, "steps": len(samples),
         "prior_scale": args.prior_scale, "reference_calibration": vars_of(ref), "prior": vars_of(prior),
         "learned": vars_of(fit.efficiency) if fit else None, "fitted_steps": fit.samples if fit else 0,
-        "dropped_steps": fit.dropped if fit else 0,
+        "dropped_steps": fit.dropped if fit else 0, "first_token_gap_s": gap_snaps[-1],
         "before_learning_all_requests": before_all, "before_learning_second_half": before_half,
         "after_learning_online_second_half": after, "final_fit_second_half": final,
         "least_squares_all_steps": vars_of(ls), "least_squares_floor_second_half": floor,
         "requests_needed": needed, "targets": {"p50": 0.10, "p90": 0.25, "requests_needed": 200},
         "meets_targets_online": meets(after),
         "note": "predicted = the cost model's price of the engine steps each request waited through (its TTFT: "
-                "steps from submission to first token; TPOT: from first to last token over tokens - 1); observed = "
+                "steps from submission to first token, plus the learned first-token gap: the median time to first "
+                "token outside the engine's steps over the requests reported before; TPOT: from first to last "
+                "token over tokens - 1); observed = "
                 "wall time at the client of the engine (in process). 'after' uses the factors learned before "
                 "each request was submitted. least_squares_floor: the cost model fitted offline to every step of "
                 "this run, the best its form allows here.",

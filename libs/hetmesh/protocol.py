@@ -324,6 +324,9 @@ class Heartbeat(Struct, kw_only=True):
     # A bounded sample of its engine's steps since the last heartbeat (totals and engine seconds, an array each):
     # what the scheduler learns this worker's speed from (hetmesh.costmodel.learn)
     steps: list[StepSample] = field(default_factory=list)
+    # Per request served since the last report, its time to first token outside the engine's steps (engine
+    # seconds: hand-off, input and output processing): what the scheduler adds to its priced TTFT here.
+    first_token_gaps: list[float] = field(default_factory=list)
 
 
 class KvEvent(Struct, kw_only=True):

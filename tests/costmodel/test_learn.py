@@ -10,6 +10,8 @@ import pytest
 from hetmesh.costmodel import CostModel, Efficiency, accelerator, model_spec
 from hetmesh.costmodel.learn import FitBudget, Learner, StepLog, StepSample, WorkerKey, features, predict
 from hetmesh.costmodel.truth import Truth
+from hetmesh.placement import RequestInfo, WorkerView
+from hetmesh.placement.cost import CostPolicy
 from hetmesh.protocol import Role
 from hetmesh.sim import Slo, pool, simulate, synthetic
 
@@ -188,3 +190,35 @@ def test_degraded_compares_against_the_median_of_the_other_peers() -> None:
         others = [lr.typical_s[w] for w in speeds if w != wid]
         assert lr.degraded(wid) == pytest.approx(lr.typical_s[wid] / float(np.median(others)))
     assert lr.degraded("w3") > lr.degraded_ratio > lr.degraded("w2")
+
+
+def test_first_token_gaps_are_learned_robustly_and_priced_into_ttft() -> None:
+    lr = Learner(cap=8)
+    assert lr.first_token_gap("w0") == 0.0
+    assert lr.observe_gaps("w0", [0.5, 0.5]) == 0.0  # too few yet
+    assert lr.observe_gaps("w0", [0.004] * 3 + [0.005, 0.006, 5.0]) == pytest.approx(0.0055)  # stalled ones move it little
+    lr.observe_gaps("w0", [math.nan, -1.0, 1e6])
+    assert lr.dropped_gaps == 3 and lr.first_token_gap("w0") == pytest.approx(0.0055)
+    lr.observe_gaps("w0", [0.010] * 8)  # the newest `cap` only
+    assert lr.first_token_gap("w0") == pytest.approx(0.010)
+
+    def view(wid: str) -> WorkerView:
+        return WorkerView(worker_id=wid, model="m", accelerator="nvidia-h100", vendor="nvidia", devices=8,
+                          role=Role.BOTH, queue_depth=0, running=0, max_batch=64, kv_blocks_total=10_000,
+                          kv_blocks_used=0, block_size=16)
+
+    pol = CostPolicy(models={"m": "llama-3.1-70b"}, admission_margin=0.0)
+    views = [view("a"), view("b")]
+
+    def ttfts() -> dict[str, float]:
+        d = pol.place(RequestInfo(request_id="r", model="m", prompt_len=512, max_tokens=1, arrival=0.0), views)
+        assert d is not None
+        return {p: t for p, _, t, _, _ in d.candidates}
+
+    base = ttfts()
+    pol = CostPolicy(models={"m": "llama-3.1-70b"}, admission_margin=0.0)  # no bookings left by the first place
+    pol.observe_gaps(views[0], [0.25] * 8)
+    got = ttfts()
+    assert got["a"] == pytest.approx(base["a"] + 0.25) and got["b"] == pytest.approx(base["b"])
+    pol.forget("a")
+    assert pol._gap[pol._slots["a"]] == 0.0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,8 @@ ABSURD = 100.0  # a sample this many times off the prediction (either way) is dr
 # A worker's steps reach the fit this often (a bounded sample of all of them, on its heartbeat; the simulator
 # the same): drift is tracked within seconds, and the fit's cost grows with the fleet, not with requests.
 REPORT_S = 2.0
+GAP_MIN = 8  # first-token gaps a worker reports before its typical gap is priced
+GAP_MAX_S = 60.0  # a first-token gap this long is not the engine's hand-off: dropped
 IMPOSTOR_S = 5.0  # engine seconds a run owns its worker id after its last report
 
 
@@ -245,11 +248,13 @@ class Learner:
         self._published: dict[str, np.ndarray] = {}
         self._runs: dict[str, tuple[str, float]] = {}  # worker id -> (the run reporting under it, when)
         self._pending: dict[str, list[StepSample]] = {}  # steps kept for the worker's next fit
+        self._gaps: dict[str, deque[float]] = {}  # the newest first-token gaps of each worker
         # Per pool, a snapshot of its workers' typical step times, sorted, and when it was taken: what the
         # degraded alarm compares against (re-taken at most every REPORT_S / 2, so an alarm costs a bisection).
         self._peers: dict[WorkerKey, tuple[float, dict[str, float], list[float]]] = {}
         self._now = -math.inf
         self.rejected_reports = 0  # reports of a second process under a worker's id
+        self.dropped_gaps = 0  # first-token gaps not finite, negative or over GAP_MAX_S
 
     def observe(self, worker_id: str, key: WorkerKey, cm: CostModel, samples: Iterable[StepSample],
                 now: float, instance: str = "", fit: bool = True) -> Efficiency | None:
@@ -307,6 +312,25 @@ class Learner:
         self.typical_s.pop(worker_id, None)
         self._published.pop(worker_id, None)
         self._pending.pop(worker_id, None)
+        self._gaps.pop(worker_id, None)
+
+    def observe_gaps(self, worker_id: str, gaps: Iterable[float]) -> float:
+        """Fold in a worker's first-token gaps: per request, its time to first token outside the engine's steps
+        (hand-off, input and output processing; engine seconds). Returns the worker's typical gap, the median of
+        its newest `cap` (robust to a request held up by a GC pause); absurd values are dropped and counted."""
+        kept = self._gaps.setdefault(worker_id, deque(maxlen=self.cap))
+        for g in gaps:
+            if math.isfinite(g) and 0.0 <= g < GAP_MAX_S:
+                kept.append(g)
+            else:
+                self.dropped_gaps += 1
+        return self.first_token_gap(worker_id)
+
+    def first_token_gap(self, worker_id: str) -> float:
+        """The median of the worker's newest gaps; 0.0 until it has GAP_MIN (a worker's first requests meet
+        cold caches and imports)."""
+        kept = self._gaps.get(worker_id)
+        return float(np.median(kept)) if kept is not None and len(kept) >= GAP_MIN else 0.0
 
     def fitted(self, worker_id: str) -> bool:
         """Whether the worker's own steps have been fitted yet."""

@@ -73,7 +73,7 @@ class EngineStats(Struct, kw_only=True):
     aborted: int = 0
     preempted: int = 0  # requests whose KV was dropped to make room (they recompute it later)
     steps: int = 0
-    busy_s: float = 0.0  # simulated accelerator time spent in steps
+    busy_s: float = 0.0  # wall seconds the engine spent in steps, in all (what is not a step is a request's gap)
 
 
 class Engine(Protocol):

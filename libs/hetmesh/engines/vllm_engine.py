@@ -276,7 +276,8 @@ class VllmEngine:
                            kv_blocks_total=total, kv_blocks_used=round(s.kv_usage * total),
                            kv_blocks_cached=len(self._mapper.digests), block_size=self.config.block_size,
                            tokens_generated=self.tokens_generated, prompt_tokens_computed=self.prompt_tokens_computed,
-                           prompt_tokens_cached=self.prompt_tokens_cached, aborted=self.aborted, steps=s.steps)
+                           prompt_tokens_cached=self.prompt_tokens_cached, aborted=self.aborted, steps=s.steps,
+                           busy_s=s.seconds)
 
     def step_log(self) -> list[StepSample]:
         """The steps since the last call (vLLM's per-iteration details via our stat logger), at most StepLog's cap."""

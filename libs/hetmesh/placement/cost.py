@@ -94,6 +94,7 @@ class CostPolicy:
         self._acc = np.zeros((len(self._taus), 16))
         self._last = np.zeros(16)
         self._placed = np.zeros(16)  # prefills placed on each worker, decaying at the window (its arrival rate)
+        self._gap = np.zeros(16)  # each worker's learned time to first token outside its engine's steps
         self._first_start = np.full(16, math.inf)  # starts[slot][0], so only due queues are walked
         self._queued = np.zeros(16)  # len(starts[slot])
         self._life = np.zeros(16)  # per worker: the mean seconds a decode placed there holds its slot
@@ -151,10 +152,18 @@ class CostPolicy:
         self._fleet.recost(w.worker_id)
         return eff
 
+    def observe_gaps(self, w: WorkerView, gaps: Sequence[float]) -> None:
+        """A worker's first-token gaps (engine seconds outside its steps, per request): its TTFT is priced with
+        their learned typical value on top of its steps from then on."""
+        if self.learner is not None and gaps:
+            self._gap[self._slot(w.worker_id)] = self.learner.observe_gaps(w.worker_id, gaps)
+
     def forget(self, worker_id: str) -> None:
         """A worker gone for good: its learned speed goes (its pool's stays, the prior of its successor)."""
         if self.learner is not None:
             self.learner.forget(worker_id)
+        if worker_id in self._slots:
+            self._gap[self._slots[worker_id]] = 0.0
         if self._own.pop(worker_id, None) is not None:
             self._fleet.recost(worker_id)
 
@@ -171,6 +180,7 @@ class CostPolicy:
                 self._queued = np.concatenate([self._queued, np.zeros(grow)])
                 self._life = np.concatenate([self._life, np.zeros(grow)])
                 self._placed = np.concatenate([self._placed, np.zeros(grow)])
+                self._gap = np.concatenate([self._gap, np.zeros(grow)])
                 self._guard.ensure(len(self._last))
         return s
 
@@ -209,7 +219,7 @@ class CostPolicy:
         slow = 1.0 - self._decode_share(now, sl, req)
         tpot = pricing.tpot(d, slow, ld, self._life[sl], req.max_tokens, self._margin(req.model) > 0)
         return Priced(now=now, pre=pre, dec=dec, agg=agg, cached=p.cached, ctx=p.ctx, prefill=prefill,
-                      booked=booked, stolen=stolen, ttft=backlog + prefill, plain=d.plain, full_chunk=d.full_chunk,
+                      booked=booked, stolen=stolen, ttft=backlog + prefill + self._gap[sl], plain=d.plain, full_chunk=d.full_chunk,
                       tpot=tpot, prefill_delay=stolen * pricing.stalled(ld, self._queued_prefills(now)),
                       decode_delay=pricing.decode_delay(ld, d, slow, req.max_tokens), fits=pricing.kv_fits(ld, req))
 

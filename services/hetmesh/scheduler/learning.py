@@ -17,6 +17,7 @@ RECOVERED = 0.9  # an alarm clears below this fraction of the alarm ratio (no fl
 class Learning:
     def __init__(self, policy: Any, time_scale: float) -> None:
         self.observe = getattr(policy, "observe", None)
+        self.observe_gaps = getattr(policy, "observe_gaps", None)
         self.learner: Learner | None = getattr(policy, "learner", None)
         self.time_scale = time_scale
         self.degraded: set[str] = set()
@@ -41,6 +42,8 @@ class Learning:
         self.observe(view, hb.steps, now * self.time_scale, hb.instance, fit)
         if fit:
             b.spend(time.process_time() - c0)
+        if hb.first_token_gaps and self.observe_gaps is not None:
+            self.observe_gaps(view, hb.first_token_gaps)
         ratio = self.learner.degraded(hb.worker_id)
         if hb.worker_id not in self.degraded and ratio > self.learner.degraded_ratio:
             self.degraded.add(hb.worker_id)
@@ -77,6 +80,9 @@ class Learning:
                          "typical step (> 1: faster)", "gauge", labels, lr.speed(wid)))
             rows += [("hetmesh_scheduler_worker_efficiency", "A worker's learned efficiency factors",
                       "gauge", {**labels, "factor": k}, rep[k]) for k in ("compute", "memory", "overhead_s", "per_seq_s")]
+            rows.append(("hetmesh_scheduler_worker_first_token_gap_seconds", "A worker's typical time to first "
+                         "token outside its engine's steps (priced on top of them)", "gauge", labels,
+                         lr.first_token_gap(wid)))
             rows.append(("hetmesh_scheduler_worker_fit_rel_std", "The largest relative std of a worker's fit",
                          "gauge", labels, rep["rel_std"]))
             rows.append(("hetmesh_scheduler_worker_fitted_steps", "Engine steps a worker's fit has used", "gauge",

@@ -22,6 +22,7 @@ from .transfer import KvShipper
 
 log = logging.getLogger("hetmesh.worker")
 
+GAPS = 64  # first-token gaps a heartbeat carries at most
 RELAY_GRACE_S = 2.0  # relayed chunks may still sit in their subscription's queue when KvLanded arrives
 
 
@@ -48,6 +49,7 @@ class Phases:
         self.tracing = tracing
         self.time_scale = time_scale
         self.kv_landed_timeout_s = kv_landed_timeout_s
+        self.gaps: list[float] = []  # first-token gaps (engine seconds) since the last heartbeat, the newest GAPS
 
     # ------------------------------------------------------------------ engine calls
     @staticmethod
@@ -96,6 +98,7 @@ class Phases:
         last: EngineOutput | None = None
         start = r.received  # the engine took it in on_work
         first = 0.0
+        busy = self.engine.stats().busy_s
         async for out in self.engine.stream(rid):  # submitted by on_work
             last = out
             if out.finish_reason in ("abort", "error"):
@@ -104,6 +107,8 @@ class Phases:
             if not first:
                 first = time.time()
                 self._observe_first(item, start, first, out.queued_s)
+                if busy or self.engine.stats().busy_s:  # an engine that counts its step time
+                    self._gap(first - start - (self.engine.stats().busy_s - busy))
             if out.finished and item.phase == Phase.PREFILL:
                 break
             await self.out.send(req.reply_subject, self.out.chunk(rid, out, out.cached_tokens))
@@ -285,6 +290,11 @@ class Phases:
         if self.tracing:
             self._span("queue_wait", start, start + queued_s)
             self._span("prefill", start + queued_s, first, **{"hetmesh.phase": item.phase.value})
+
+    def _gap(self, wall_s: float) -> None:
+        """A request's time to first token outside the engine's steps (the heartbeat carries it)."""
+        self.gaps.append(max(wall_s, 0.0) * self.time_scale)
+        del self.gaps[:-GAPS]
 
     def _versus(self, item: WorkItem, ttft_s: float | None = None, tpot_s: float | None = None) -> dict[str, float | None]:
         """What the cost model predicted for this work item beside what happened (wall seconds), for the per-request

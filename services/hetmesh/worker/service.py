@@ -448,9 +448,10 @@ class Worker:
         """Publish this worker's heartbeat; the engine stats it was made from."""
         s = self.engine.stats()
         g = self.group
-        steps = []
+        steps, gaps = [], []
         if (now := time.monotonic()) - self._steps_sent >= learn.REPORT_S:
             steps, self._steps_sent = self.engine.step_log(), now
+            gaps, self.phases.gaps = self.phases.gaps, []
         await self.bus.publish(subjects.heartbeat(self.worker_id), Heartbeat(
             worker_id=self.worker_id, model=g.model, accelerator=g.accelerator, vendor=g.vendor, devices=g.devices,
             role=self.role, engine=self.engine.name, work_subject=self.work_subject,
@@ -462,7 +463,7 @@ class Worker:
             step_tokens=g.step_tokens, draining=self.book.draining,
             moving_to=self.switch.moving_to.value if self.switch.moving_to is not None else "",
             moving_model=self.switch.moving_model, ready_in_s=self.switch.ready_in_s(), instance=self.instance,
-            steps=steps))
+            steps=steps, first_token_gaps=gaps))
         return s
 
     async def _heartbeat_loop(self) -> None:
