@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetmesh.placement import RequestInfo
-from hetmesh.placement.flow import FlowQueue, Tenant, reserved, token_cost
+from hetmesh.placement import REFUSED, RequestInfo, WorkerView, make_policy
+from hetmesh.placement.flow import FlowQueue, Tenant, Turns, reserved, token_cost
+from hetmesh.protocol import Role
 
 
 def _drain(q: FlowQueue, n: int, now: float = 0.0) -> list[str]:
@@ -99,15 +100,61 @@ def test_head_is_the_first_of_order() -> None:
 
 def test_a_lower_band_keeps_headroom_while_a_higher_one_is_busy() -> None:
     q = FlowQueue([Tenant("hi", band=0), Tenant("lo", band=1)], reserve=0.5)
-    assert q.headroom("lo") == 0.0  # the higher band is idle: nothing to keep room for
+    assert q.headroom("lo", 0.0) == 0.0  # the higher band is idle: nothing to keep room for
     q.placed("hi", 1.0)
-    assert q.headroom("lo") == 0.5 and q.headroom("hi") == 0.0
+    assert q.headroom("lo", 0.0) == 0.5 and q.headroom("hi", 0.0) == 0.0
     q.finished("hi", 1.0, now=1.0)
-    assert q.headroom("lo") == 0.0
+    assert q.headroom("lo", 1.0) == 0.0
     info = RequestInfo(request_id="r", model="m", prompt_len=10, max_tokens=5, waited_s=0.25)
-    assert reserved(info, 1.0).waited_s == 1.25 and reserved(info, 0.0) is info
+    # both SLOs: the TTFT a prefill backlog leaves and the TPOT a decode batch leaves
+    assert reserved(info, 0.5).slo_share == 0.5 and reserved(info, 0.5).waited_s == 0.25
+    assert reserved(info, 0.0) is info
     with pytest.raises(ValueError, match="reserve"):
         FlowQueue([Tenant("a")], reserve=1.0)
+
+
+def test_a_waiting_tenant_keeps_headroom_for_one_that_sends_less_than_it_is_placed() -> None:
+    q = FlowQueue([Tenant("noisy"), Tenant("quiet"), Tenant("idle")], reserve=0.5)
+    for t in range(10):
+        q.arrived("noisy", 50.0, now=float(t))
+        q.arrived("quiet", 1.0, now=float(t))
+        q.placed("noisy", 5.0, now=float(t))
+        q.placed("quiet", 1.0, now=float(t))
+    q.hold("n", "noisy", 5.0, deadline=20.0, now=10.0)
+    assert q.headroom("noisy", 10.0) == 0.5  # quiet is active, waits for nothing and sends less than noisy gets
+    assert q.headroom("quiet", 10.0) == 0.0  # nothing of its own waits
+    q.hold("q", "quiet", 1.0, deadline=20.0, now=10.0)
+    assert q.headroom("noisy", 10.0) == 0.0  # quiet waits in the queue too: the queue's order serves it
+    q.finished("quiet", 10.0, now=10.0)
+    q.take(next(h for h in q.order() if h.tenant == "quiet"), 10.0)
+    assert q.headroom("noisy", 10.0) == 0.0  # quiet has nothing in flight: no arrivals to keep room for
+
+
+def test_equal_backlogged_tenants_keep_no_headroom_for_each_other() -> None:
+    q = FlowQueue([Tenant("a"), Tenant("b")], reserve=0.5)
+    for t in range(10):  # each sends three times what it is placed
+        for n in "ab":
+            q.arrived(n, 3.0, now=float(t))
+            q.placed(n, 1.0, now=float(t))
+    q.hold("a1", "a", 1.0, deadline=20.0, now=10.0)
+    assert q.headroom("a", 10.0) == 0.0  # b wants more than a gets: it is not owed room
+
+
+def test_a_refusal_ends_its_tenants_turn_and_lower_bands_not_its_band() -> None:
+    q = FlowQueue([Tenant("a"), Tenant("b"), Tenant("c", band=1)])
+    for n in "abc":
+        for k in range(2):
+            q.hold(f"{n}{k}", n, 1.0, deadline=10.0 + k, now=0.0)
+    turns, seen = Turns(q), []
+    while (h := turns.next()) is not None:
+        seen.append(h.key)
+        if h.tenant == "a":
+            turns.refused(h)  # a's head does not fit: it stays held, a's turn is over
+        else:
+            q.take(h, 0.0)
+            q.placed(h.tenant, h.cost)
+    assert seen == ["a0", "b0", "b1"]  # b's fit behind a's refusal; band 1 waits for band 0
+    assert [h.key for h in q.order()] == ["a0", "a1", "c0", "c1"]
 
 
 def test_over_share_and_retry_after() -> None:
@@ -138,3 +185,20 @@ def test_a_weight_of_zero_or_below_is_an_error(weight: float) -> None:
 
 def test_token_cost() -> None:
     assert token_cost(100, 20) == 120.0 and token_cost(-5, 0) == 1.0
+
+
+def test_the_cost_policy_keeps_a_reserved_request_within_its_share_of_the_tpot_slo() -> None:
+    """A full batch with a queue behind it: a decode there is predicted well within its TTFT SLO and within its
+    TPOT SLO (0.1 s) but not within half of it, so a request that must leave half its SLOs free (`reserved`) is
+    refused (the policy may hold it) where one that need not is placed."""
+    view = WorkerView(worker_id="w", model="llama-3.1-8b", accelerator="nvidia-h100", vendor="nvidia", devices=1,
+                      role=Role.BOTH, queue_depth=8, running=64, max_batch=64, kv_blocks_total=0, kv_blocks_used=0,
+                      block_size=16)
+    info = RequestInfo(request_id="r", model="llama-3.1-8b", prompt_len=500, max_tokens=100)
+    modes = []
+    for share in (0.0, 0.5):
+        d = make_policy("cost", ttft_slo_s=2.0, tpot_slo_s=0.1).place(reserved(info, share), [view])
+        assert d is not None and d.predicted_ttft_s is not None and d.predicted_tpot_s is not None
+        assert d.predicted_ttft_s < 0.5 and 0.05 < d.predicted_tpot_s < 0.1
+        modes.append(d.mode)
+    assert modes == ["aggregated", REFUSED]

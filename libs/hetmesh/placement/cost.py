@@ -290,7 +290,7 @@ class CostPolicy:
         o_e2e = o_ttft + xfer + (n_out - 1) * o_tpot
         miss = ~pr.fits[id_]
         harm = harm_w[ip]
-        over = np.maximum((o_ttft + req.waited_s) / ttft_slo, o_tpot / tpot_slo if n_out > 1 else 0.0)
+        over = np.maximum((o_ttft + req.waited_s) / ttft_slo, o_tpot / tpot_slo if n_out > 1 else 0.0) / req.slo_share
         if margin > 0:  # before anything is committed: a refused request leaves no bookkeeping behind
             # the best placement that does not cost guarded decodes as many tokens as it may bring, else the
             # best that fits, else the best
@@ -341,7 +341,7 @@ class CostPolicy:
         ttft = float(pr.ttft[p])
         tpot = float(pr.tpot[d]) if n_out > 1 else 0.0
         ttft_slo, tpot_slo = self._slo(req.model)
-        over = over_slo(ttft + req.waited_s, tpot, n_out, ttft_slo, tpot_slo)
+        over = over_slo(ttft + req.waited_s, tpot, n_out, ttft_slo, tpot_slo) / req.slo_share
         if margin is None:
             margin = self._margin(req.model)
         if margin > 0 and over > margin and (no := self._refusal(req, pr, pr.pre, p, over, ttft, tpot, margin)):

@@ -15,19 +15,26 @@ it here instead of letting every held request retry on its own, where whoever se
 A request's cost is in the cost model's units (`engine_seconds`: its predicted engine time; or tokens).
 A new arrival goes straight to the policy only while nothing of its band or above waits; otherwise it joins
 the queue and the shell places from the queue's head, so that room the fleet frees goes in fair order
-(work-conserving: with nothing held, nothing waits). While a higher band is active (in flight or held), a
-lower band's request is placed only if its predicted TTFT leaves `reserve` of its TTFT SLO free
-(`headroom`): the room the higher band's next arrivals land in, judged by the policy's own predictions. A tenant over its share (its in-flight cost above its weight's share
-of what the active tenants have in flight) with a full queue, or a held request past its deadline, is refused
-with 429 and a Retry-After: how long until its in-flight cost drains to its share at the rate it has been
-draining. `now` is passed in; no I/O: the scheduler and the simulator drive the same object.
+(work-conserving: with nothing held, nothing waits). A pump walks the queue in that order and a refusal ends
+only its tenant's turn (and every lower band's): room another tenant's request fits is not left idle behind it.
+
+Headroom (`headroom`): a request is placed only if its predicted TTFT and TPOT stay within `1 - reserve` of its
+SLOs (`reserved`) while someone it would crowd out is active: a higher band (in flight or held), or, for a tenant
+with requests waiting, another tenant of its band that is owed room (active, nothing waiting, sending less per
+weight than the waiting tenant is being placed). The fleet is non-preemptive and admission fills it to the edge
+of the SLOs: the room left is what those tenants' next arrivals land in, prefill backlog and decode batch alike.
+
+A tenant over its share (its in-flight cost above its weight's share of what the active tenants have in flight)
+with a full queue, or a held request past its deadline, is refused with 429 and a Retry-After: how long until
+its in-flight cost drains to its share at the rate it has been draining. `now` is passed in; no I/O: the
+scheduler and the simulator drive the same object.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -93,6 +100,10 @@ class _State:
     held: list[Held] = field(default_factory=list)  # heap, EDF
     rate: float = 0.0  # cost finished, decaying sum over RATE_WINDOW_S
     rate_t: float = 0.0
+    sent: float = 0.0  # cost arrived (its demand), decaying sum over RATE_WINDOW_S
+    sent_t: float = 0.0
+    got: float = 0.0  # cost placed, decaying sum over RATE_WINDOW_S
+    got_t: float = 0.0
     stats: TenantStats = field(default_factory=TenantStats)
 
 
@@ -102,10 +113,14 @@ def engine_seconds(prefill_s: float, decode_token_s: float, uncached: int, outpu
     return prefill_s * uncached + decode_token_s * max(output_tokens, 1)
 
 
-def reserved(info: RequestInfo, headroom_s: float) -> RequestInfo:
-    """The request as the policy should judge it to leave `headroom_s` of its TTFT SLO free: as if it had
-    waited that much longer (admission counts the wait against the SLO, and refuses or holds it otherwise)."""
-    return info if headroom_s <= 0.0 else msgspec.structs.replace(info, waited_s=info.waited_s + headroom_s)
+def reserved(info: RequestInfo, headroom: float) -> RequestInfo:
+    """The request as the policy should judge it to leave `headroom` of its SLOs free: its placement must fit
+    within `1 - headroom` of its TTFT and TPOT SLOs (admission refuses or holds it otherwise)."""
+    return info if headroom <= 0.0 else msgspec.structs.replace(info, slo_share=info.slo_share * (1.0 - headroom))
+
+
+def _decayed(total: float, t: float, now: float) -> float:
+    return total * math.exp(-max(now - t, 0.0) / RATE_WINDOW_S)
 
 
 def token_cost(uncached: int, output_tokens: int) -> float:
@@ -164,7 +179,7 @@ class FlowQueue:
         return min(max(wait, self.retry_floor_s), MAX_RETRY_AFTER_S)
 
     def _rate(self, s: _State, now: float) -> float:
-        return s.rate * math.exp(-max(now - s.rate_t, 0.0) / RATE_WINDOW_S) / RATE_WINDOW_S
+        return _decayed(s.rate, s.rate_t, now) / RATE_WINDOW_S
 
     def may_try(self, tenant: str) -> bool:
         """A new arrival goes to the policy now (True) or joins the queue: nothing of its band or a higher one
@@ -172,14 +187,24 @@ class FlowQueue:
         band = self.tenants[tenant].tenant.band
         return not any(s.held and s.tenant.band <= band for s in self.tenants.values())
 
-    def headroom(self, tenant: str) -> float:
-        """The share of its TTFT SLO a request of `tenant` must leave free when placed: `reserve` while a tenant
-        of a higher band has work in flight or held, else 0 (no one to keep room for)."""
+    def headroom(self, tenant: str, now: float) -> float:
+        """The share of its SLOs a request of `tenant` must leave free when placed: `reserve` while a tenant of a
+        higher band has work in flight or held, or while `tenant` has requests waiting and another tenant of its
+        band is owed room: active with nothing waiting, sending less cost per weight than `tenant` is being
+        placed (its next arrivals are within what `tenant` takes). Else 0: no one to keep room for."""
         if self.reserve <= 0.0:
             return 0.0
-        band = self.tenants[tenant].tenant.band
-        busy = any(s.tenant.band < band and (s.held or s.inflight > 1e-12) for s in self.tenants.values())
-        return self.reserve if busy else 0.0
+        me = self.tenants[tenant]
+        band = me.tenant.band
+        if any(s.tenant.band < band and (s.held or s.inflight > 1e-12) for s in self.tenants.values()):
+            return self.reserve
+        if me.held:
+            got = _decayed(me.got, me.got_t, now) / me.tenant.weight
+            for s in self.tenants.values():
+                if (s is not me and s.tenant.band == band and not s.held and s.inflight > 1e-12
+                        and _decayed(s.sent, s.sent_t, now) / s.tenant.weight < got):
+                    return self.reserve
+        return 0.0
 
     def order(self) -> Iterator[Held]:
         """Every held request in service order: bands first, then tenants by start tag (as if each were placed
@@ -203,14 +228,17 @@ class FlowQueue:
                     v = max(v, start)
                     heapq.heappush(heap, (max(v, start + h.cost / s.tenant.weight), nw, i, j + 1, queue, s))
 
-    def head(self) -> Held | None:
+    def head(self, skip: Container[str] = (), last_band: int | None = None) -> Held | None:
         """The held request that goes next: the highest band that holds any, the tenant of it that would start
-        first (ties: the heavier), its earliest deadline. O(tenants)."""
+        first (ties: the heavier), its earliest deadline. O(tenants). `skip`: tenants whose turn is over;
+        `last_band`: no tenant of a lower band (a pump's turns, `Turns`)."""
         best, key = None, None
         vtime = self.vtime
         for s in self.tenants.values():
             if s.held:
                 t = s.tenant
+                if (last_band is not None and t.band > last_band) or t.name in skip:
+                    continue
                 v, f = vtime[t.band], s.finish
                 k = (t.band, f if f > v else v, -t.weight)
                 if key is None or k < key:
@@ -218,8 +246,12 @@ class FlowQueue:
         return best.held[0] if best is not None else None
 
     # ---- changing ----
-    def arrived(self, tenant: str) -> None:
-        self.tenants[tenant].stats.requests += 1
+    def arrived(self, tenant: str, cost: float = 0.0, now: float = 0.0) -> None:
+        """A new request of `tenant` (not a retry of one held): its demand."""
+        s = self.tenants[tenant]
+        s.stats.requests += 1
+        s.sent = _decayed(s.sent, s.sent_t, now) + cost
+        s.sent_t = now
 
     def hold(self, key: str, tenant: str, cost: float, deadline: float, now: float, item: object = None,
              again: bool = False) -> Held | None:
@@ -257,9 +289,11 @@ class FlowQueue:
                     out.append(h)
         return out
 
-    def placed(self, tenant: str, cost: float, tokens: int = 0) -> None:
+    def placed(self, tenant: str, cost: float, tokens: int = 0, now: float = 0.0) -> None:
         """A request of `tenant` was placed: its start and finish tags, its in-flight cost."""
         s = self.tenants[tenant]
+        s.got = _decayed(s.got, s.got_t, now) + cost
+        s.got_t = now
         band = s.tenant.band
         start = self._start(s)
         s.finish = start + cost / s.tenant.weight
@@ -271,7 +305,7 @@ class FlowQueue:
     def finished(self, tenant: str, cost: float, now: float, slo_met: bool | None = None) -> None:
         s = self.tenants[tenant]
         s.inflight = max(s.inflight - cost, 0.0)
-        s.rate = s.rate * math.exp(-max(now - s.rate_t, 0.0) / RATE_WINDOW_S) + cost
+        s.rate = _decayed(s.rate, s.rate_t, now) + cost
         s.rate_t = now
         if slo_met is not None:
             s.stats.finished += 1
@@ -279,3 +313,21 @@ class FlowQueue:
 
     def refused(self, tenant: str) -> None:
         self.tenants[tenant].stats.refused += 1
+
+
+class Turns:
+    """One pump's walk of the queue: held requests in its order (`FlowQueue.head`), a refusal ending its tenant's
+    turn and every lower band's (strict priority) but not its band's: the others' requests may fit where it did
+    not. At most one refused placement per tenant per pump."""
+
+    def __init__(self, q: FlowQueue) -> None:
+        self.q = q
+        self.done: set[str] = set()
+        self.last_band: int | None = None
+
+    def next(self) -> Held | None:
+        return self.q.head(self.done, self.last_band)
+
+    def refused(self, h: Held) -> None:
+        self.done.add(h.tenant)
+        self.last_band = self.q.tenants[h.tenant].tenant.band

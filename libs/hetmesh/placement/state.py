@@ -52,6 +52,9 @@ class RequestInfo(Struct, frozen=True, kw_only=True):
     exclude: frozenset[str] = frozenset()
     arrival: float = 0.0
     waited_s: float = 0.0  # held by admission since its submit this long: its TTFT clock runs from the submit
+    # The share of its TTFT and TPOT SLOs its placement must fit within: below 1 where flow control keeps room
+    # for others' next arrivals (hetmesh.placement.flow.reserved)
+    slo_share: float = 1.0
 
     def cached_tokens(self, worker_id: str) -> int:
         return min(self.cached_blocks.get(worker_id, 0) * self.block_size, max(self.prompt_len - 1, 0))

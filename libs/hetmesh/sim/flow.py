@@ -3,10 +3,9 @@ hetmesh.wiring.flow_queue) at the point where the scheduler holds or refuses a r
 
 A request the policy refuses but could still serve in time (`Decision.hold_s`) waits in the queue instead of
 being placed again on its own; the queue is pumped, in its fair order, on each arrival it holds, whenever a
-request finishes and every admission hold period while it holds anything, and each pump stops at the first
-request the fleet still cannot take. A new arrival joins the queue while anything of its band or a higher one
-waits there. The policy sees a lower band's request with the headroom a busy higher band is kept
-(`FlowQueue.headroom`).
+request finishes and every admission hold period while it holds anything, and a refusal ends its tenant's turn
+in the pump (`Turns`). A new arrival joins the queue while anything of its band or a higher one waits there.
+The policy sees each request with the headroom its tenant must leave others (`FlowQueue.headroom`).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from hetmesh.placement import Decision
 from hetmesh.placement.admission import DEFAULT_HOLD_S, retry_wait_s
-from hetmesh.placement.flow import FlowQueue, reserved
+from hetmesh.placement.flow import FlowQueue, Turns, reserved
 from hetmesh.placement.state import RequestInfo
 from hetmesh.wiring import flow_queue, pricer
 
@@ -37,7 +36,7 @@ class _Reserving:
         fl = self._flow
         req = fl.sim.reqs.get(int(info.request_id))
         if req is not None:
-            info = reserved(info, fl.q.headroom(req.tenant) * fl.ttft_slo(info.model))
+            info = reserved(info, fl.q.headroom(req.tenant, fl.sim.now))
         return self._policy.place(info, workers)
 
     def __getattr__(self, name: str) -> Any:
@@ -71,7 +70,7 @@ class SimFlow:
         q = self.q
         if req.tries == 0:
             req.cost = self.cost(req, model)
-            q.arrived(req.tenant)
+            q.arrived(req.tenant, req.cost, self.sim.now)
         if q.may_try(req.tenant):
             return False
         self._hold(req, model)
@@ -108,7 +107,7 @@ class SimFlow:
         sim.reject(req, backoff)
 
     def placed(self, req: Any) -> None:
-        self.q.placed(req.tenant, req.cost, req.n_in + req.n_out)
+        self.q.placed(req.tenant, req.cost, req.n_in + req.n_out, self.sim.now)
 
     def finished(self, req: Any) -> None:
         now = self.sim.now
@@ -129,15 +128,16 @@ class SimFlow:
         self._tick()
 
     def _drain(self) -> None:
-        """Place held requests in the queue's order until the fleet refuses one."""
+        """Place held requests in the queue's order, each tenant's until the fleet refuses one (`Turns`)."""
         q, now = self.q, self.sim.now
         self.busy = True
         for h in q.expired(now):
             self._refuse(h.item, q.retry_after_s(h.tenant, now), 0.0)
-        self.blocked = False
-        while (h := q.head()) is not None:
+        turns = Turns(q)
+        while (h := turns.next()) is not None:
             q.take(h, now)
+            self.blocked = False
             self.sim.place_held(h.item)
             if self.blocked:
-                break
+                turns.refused(h)
         self.busy = False

@@ -3,9 +3,11 @@ as the simulator builds its own) at the point where the scheduler holds a reques
 
 A submit that arrives while anything of its band or a higher one is held, or that the policy refuses while its
 SLO is still in reach, waits on a future; a pump places held requests in the queue's order as it is held,
-every admission hold period and whenever a request finishes, and stops at the first one the fleet still cannot
-take. The policy sees a lower band's request with the headroom a busy higher band is kept (`FlowQueue.headroom`). What the pump places is booked
-in the cluster view at once (`ClusterState.assigned`), so the next placement of the same pump sees it.
+every admission hold period and whenever a request finishes, a refusal ending its tenant's turn (`Turns`).
+The policy sees each request with the headroom its tenant must leave others (`FlowQueue.headroom`). What the
+pump places is booked in the cluster view at once (`ClusterState.assigned`), so the next placement of the same
+pump sees it. A request's booked cost leaves its tenant's share when it finishes, is cancelled, its worker is
+lost, its WorkItem is not stored, or reconciling finds no worker holds it (`done`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import msgspec
 from hetmesh import config, wiring
 from hetmesh.placement import REFUSED, ClusterState, Decision, RequestInfo, refusals
 from hetmesh.placement.admission import DEFAULT_HOLD_S
-from hetmesh.placement.flow import FlowQueue, reserved, token_cost
+from hetmesh.placement.flow import FlowQueue, Turns, reserved, token_cost
 from hetmesh.protocol import InferenceRequest
 
 Placed = tuple[Decision | None, bool]  # the decision, and whether it is booked in the cluster view already
@@ -60,9 +62,8 @@ class FlowGate:
         return price(n, cached, out) if price is not None else token_cost(n - cached, out)
 
     def _place(self, req: InferenceRequest, info: RequestInfo) -> Decision | None:
-        """The policy's placement, with the headroom its tenant's band leaves a busy higher band."""
-        share = self.q.headroom(self.tenant(req))
-        return self.place_fn(reserved(info, share * self.cfg.slo(req.model)[0]) if share > 0 else info)
+        """The policy's placement, with the headroom its tenant leaves others (`FlowQueue.headroom`)."""
+        return self.place_fn(reserved(info, self.q.headroom(self.tenant(req), time.monotonic())))
 
     def _refusal(self, req: InferenceRequest, why: str) -> refusals.Refusal:
         t = self.tenant(req)
@@ -72,7 +73,7 @@ class FlowGate:
     def _booked(self, req: InferenceRequest, d: Decision | None, cost: float) -> None:
         if d is not None:
             t = self.tenant(req)
-            self.q.placed(t, cost, len(req.prompt_tokens) + req.sampling.max_tokens)
+            self.q.placed(t, cost, len(req.prompt_tokens) + req.sampling.max_tokens, time.monotonic())
             self.inflight[req.request_id] = (t, cost, time.monotonic())
 
     async def place(self, req: InferenceRequest, info: RequestInfo, cached: int) -> Placed | refusals.Refusal:
@@ -80,7 +81,7 @@ class FlowGate:
         t, q = self.tenant(req), self.q
         cost = self.cost(req, cached)
         if req.attempt == 0:
-            q.arrived(t)
+            q.arrived(t, cost, time.monotonic())
         tried = q.may_try(t)
         if tried:
             d = self._place(req, info)
@@ -107,13 +108,15 @@ class FlowGate:
             self.pump()
 
     def pump(self) -> None:
-        """Place held requests in the queue's order until the fleet refuses one (no await: one view)."""
+        """Place held requests in the queue's order, each tenant's until the fleet refuses one (no await: one
+        view)."""
         q, now = self.q, time.monotonic()
         for h in q.expired(now):
             w: _Waiting = h.item  # type: ignore[assignment]
             if not w.fut.done():
                 w.fut.set_result(self._refusal(w.req, "its wait passed its share of the TTFT SLO"))
-        while (h := q.head()) is not None:
+        turns = Turns(q)
+        while (h := turns.next()) is not None:
             w = h.item  # type: ignore[assignment]
             if w.fut.done():  # its client went away
                 q.take(h, now)
@@ -121,7 +124,8 @@ class FlowGate:
             held = (now - w.t0) * self.scale
             d = self._place(w.req, msgspec.structs.replace(w.info, arrival=w.info.arrival + held, waited_s=w.info.waited_s + held))
             if d is not None and d.mode == REFUSED and d.hold_s is not None:
-                break  # the fleet is still full for the one that goes next
+                turns.refused(h)  # the fleet is still full for it: it stays at its tenant's head
+                continue
             q.take(h, now)
             if d is not None and d.mode != REFUSED:
                 self.state.assigned(d)
