@@ -72,16 +72,19 @@ class DemandWindow:
         if got is not None and got[2] is None:
             self._open[request_id] = (got[0], got[1], now)
 
-    def finished(self, request_id: str, now: float, completion_tokens: int, reason: str = "stop") -> None:
+    def finished(self, request_id: str, now: float, completion_tokens: int, reason: str = "stop") -> bool | None:
         """A request ended (its last worker let go of it); unknown ids (placed before this window began
         or by another scheduler instance) are ignored. An `abort` or `error` may go on elsewhere (a
         migration, a retry under the same id): the request stays open, and a client's cancel is
-        forgotten with the stale ones."""
+        forgotten with the stale ones. Returns whether it met its SLOs (None: not judged)."""
         if reason in ("abort", "error"):
-            return
+            return None
         got = self._open.pop(request_id, None)
-        if got is not None:
-            self._finishes.append((now, got[0], completion_tokens, self._within_slo(got, now, completion_tokens)))
+        if got is None:
+            return None
+        met = self._within_slo(got, now, completion_tokens)
+        self._finishes.append((now, got[0], completion_tokens, met))
+        return met
 
     def _within_slo(self, req: tuple[str, float, float | None], now: float, tokens: int) -> bool | None:
         slo = self.slos.get(req[0])

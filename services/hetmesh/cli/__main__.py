@@ -60,7 +60,8 @@ def speed(w: WorkerStatus) -> str:
 def tenant_table(status: SchedulerStatus) -> Table:
     """Flow control's figures per tenant (none: flow control is off, no [[tenants]])."""
     t = Table(title="tenants" if status.tenants else "tenants: flow control off (no [[tenants]] in the cluster file)")
-    cols = ("weight", "band", "requests", "placed", "refused", "held", "held_s", "tokens", "in_flight_cost_s")
+    cols = ("weight", "band", "requests", "placed", "refused", "held", "held_s", "tokens", "in_flight_cost_s",
+            "finished", "slo_attainment")
     t.add_column("tenant")
     for c in cols:
         t.add_column(c, justify="right")

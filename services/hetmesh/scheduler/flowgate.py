@@ -132,11 +132,12 @@ class FlowGate:
                 self._booked(w.req, d, h.cost)
             w.fut.set_result((d, d is not None and d.mode != REFUSED))
 
-    def done(self, request_id: str) -> None:
-        """A request left the mesh (finished, cancelled, its worker lost): its cost leaves its tenant's share."""
+    def done(self, request_id: str, slo_met: bool | None = None) -> None:
+        """A request left the mesh (finished, cancelled, its worker lost, never dispatched, no worker holds it):
+        its cost leaves its tenant's share; `slo_met`: a finished one's verdict (None: not judged)."""
         got = self.inflight.pop(request_id, None)
         if got is not None:
-            self.q.finished(got[0], got[1], time.monotonic())
+            self.q.finished(got[0], got[1], time.monotonic(), slo_met)
             if len(self.q):
                 self.pump()
 
@@ -156,7 +157,11 @@ class FlowGate:
                     ("hetmesh_tenant_tokens_total", "Prompt + max output tokens placed per tenant", "counter", lab,
                      s.tokens),
                     ("hetmesh_tenant_in_flight_cost", "Engine seconds placed and not finished per tenant", "gauge",
-                     lab, self.q.tenants[name].inflight)]
+                     lab, self.q.tenants[name].inflight),
+                    ("hetmesh_tenant_finished_total", "Requests finished per tenant, judged against their SLOs",
+                     "counter", lab, s.finished),
+                    ("hetmesh_tenant_slo_attained_total", "Requests per tenant that met their TTFT and TPOT SLOs "
+                     "(from their submit, time held included)", "counter", lab, s.slo_met)]
         return out
 
     def status(self) -> dict[str, dict[str, float]]:
@@ -166,5 +171,6 @@ class FlowGate:
             s = st.stats
             out[name] = {"weight": st.tenant.weight, "band": st.tenant.band, "requests": s.requests,
                          "placed": s.placed, "refused": s.refused, "held": len(st.held), "held_s": round(s.held_s, 3),
-                         "tokens": s.tokens, "in_flight_cost_s": round(st.inflight, 3)}
+                         "tokens": s.tokens, "in_flight_cost_s": round(st.inflight, 3),
+                         "slo_attainment": round(s.slo_attainment, 4), "finished": s.finished}
         return out

@@ -66,7 +66,7 @@ from .reconcile import IdleWatch
 from .reports import metric_rows, placement_attributes, status
 
 log = logging.getLogger("hetmesh.scheduler")
-BOOKING_BATCH_S = 0.001  # its placements go out to the other schedulers this soon
+BOOKING_BATCH_S = 0.0  # its placements go out to the other schedulers this soon
 
 PREFIX_POLICIES = {"prefix_aware", "cost", "llm_d", "dynamo"}  # policies that read the prefix index
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, passed on untouched when not tracing
@@ -125,7 +125,7 @@ class Scheduler:
         self.bus = await Bus.for_mesh(self.cfg.mesh, f"scheduler-{self.instance}")
         self.bus.on_reconnect.append(self._on_reconnect)
         self.events = EventBatcher(self.bus, "scheduler")
-        # What it places, for the other schedulers: within a millisecond (what it places in one goes as one message)
+        # What it places, for the other schedulers: at once (what it places in one turn of its loop, as one message)
         self.bookings = Batcher(self.bus, subjects.SCHED_BOOKED, BOOKING_BATCH_S)
         self.prefix = PrefixMirror(self.bus, PrefixIndex.for_mesh(self.cfg.mesh, self.cfg.scheduler.prefix_ttl_s),
                                    self.events, self.instance)
@@ -232,6 +232,8 @@ class Scheduler:
                 fl.workers.discard(worker_id)
                 if not fl.workers:
                     del self.inflight[rid]
+                    if self.flow is not None:  # its cost leaves its tenant's share as a Finished would take it
+                        self.flow.done(rid)
         if stale:
             log.info("in flight: %d request(s) no worker holds any more dropped (Finished lost)", len(stale))
 
@@ -316,6 +318,7 @@ class Scheduler:
         Submits run concurrently: from reading the view to recording the assignment (`_dispatch` does
         it first thing) there is no await, so two submits never place on the same stale view."""
         t0 = time.perf_counter()
+        since = time.monotonic()  # its TTFT runs from here, any time held included
         sc = self.cfg.scheduler
         cached: dict[str, int] = {}
         if self.uses_prefix and req.block_hashes and self.prefix.ok:
@@ -383,6 +386,8 @@ class Scheduler:
         except Exception as exc:  # the work queue did not store it within publish_timeout_s (bus away, stream full)
             log.warning("request %s: work queue refused its WorkItem: %r", req.request_id, exc)
             self._forget(req.request_id)
+            if self.flow is not None:  # never dispatched: its cost leaves its tenant's share
+                self.flow.done(req.request_id)
             # A decode half may already be queued: no worker should run it for a client that got a 503.
             await self.bus.publish(subjects.CANCEL, Cancel(request_id=req.request_id), req.request_id)
             self.metrics.rejected.labels("work_queue").inc()
@@ -390,7 +395,7 @@ class Scheduler:
                 message=f"the work queue did not take the request: {exc!r}", type="server_error",
                 code="work_queue_unavailable", status=503, retry_after_s=sc.retry_after_s))
         if req.attempt == 0:
-            self.demand.submitted(req.request_id, req.model, time.monotonic(), len(req.prompt_tokens),
+            self.demand.submitted(req.request_id, req.model, since, len(req.prompt_tokens),
                                   req.sampling.max_tokens, decision.expected_cached_tokens)
         m = self.metrics
         m.placements.labels(self.policy.name, decision.mode).inc()
@@ -490,9 +495,9 @@ class Scheduler:
             self.by_worker.get(f.worker_id, set()).discard(f.request_id)
             if not fl.workers:
                 del self.inflight[f.request_id]
+                met = self.demand.finished(f.request_id, time.monotonic(), f.completion_tokens, f.finish_reason)
                 if self.flow is not None:
-                    self.flow.done(f.request_id)
-                self.demand.finished(f.request_id, time.monotonic(), f.completion_tokens, f.finish_reason)
+                    self.flow.done(f.request_id, met)
             elif f.finish_reason == "prefill_done":  # P/D: the decode side streams on from the first token
                 self.demand.first_token(f.request_id, time.monotonic())
 
