@@ -3,16 +3,21 @@ and policy. Pure core only (no bus, no Redis, no engines): synthetic workers' he
 `ClusterState`, and each placement is what the scheduler does between two awaits: read the views, ask the
 policy, book the decision (which makes the next placement rebuild the views, as in the scheduler).
 
-Times are this process's CPU time (the machine may be shared). Heartbeats cost too: every worker sends `mesh.heartbeat_interval_s` (0.5 s) apart, so a fleet of N folds 2N
+Times are this process's CPU time (the machine may be shared). `decisions` is a digest of every decision of a fixed
+run (same seed: 1,024 placements with bookings and a heartbeat round every 256) per policy and size, so a change
+meant to make placement faster can show it places the same: `--check FILE` compares against FILE's digests. Heartbeats cost too: every worker sends `mesh.heartbeat_interval_s` (0.5 s) apart, so a fleet of N folds 2N
 a second. `placements/s` is one core's capacity left after those: (1 - heartbeat share) / time per placement.
 
     python benchmarks/placement_tier.py [--sizes 16 64 256 1024 4096] [--policies ...] [--out results/placement_tier.json]
+        [--check results/placement_tier.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import platform
 import random
 import time
@@ -46,28 +51,54 @@ def heartbeat(i: int, rng: random.Random, ts: float) -> Heartbeat:
                      kv_blocks_total=100_000, kv_blocks_used=rng.randint(0, 90_000), block_size=16, ts=ts)
 
 
-def measure(policy: str, size: int, seconds: float) -> dict[str, float]:
+def _fleet(policy: str, size: int) -> tuple[random.Random, object, ClusterState, list[Heartbeat]]:
     rng = random.Random(size)
     pol = wiring.policy(cluster(policy))
     state = ClusterState(heartbeat_timeout_s=1e9)
     beats = [heartbeat(i, rng, 0.0) for i in range(size)]
     for hb in beats:
         state.observe(hb, 0.0)
+    return rng, pol, state, beats
+
+
+def _requests(rng: random.Random, ids: list[str], n: int) -> list[RequestInfo]:
+    """Requests made up front (the prefix index's answer: a few workers holding some of the prompt)."""
+    return [RequestInfo(request_id=f"r{k}", model="m", prompt_len=rng.randint(200, 4000), max_tokens=256,
+                        cached_blocks={ids[rng.randrange(len(ids))]: rng.randint(0, 32) for _ in range(4)},
+                        block_size=16, arrival=k * 1e-3) for k in range(n)]
+
+
+def decisions(policy: str, size: int, n: int = 1024) -> str:
+    """A digest of every decision (workers, predictions) of a fixed run: n placements, booked, a round of heartbeats
+    every 256."""
+    rng, pol, state, beats = _fleet(policy, size)
+    reqs = _requests(rng, [hb.worker_id for hb in beats], n)
+    h = hashlib.sha256()
+    for k, info in enumerate(reqs):
+        if k and k % 256 == 0:
+            for hb in beats:
+                state.observe(hb, 1.0)
+        d = pol.place(info, state.views())  # type: ignore[attr-defined]
+        if d is not None and d.mode != "refused":
+            state.assigned(d)
+        h.update(repr(None if d is None else (d.mode, d.prefill_worker, d.decode_worker, d.predicted_ttft_s,
+                                              d.predicted_tpot_s, d.retry_after_s)).encode())
+    return h.hexdigest()[:16]
+
+
+def measure(policy: str, size: int, seconds: float) -> dict[str, float]:
+    rng, pol, state, beats = _fleet(policy, size)
     # heartbeats: fold the whole fleet's once, timed
     t0 = time.process_time()
     for hb in beats:
         state.observe(hb, 1.0)
     state.views()
     hb_s = (time.process_time() - t0) / size
-    ids = [hb.worker_id for hb in beats]
-    # requests made up front (the prefix index's answer: a few workers holding some of the prompt)
-    reqs = [RequestInfo(request_id=f"r{k}", model="m", prompt_len=rng.randint(200, 4000), max_tokens=256,
-                        cached_blocks={ids[rng.randrange(size)]: rng.randint(0, 32) for _ in range(4)},
-                        block_size=16, arrival=k * 1e-3) for k in range(256)]
+    reqs = _requests(rng, [hb.worker_id for hb in beats], 256)
     n, t0 = 0, time.process_time()  # this process's CPU: other processes on a shared machine do not count
     while (elapsed := time.process_time() - t0) < seconds:
         for info in reqs[:50] if n % 100 else reqs[50:100]:
-            d = pol.place(info, state.views())
+            d = pol.place(info, state.views())  # type: ignore[attr-defined]
             if d is not None and d.mode != "refused":
                 state.assigned(d)
             n += 1
@@ -86,19 +117,27 @@ def main() -> None:
     ap.add_argument("--policies", nargs="+", default=list(POLICIES))
     ap.add_argument("--seconds", type=float, default=1.5, help="per (policy, size)")
     ap.add_argument("--out", default="results/placement_tier.json")
+    ap.add_argument("--check", default=None, help="a results file: are this run's decisions the same as its?")
     args = ap.parse_args()
+    stored = {}
+    if args.check:
+        stored = {(r["policy"], r["workers"]): r.get("decisions") for r in json.loads(Path(args.check).read_text())["rows"]}
     rows = []
     t = Table(title="placements per second of one scheduler process (pure core, heartbeats at 2/s per worker)")
-    for col in ("policy", "workers", "µs / placement", "µs / heartbeat", "heartbeat CPU", "placements/s"):
+    for col in ("policy", "workers", "µs / placement", "µs / heartbeat", "heartbeat CPU", "placements/s", "decisions"):
         t.add_column(col, justify="left" if col == "policy" else "right")
     for policy in args.policies:
         for size in args.sizes:
-            r = {"policy": policy, "workers": size, **measure(policy, size, args.seconds)}
+            r = {"policy": policy, "workers": size, **measure(policy, size, args.seconds),
+                 "decisions": decisions(policy, size)}
             rows.append(r)
+            same = stored.get((policy, size))
             t.add_row(policy, str(size), f"{r['us_per_placement']:.0f}", f"{r['us_per_heartbeat']:.1f}",
-                      f"{100 * r['heartbeat_cpu_share']:.1f}%", f"{r['placements_per_s']:,.0f}")
+                      f"{100 * r['heartbeat_cpu_share']:.1f}%", f"{r['placements_per_s']:,.0f}",
+                      r["decisions"] + ("" if same is None else " same" if same == r["decisions"] else " DIFFERENT"))
     Console().print(t)
-    out = {"machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine()},
+    out = {"machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
+                       "cpus": os.cpu_count(), "load_average": os.getloadavg()},
            "seconds_each": args.seconds, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))

@@ -275,17 +275,24 @@ COEFFICIENTS = ("inv_replicas", "dense_c", "dense_c_seq", "dense_m", "expert_c",
 
 
 def step_seconds_many(c: np.ndarray, prefill_new: np.ndarray, prefill_seqs: np.ndarray, prefill_pairs: np.ndarray,
-                      prefill_cached: np.ndarray, decode_batch: np.ndarray, decode_context: np.ndarray) -> np.ndarray:
+                      prefill_cached: np.ndarray, decode_batch: np.ndarray, decode_context: np.ndarray,
+                      experts: bool = True) -> np.ndarray:
     """`CostModel.step_time_totals` for many (server, step) pairs at once: column i of `c` (shape
     (len(COEFFICIENTS), n)) is server i's `coefficients()`. The same model, folded (equal to the scalar
-    path within rounding), so a policy pricing hundreds of workers per request stays cheap."""
+    path within rounding), so a policy pricing hundreds of workers per request stays cheap. experts=False: no
+    server in `c` has experts (`has_experts`), and their term, 0 for each, is left out (the same floats)."""
     inv_r, dense_c, dense_cs, dense_m, exp_c, log_miss, exp_m, attn_pf, attn_dec, attn_m, comm, overhead, per_seq = c
     tokens = prefill_new + decode_batch
     seqs = prefill_seqs + decode_batch
     t = tokens * inv_r
-    # experts touched: E * (1 - (1 - k/E)^t), as a fraction folded into exp_m
-    out = (overhead + per_seq * seqs + comm * t + np.maximum(dense_c * t + dense_cs * seqs, dense_m)
-           + np.maximum(exp_c * t, (1.0 - np.exp(log_miss * t)) * exp_m)
-           + np.maximum(attn_pf * prefill_pairs + attn_dec * decode_context,
-                        ((prefill_cached + decode_context) * inv_r + t) * attn_m))
+    out = overhead + per_seq * seqs + comm * t + np.maximum(dense_c * t + dense_cs * seqs, dense_m)
+    if experts:  # experts touched: E * (1 - (1 - k/E)^t), as a fraction folded into exp_m
+        out += np.maximum(exp_c * t, (1.0 - np.exp(log_miss * t)) * exp_m)
+    out += np.maximum(attn_pf * prefill_pairs + attn_dec * decode_context,
+                      ((prefill_cached + decode_context) * inv_r + t) * attn_m)
     return np.where(tokens == 0, 0.0, out)
+
+
+def has_experts(c: np.ndarray) -> bool:
+    """Whether any server of `c` (step_seconds_many's table) has experts: their term is 0 for the others."""
+    return bool(c[4].any() or c[6].any())  # expert_c, expert_m

@@ -267,7 +267,7 @@ class CostPolicy:
         # push past their TPOT SLO (DecodeGuard); with it off the policy keeps no SLO but its own preference
         # and places by cost.
         harm_w = (self._guard.harmed(f.slots, np.maximum(self._busy_until[f.slot_index], pr.now), pr.stolen)
-                  if margin > 0 else np.zeros(len(f.ids)))
+                  if margin > 0 and self._guard.last_end > pr.now else np.zeros(len(f.ids)))
         # Options: every `both` worker alone, then the top_k prefill x top_k decode pairs.
         ip = id_ = agg_i
         xfer = np.zeros(len(agg_i))

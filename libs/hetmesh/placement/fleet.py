@@ -14,6 +14,7 @@ from operator import attrgetter, is_not
 
 import numpy as np
 
+from hetmesh.costmodel.model import has_experts
 from hetmesh.placement.state import WorkerView
 from hetmesh.protocol import Role
 
@@ -47,6 +48,8 @@ class Fleet:
         self._pools: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self.row_list: list[int] = []
         self.slot_index: slice | np.ndarray = slice(0, 0)
+        self.experts = False  # a worker's model has experts (pricing leaves their term out otherwise)
+        self._moved: set[int] | None = None  # rows whose numbers moved since `take_moved` (None: every row)
 
     def sync(self, workers: Sequence[WorkerView]) -> None:
         old = self.views
@@ -58,6 +61,8 @@ class Fleet:
             if all(workers[i].worker_id == ids[i] for i in changed):
                 for i in changed:
                     self._set(i, workers[i])  # reads self.views[i]: the old view
+                if self._moved is not None:
+                    self._moved.update(changed)
                 self.views = list(workers)
                 return
         self._rebuild(workers)
@@ -101,12 +106,19 @@ class Fleet:
         self.model_code = np.array([models.setdefault(w.model, len(models)) for w in workers], dtype=np.intp)
         self._derive()
 
+    def take_moved(self) -> set[int] | None:
+        """The rows whose numbers, shape or role moved since the last call (None: every row, or the fleet changed)."""
+        moved, self._moved = self._moved, set()
+        return moved
+
     def _derive(self) -> None:
+        self._moved = None
         self._tiles = {}
         self._pools = {}
         self.row_list = self.rows.tolist()
         n = len(self.slots)
         self.slot_index = slice(0, n) if np.array_equal(self.slots, np.arange(n)) else self.slots
+        self.experts = has_experts(self.coef) if self.coef.size else False
 
     def tiled(self, k: int) -> np.ndarray:
         """`coef` k times side by side: k steps per worker priced in one call."""

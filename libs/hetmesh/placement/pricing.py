@@ -95,19 +95,72 @@ class Steps(msgspec.Struct, frozen=True):
 
 
 class StepPricer:
-    """Prices `Steps` in one `step_seconds_many` call, its prefill arguments in a buffer reused per fleet size."""
+    """Prices `Steps`: the first chunk (its tokens are the request's) by `step_seconds_many`, per request. The other
+    steps (a decode at the batch it joins, at one fewer, the running batch alone, a full chunk beside it) depend on
+    the request only through their attention over its context: the rest of their terms is kept per worker between
+    requests and worked out again only for the workers whose numbers moved (`Fleet.take_moved`). The same floats
+    as `step_seconds_many` (its terms, in its order)."""
 
     def __init__(self) -> None:
         self._work = np.zeros((4, 0))  # prefill tokens, sequences, pairs, cached: a block per step
         self._block = self._work.reshape(4, 0, 0)  # the same, block[:, k] step k's arguments
+        # Per worker (columns), the four kept steps (rows): decode batch, the terms but attention, tokens over the
+        # replicas, the prefill's attention pairs term (0 for the decodes), and whether the step is empty.
+        self._batch = self._base = self._t = self._pf = np.zeros((4, 0))
+        self._empty = np.zeros((4, 0), dtype=bool)
+
+    def _keep(self, f: Fleet, ld: Load) -> None:
+        moved = f.take_moved()
+        nw = len(f.ids)
+        if moved is None or self._base.shape[1] != nw:
+            rows: slice | np.ndarray = slice(None)
+            self._batch, self._base, self._t, self._pf = (np.zeros((4, nw)) for _ in range(4))
+            self._empty = np.zeros((4, nw), dtype=bool)
+        elif not moved:
+            return
+        elif len(moved) <= 8 and not f.experts:
+            self._keep_rows(f, ld, moved)
+            return
+        else:
+            rows = np.fromiter(moved, dtype=np.intp, count=len(moved))
+        c = f.coef[:, rows]
+        inv_r, dense_c, dense_cs, dense_m, exp_c, log_miss, exp_m, attn_pf, _, _, comm, overhead, per_seq = c
+        running, seated = ld.running[rows], ld.seated[rows]
+        chunk = np.maximum(ld.step_tokens[rows] - running, 1.0)  # Prompt.chunk
+        batch = np.stack((seated, seated - 1, running, running))
+        tokens = np.stack((seated, seated - 1, running, chunk + running))
+        seqs = np.stack((seated, seated - 1, running, 1.0 + running))
+        t = tokens * inv_r
+        base = overhead + per_seq * seqs + comm * t + np.maximum(dense_c * t + dense_cs * seqs, dense_m)
+        if f.experts:
+            base += np.maximum(exp_c * t, (1.0 - np.exp(log_miss * t)) * exp_m)
+        self._batch[:, rows], self._base[:, rows], self._t[:, rows] = batch, base, t
+        self._pf[3, rows] = attn_pf * (chunk * (chunk + 1) // 2)
+        self._empty[:, rows] = tokens == 0
+
+    def _keep_rows(self, f: Fleet, ld: Load, rows: set[int]) -> None:
+        """`_keep` for a few workers, in Python floats: the same IEEE arithmetic in the same order, without the
+        numpy calls' overhead (their expert term, an exp, is left to numpy)."""
+        batch, base, t_, empty = self._batch, self._base, self._t, self._empty
+        for i in rows:
+            inv_r, dense_c, dense_cs, dense_m, _, _, _, attn_pf, _, _, comm, overhead, per_seq = f.coef[:, i].tolist()
+            running, seated = float(ld.running[i]), float(ld.seated[i])
+            chunk = max(float(ld.step_tokens[i]) - running, 1.0)
+            for k, (b, tokens, seqs) in enumerate(((seated, seated, seated), (seated - 1, seated - 1, seated - 1),
+                                                   (running, running, running),
+                                                   (running, chunk + running, 1.0 + running))):
+                t = tokens * inv_r
+                batch[k, i], t_[k, i], empty[k, i] = b, t, tokens == 0
+                base[k, i] = overhead + per_seq * seqs + comm * t + max(dense_c * t + dense_cs * seqs, dense_m)
+            self._pf[3, i] = attn_pf * (chunk * (chunk + 1) // 2)
 
     def __call__(self, f: Fleet, ld: Load, p: Prompt) -> Steps:
         nw = len(f.ids)
         # A data-parallel worker books a prompt at its packed share (`booking`): priced only if there is one.
         packing = bool(f.dp.any())
-        blocks = 6 if packing else 5
+        blocks = 2 if packing else 1  # the first chunk, (packed copies of it)
         if self._work.shape[1] != blocks * nw:
-            self._work = np.zeros((4, blocks * nw))  # the decode steps' prefill arguments stay 0
+            self._work = np.zeros((4, blocks * nw))
             self._block = self._work.reshape(4, blocks, nw)  # a view
         work, block = self._work, self._block
         n = p.first
@@ -115,19 +168,19 @@ class StepPricer:
         block[1, 0] = 1.0  # one sequence: every worker has at least a token of it to prefill
         block[2, 0] = n * p.cached + n * (n + 1) // 2
         block[3, 0] = p.cached
-        block[0, 4] = p.chunk
-        block[1, 4] = 1.0
-        block[2, 4] = p.chunk * (p.chunk + 1) // 2
         running = ld.running
-        batch = [running, ld.seated, ld.seated - 1, running, running]
         if packing:
             copies = p.chunk / np.maximum(n, 1.0)
-            block[:, 5] = block[:, 0] * copies
-            batch.append(running)
-        sizes = np.concatenate(batch)
-        priced = step_seconds_many(f.tiled(blocks), work[0], work[1], work[2], work[3], sizes, sizes * p.ctx)
-        steps = priced.reshape(blocks, nw)
-        return Steps(steps[0], steps[1], steps[2], steps[3], steps[4], steps[5] / copies if packing else None)
+            block[:, 1] = block[:, 0] * copies
+        sizes = np.tile(running, blocks) if packing else running
+        pre = step_seconds_many(f.tiled(blocks), work[0], work[1], work[2], work[3], sizes, sizes * p.ctx,
+                                f.experts).reshape(blocks, nw)
+        self._keep(f, ld)
+        inv_r, attn_dec, attn_m = f.coef[0], f.coef[8], f.coef[9]
+        context = self._batch * p.ctx
+        kept = self._base + np.maximum(self._pf + attn_dec * context, (context * inv_r + self._t) * attn_m)
+        kept[self._empty] = 0.0
+        return Steps(pre[0], kept[0], kept[1], kept[2], kept[3], pre[1] / copies if packing else None)
 
 
 def prefill_time(f: Fleet, ld: Load, p: Prompt, s: Steps) -> tuple[np.ndarray, np.ndarray | None]:
@@ -148,7 +201,7 @@ def prefill_time(f: Fleet, ld: Load, p: Prompt, s: Steps) -> tuple[np.ndarray, n
         if packed is not None:  # its last, partial chunk shares a step too
             k = p.chunk / np.maximum(n, 1.0)
             args = [np.concatenate([a, a * k]) for a in args[:4]] + [np.concatenate([a, a]) for a in args[4:]]
-        t = step_seconds_many(coef, *args)
+        t = step_seconds_many(coef, *args, experts=f.experts)
         seconds += t[:nw] * on
         if packed is not None:
             packed += t[nw:] / k * on
