@@ -4,8 +4,8 @@ cost policy's placement.
 The cost policy places a stream of requests on a synthetic fleet (three server kinds, views as heartbeats);
 separately, the same stream goes through the flow queue as the scheduler's flow gate drives it at a full
 fleet, the worst case: every request is priced, counted, held (something of its band is always held), and
-placed from the queue's head by a pump that first finds the fleet still full once (a head looked at and
-left), with the headroom of its band; every placed request finishes. Eight tenants in two bands, requests
+placed by a pump that first finds the fleet still full once (a head looked at, its tenant's turn over) and
+then places another tenant's head with the headroom owed; every placed request finishes. Eight tenants in two bands, requests
 arriving at --rate per second. CPU per request = flow operations' time / requests, against the policy's
 placement time / placements; alternated --repeats times, the best of each kept (the machine is shared).
 
@@ -30,14 +30,13 @@ from rich.table import Table
 from hetmesh.costmodel import server_model
 from hetmesh.placement import RequestInfo, WorkerView
 from hetmesh.placement.cost import CostPolicy
-from hetmesh.placement.flow import FlowQueue, Tenant, reserved
+from hetmesh.placement.flow import FlowQueue, Tenant, Turns, reserved
 from hetmesh.protocol import Role
 from hetmesh.wiring import pricer
 
 KINDS = ("nvidia-h100", "amd-mi300x", "amd-mi308x")
 MODEL = "llama-3.1-70b"
 TENANTS = [Tenant(f"t{i}", float(1 + i % 4), i % 2) for i in range(8)]
-TTFT_SLO = 2.0
 WAIT_S = 1.0  # a held request's deadline after its arrival
 BACKLOG = 512  # requests held at a full fleet
 
@@ -79,18 +78,20 @@ def flow(reqs: list[RequestInfo]) -> float:
         now = r.arrival
         t = names[i % len(names)]
         cost = price(r.prompt_len, 0, r.max_tokens)
-        q.arrived(t)
+        q.arrived(t, cost, now)
         if q.may_try(t):
-            reserved(r, q.headroom(t) * TTFT_SLO)
+            reserved(r, q.headroom(t, now))
         q.hold(r.request_id, t, cost, now + WAIT_S, now, r)
         for h in q.expired(now):
             q.refused(h.tenant)
-        q.head()  # the pump's first look finds the fleet still full: the head stays
-        h = q.head()  # a finish freed room: the head goes
+        turns = Turns(q)
+        if (h := turns.next()) is not None:  # the pump's first look finds the fleet still full for it
+            turns.refused(h)
+        h = turns.next()  # a finish freed room: another tenant's head goes, leaving room for the refused one
         if h is not None:
-            reserved(r, q.headroom(h.tenant) * TTFT_SLO)
+            reserved(r, q.headroom(h.tenant, now, turns.done))
             q.take(h, now)
-            q.placed(h.tenant, h.cost, r.prompt_len + r.max_tokens)
+            q.placed(h.tenant, h.cost, r.prompt_len + r.max_tokens, now)
             inflight.append((h.tenant, h.cost))
         if len(inflight) > 64:
             done, c = inflight.popleft()

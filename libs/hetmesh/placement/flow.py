@@ -16,12 +16,13 @@ A request's cost is in the cost model's units (`engine_seconds`: its predicted e
 A new arrival goes straight to the policy only while nothing of its band or above waits; otherwise it joins
 the queue and the shell places from the queue's head, so that room the fleet frees goes in fair order
 (work-conserving: with nothing held, nothing waits). A pump walks the queue in that order and a refusal ends
-only its tenant's turn (and every lower band's): room another tenant's request fits is not left idle behind it.
+only its tenant's turn (and every lower band's): another tenant's request may still be placed behind it, but
+only with headroom left for the refused one (below), so that room freed goes to whoever is behind its share.
 
 Headroom (`headroom`): a request is placed only if its predicted TTFT and TPOT stay within `1 - reserve` of its
-SLOs (`reserved`) while someone it would crowd out is active: a higher band (in flight or held), or, for a tenant
-with requests waiting, another tenant of its band that is owed room (active, nothing waiting, sending less per
-weight than the waiting tenant is being placed). The fleet is non-preemptive and admission fills it to the edge
+SLOs (`reserved`) while someone it would crowd out is active: a higher band (in flight or held), a tenant of
+its band whose request this pump could not place, or, for a tenant with requests waiting, another tenant of its
+band that is owed room (active, nothing waiting, sending less per weight than the waiting tenant is placed). The fleet is non-preemptive and admission fills it to the edge
 of the SLOs: the room left is what those tenants' next arrivals land in, prefill backlog and decode batch alike.
 
 A tenant over its share (its in-flight cost above its weight's share of what the active tenants have in flight)
@@ -187,9 +188,10 @@ class FlowQueue:
         band = self.tenants[tenant].tenant.band
         return not any(s.held and s.tenant.band <= band for s in self.tenants.values())
 
-    def headroom(self, tenant: str, now: float) -> float:
+    def headroom(self, tenant: str, now: float, refused: Container[str] = ()) -> float:
         """The share of its SLOs a request of `tenant` must leave free when placed: `reserve` while a tenant of a
-        higher band has work in flight or held, or while `tenant` has requests waiting and another tenant of its
+        higher band has work in flight or held, while another tenant of its band is in `refused` (this pump could
+        not place its request: `Turns.done`), or while `tenant` has requests waiting and another tenant of its
         band is owed room: active with nothing waiting, sending less cost per weight than `tenant` is being
         placed (its next arrivals are within what `tenant` takes). Else 0: no one to keep room for."""
         if self.reserve <= 0.0:
@@ -197,6 +199,8 @@ class FlowQueue:
         me = self.tenants[tenant]
         band = me.tenant.band
         if any(s.tenant.band < band and (s.held or s.inflight > 1e-12) for s in self.tenants.values()):
+            return self.reserve
+        if any(t != tenant and self.tenants[t].tenant.band == band for t in refused):
             return self.reserve
         if me.held:
             got = _decayed(me.got, me.got_t, now) / me.tenant.weight
@@ -318,7 +322,8 @@ class FlowQueue:
 class Turns:
     """One pump's walk of the queue: held requests in its order (`FlowQueue.head`), a refusal ending its tenant's
     turn and every lower band's (strict priority) but not its band's: the others' requests may fit where it did
-    not. At most one refused placement per tenant per pump."""
+    not, with headroom left for it (`FlowQueue.headroom`'s `refused`: `done`). At most one refused placement per
+    tenant per pump."""
 
     def __init__(self, q: FlowQueue) -> None:
         self.q = q

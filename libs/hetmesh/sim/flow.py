@@ -36,7 +36,7 @@ class _Reserving:
         fl = self._flow
         req = fl.sim.reqs.get(int(info.request_id))
         if req is not None:
-            info = reserved(info, fl.q.headroom(req.tenant, fl.sim.now))
+            info = reserved(info, fl.q.headroom(req.tenant, fl.sim.now, fl.turns.done if fl.turns else ()))
         return self._policy.place(info, workers)
 
     def __getattr__(self, name: str) -> Any:
@@ -61,6 +61,7 @@ class SimFlow:
         self.tick_at = -math.inf  # when the next periodic pump is due (past: none queued)
         self.soon_at = -math.inf  # when a pump for a finished request was last queued
         self.busy = False  # a pump is running (what it places re-enters arrive() and refused())
+        self.turns: Turns | None = None  # the running pump's turns
 
     def cost(self, req: Any, model: str) -> float:
         return self.prices[model](req.n_in, 0, req.n_out)
@@ -133,11 +134,12 @@ class SimFlow:
         self.busy = True
         for h in q.expired(now):
             self._refuse(h.item, q.retry_after_s(h.tenant, now), 0.0)
-        turns = Turns(q)
+        turns = self.turns = Turns(q)
         while (h := turns.next()) is not None:
             q.take(h, now)
             self.blocked = False
             self.sim.place_held(h.item)
             if self.blocked:
                 turns.refused(h)
+        self.turns = None
         self.busy = False

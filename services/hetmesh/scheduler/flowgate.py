@@ -61,9 +61,11 @@ class FlowGate:
         n, out = len(req.prompt_tokens), req.sampling.max_tokens
         return price(n, cached, out) if price is not None else token_cost(n - cached, out)
 
-    def _place(self, req: InferenceRequest, info: RequestInfo) -> Decision | None:
-        """The policy's placement, with the headroom its tenant leaves others (`FlowQueue.headroom`)."""
-        return self.place_fn(reserved(info, self.q.headroom(self.tenant(req), time.monotonic())))
+    def _place(self, req: InferenceRequest, info: RequestInfo, turns: Turns | None = None) -> Decision | None:
+        """The policy's placement, with the headroom its tenant leaves others (`FlowQueue.headroom`; `turns`: the
+        pump's, whose refused tenants are owed room)."""
+        head = self.q.headroom(self.tenant(req), time.monotonic(), turns.done if turns is not None else ())
+        return self.place_fn(reserved(info, head))
 
     def _refusal(self, req: InferenceRequest, why: str) -> refusals.Refusal:
         t = self.tenant(req)
@@ -122,7 +124,8 @@ class FlowGate:
                 q.take(h, now)
                 continue
             held = (now - w.t0) * self.scale
-            d = self._place(w.req, msgspec.structs.replace(w.info, arrival=w.info.arrival + held, waited_s=w.info.waited_s + held))
+            d = self._place(w.req, msgspec.structs.replace(w.info, arrival=w.info.arrival + held,
+                                                           waited_s=w.info.waited_s + held), turns)
             if d is not None and d.mode == REFUSED and d.hold_s is not None:
                 turns.refused(h)  # the fleet is still full for it: it stays at its tenant's head
                 continue
