@@ -156,8 +156,11 @@ def test_a_refusal_ends_its_tenants_turn_and_lower_bands_not_its_band() -> None:
     assert seen == ["a0", "b0", "b1"]  # b's fit behind a's refusal; band 1 waits for band 0
     assert [h.key for h in q.order()] == ["a0", "a1", "c0", "c1"]
     q = FlowQueue([Tenant("a"), Tenant("b"), Tenant("c", band=1)], reserve=0.5)
-    assert q.headroom("b", 0.0, refused={"a"}) == 0.5  # what b takes behind a's refusal leaves room for a
-    assert q.headroom("b", 0.0, refused={"b"}) == 0.0 and q.headroom("c", 0.0, refused={"a"}) == 0.0
+    assert q.headroom("b", 0.0, refused={"a"}) == 0.0  # b has nothing else waiting: it takes what it fits
+    assert q.headroom("c", 0.0, refused={"a"}) == 0.0  # another band's refusal is not c's to make room for
+    q.hold("b1", "b", 1.0, deadline=10.0, now=0.0)
+    assert q.headroom("b", 0.0, refused={"a"}) == 0.5  # b, backlogged too, leaves room for a behind a's refusal
+    assert q.headroom("b", 0.0, refused={"b"}) == 0.0
 
 
 def test_over_share_and_retry_after() -> None:

@@ -189,25 +189,27 @@ class FlowQueue:
         return not any(s.held and s.tenant.band <= band for s in self.tenants.values())
 
     def headroom(self, tenant: str, now: float, refused: Container[str] = ()) -> float:
-        """The share of its SLOs a request of `tenant` must leave free when placed: `reserve` while a tenant of a
-        higher band has work in flight or held, while another tenant of its band is in `refused` (this pump could
-        not place its request: `Turns.done`), or while `tenant` has requests waiting and another tenant of its
-        band is owed room: active with nothing waiting, sending less cost per weight than `tenant` is being
-        placed (its next arrivals are within what `tenant` takes). Else 0: no one to keep room for."""
+        """The share of its SLOs a request of `tenant` (taken out of the queue, if it was held) must leave free
+        when placed: `reserve` while a tenant of a higher band has work in flight or held; or while `tenant` has
+        more requests waiting and another tenant of its band is owed room: in `refused` (this pump could not
+        place its request: `Turns.done`), or active with nothing waiting and sending less cost per weight than
+        `tenant` is being placed (its next arrivals are within what `tenant` takes). Else 0: no one to keep
+        room for (a tenant with nothing else waiting takes what it fits: it is within what it sends)."""
         if self.reserve <= 0.0:
             return 0.0
         me = self.tenants[tenant]
         band = me.tenant.band
         if any(s.tenant.band < band and (s.held or s.inflight > 1e-12) for s in self.tenants.values()):
             return self.reserve
+        if not me.held:
+            return 0.0
         if any(t != tenant and self.tenants[t].tenant.band == band for t in refused):
             return self.reserve
-        if me.held:
-            got = _decayed(me.got, me.got_t, now) / me.tenant.weight
-            for s in self.tenants.values():
-                if (s is not me and s.tenant.band == band and not s.held and s.inflight > 1e-12
-                        and _decayed(s.sent, s.sent_t, now) / s.tenant.weight < got):
-                    return self.reserve
+        got = _decayed(me.got, me.got_t, now) / me.tenant.weight
+        for s in self.tenants.values():
+            if (s is not me and s.tenant.band == band and not s.held and s.inflight > 1e-12
+                    and _decayed(s.sent, s.sent_t, now) / s.tenant.weight < got):
+                return self.reserve
         return 0.0
 
     def order(self) -> Iterator[Held]:

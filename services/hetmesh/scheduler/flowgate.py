@@ -124,12 +124,14 @@ class FlowGate:
                 q.take(h, now)
                 continue
             held = (now - w.t0) * self.scale
+            q.take(h, now)  # out of the queue while placed (its tenant's headroom counts the others waiting)
             d = self._place(w.req, msgspec.structs.replace(w.info, arrival=w.info.arrival + held,
                                                            waited_s=w.info.waited_s + held), turns)
             if d is not None and d.mode == REFUSED and d.hold_s is not None:
-                turns.refused(h)  # the fleet is still full for it: it stays at its tenant's head
+                # the fleet is still full for it: back at its tenant's head, its tenant's turn over
+                q.hold(h.key, h.tenant, h.cost, h.deadline, now, w, again=True)
+                turns.refused(h)
                 continue
-            q.take(h, now)
             if d is not None and d.mode != REFUSED:
                 self.state.assigned(d)
                 self._booked(w.req, d, h.cost)
