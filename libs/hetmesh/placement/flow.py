@@ -20,10 +20,11 @@ only its tenant's turn (and every lower band's): another tenant's request may st
 only with headroom left for the refused one (below), so that room freed goes to whoever is behind its share.
 
 Headroom (`headroom`): a request is placed only if its predicted TTFT and TPOT stay within `1 - reserve` of its
-SLOs (`reserved`) while someone it would crowd out is active: a higher band (in flight or held), a tenant of
-its band whose request this pump could not place, or, for a tenant with requests waiting, another tenant of its
-band that is owed room (active, nothing waiting, sending less per weight than the waiting tenant is placed). The fleet is non-preemptive and admission fills it to the edge
-of the SLOs: the room left is what those tenants' next arrivals land in, prefill backlog and decode batch alike.
+SLOs (`reserved`) while someone it would crowd out is active: a higher band (in flight or held); or, for a
+tenant with more requests waiting, another tenant of its band whose request this pump could not place, or one
+owed room (active, nothing waiting, sending less per weight than the waiting tenant is placed). The fleet is
+non-preemptive and admission fills it to the edge of the SLOs: the room left is what those tenants' next
+arrivals land in, prefill backlog and decode batch alike.
 
 A tenant over its share (its in-flight cost above its weight's share of what the active tenants have in flight)
 with a full queue, or a held request past its deadline, is refused with 429 and a Retry-After: how long until
