@@ -9,7 +9,11 @@ meant to make placement faster can show it places the same: `--check FILE` compa
 a second. `placements/s` is one core's capacity left after those: (1 - heartbeat share) / time per placement.
 
     python benchmarks/placement_tier.py [--sizes 16 64 256 1024 4096] [--policies ...] [--out results/placement_tier.json]
-        [--check results/placement_tier.json]
+        [--check results/placement_tier.json] [--against DIR --rounds 4]
+
+`--against DIR` (a checkout of earlier code, e.g. `git archive <commit> libs | tar -x -C DIR`) measures each policy and
+size in turn with DIR's libs and with these, `--rounds` times each in fresh processes, so both see the same load on
+a shared machine: their medians and the ratio go to the results.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ import json
 import os
 import platform
 import random
+import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -111,6 +118,22 @@ def measure(policy: str, size: int, seconds: float) -> dict[str, float]:
             "placements_per_s": (1 - hb_share) / per}
 
 
+def against(root: str, policy: str, size: int, seconds: float, rounds: int) -> dict[str, object]:
+    """µs per placement of the code in `root` and of this code, measured in turn in fresh processes."""
+    code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); import placement_tier as P; "
+            f"print(json.dumps(P.measure({policy!r}, {size}, {seconds})))")
+    us: dict[str, list[float]] = {"before": [], "now": []}
+    for _ in range(rounds):
+        for key in us:
+            env = dict(os.environ)
+            if key == "before":
+                env["PYTHONPATH"] = str(Path(root) / "libs")
+            r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+            us[key].append(json.loads(r.stdout.strip().splitlines()[-1])["us_per_placement"])
+    before, now = statistics.median(us["before"]), statistics.median(us["now"])
+    return {"policy": policy, "workers": size, "us_before": us["before"], "us_now": us["now"], "ratio": now / before}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[16, 64, 256, 1024, 4096])
@@ -118,7 +141,19 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=1.5, help="per (policy, size)")
     ap.add_argument("--out", default="results/placement_tier.json")
     ap.add_argument("--check", default=None, help="a results file: are this run's decisions the same as its?")
+    ap.add_argument("--against", default=None, help="a checkout of earlier code: time per placement, now over then")
+    ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args()
+    if args.against:
+        ab = [against(args.against, p, n, args.seconds, args.rounds) for p in args.policies for n in args.sizes]
+        for r in ab:
+            print(f"{r['policy']} {r['workers']}: {statistics.median(r['us_now']):.0f} µs now, "  # type: ignore[arg-type]
+                  f"{statistics.median(r['us_before']):.0f} before: {r['ratio']:.3f}x")  # type: ignore[arg-type]
+        path = Path(args.out)
+        res = json.loads(path.read_text()) if path.exists() else {}
+        res["against_earlier"] = {"load_average": os.getloadavg(), "rows": ab}
+        path.write_text(json.dumps(res, indent=1))
+        return
     stored = {}
     if args.check:
         stored = {(r["policy"], r["workers"]): r.get("decisions") for r in json.loads(Path(args.check).read_text())["rows"]}

@@ -5,14 +5,14 @@ Each replica is its own cost policy (its own bookkeeping) over its own view: eve
 since the heartbeat (hetmesh.sim.replicas). Gateways pick a replica at random per request. Two ways to share
 placements: "own" (no sharing: another replica's placements show only in the next heartbeat, and never in a
 policy's own bookkeeping) and "shared", what the scheduler does: each replica publishes its placements on the bus
-(hetmesh.sched.booked, within 1 ms; heard here 2 ms later) and the others count them on the workers and book them
+(hetmesh.sched.booked, at once; heard here 1 ms later) and the others count them on the workers and book them
 in their policy as the placing one did (CostPolicy.booked). The worker is the arbiter either way: its engine
 admits nothing past its batch or KV blocks.
 
 Clusters, traces and loads are the anchors benchmark's (benchmarks/anchors.py), at its high loads 0.8, 1.0 and
 1.5x capacity; the cost policy with the scheduler's defaults. Goodput is the anchors' (SLO-met output tokens per
-second of the offered trace), the mean over --seeds draws (heartbeat phases, the gateways' picks); M replicas'
-over one replica's at the same point (the same heartbeat model; "instant" is the plain simulator, every view
+second of the offered trace), the mean over --seeds draws (heartbeat phases, the gateways' picks; without sharing
+one draw); M replicas' over one replica's at the same point (the same heartbeat model; "instant" is the plain simulator, every view
 exact). Two replicas placing within the sharing delay of each other still place on views that miss each other's
 placement, and at points where few requests meet their SLOs that changes goodput by several % either way per
 draw: the spread (min..max over draws) is in the results. Over-booking: requests on the
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import platform
 import sys
@@ -50,8 +51,9 @@ from hetmesh.sim.traces import DATA_DIR
 ROOT = Path(__file__).resolve().parents[1]
 LOADS = (0.8, 1.0, 1.5)
 REPLICAS = (1, 2, 4)
-MODES = {"own": None, "shared": 0.002}
+MODES = {"own": None, "shared": 0.001}
 TARGET = 0.97  # goodput of M replicas over one
+RUNS = ("2 own", "4 own", "2 shared", "4 shared")
 
 
 def run_point(ws: list, tr: Any, cfg: SimConfig, slo: Any, sc: SchedulerConfig, seeds: int) -> dict[str, Any]:
@@ -63,7 +65,7 @@ def run_point(ws: list, tr: Any, cfg: SimConfig, slo: Any, sc: SchedulerConfig, 
             if m == 1 and mode != "own":
                 continue  # one replica has nobody to share with
             runs, obs = [], []
-            for seed in range(seeds):
+            for seed in range(seeds if mode != "own" or m == 1 else 1):  # without sharing: one draw shows it
                 s, _, ob = simulate_replicas(ws, "cost", m, tr, cfg, slo, seed=seed, share_s=share,
                                              queue_factor=sc.queue_factor, **kw)
                 runs.append(_row(s, tr, f"{m} {mode}", "both"))
@@ -84,6 +86,27 @@ def run_point(ws: list, tr: Any, cfg: SimConfig, slo: Any, sc: SchedulerConfig, 
     return out
 
 
+def markdown(results: dict[str, Any]) -> str:
+    """docs/benchmarks.md's table: per point, goodput of 1 replica and M replicas over it, and over-booking."""
+    lines = ["| cluster / trace | load | 1 replica (tok/s) | 2, own | 4, own | 2, shared | 4, shared | 4 shared: draws "
+             "| unseen per placement, 4 own / shared | placed on a full batch, 4 own / shared | over a limit |",
+             "|---|---|---:|---:|---:|---:|---:|---|---|---|---:|"]
+    for cname, c in results["clusters"].items():
+        for tname, t in c["traces"].items():
+            for p in t["points"]:
+                one = p["1"]["goodput_tok_s"]
+                ob = {k: p[k]["overbooking"] for k in ("4 own", "4 shared")}
+                draws = [g / one for g in p["4 shared"]["goodput_runs"]] if one > 0 else [1.0]
+                lines.append(
+                    f"| {cname} / {tname} | {p['load']:g}x | {one:,.0f} | "
+                    + " | ".join(f"{p[k]['vs_one']:.2f}x" for k in ("2 own", "4 own", "2 shared", "4 shared"))
+                    + f" | {min(draws):.2f}-{max(draws):.2f} | "
+                    + " / ".join(f"{o['unseen'] / max(o['placements'], 1):.2f}" for o in ob.values()) + " | "
+                    + " / ".join(str(o["blind_full"]) for o in ob.values()) + " | "
+                    + str(sum(p[k]["overbooking"]["over_limit"] for k in ("1", *RUNS))) + " |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--span", type=float, default=60.0, help="as benchmarks/anchors.py")
@@ -92,8 +115,12 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", default=None, choices=sorted(CLUSTERS))
     ap.add_argument("--traces", nargs="*", default=None, choices=sorted(TRACES))
     ap.add_argument("--out", default=str(ROOT / "results" / "scheduler_replicas.json"))
+    ap.add_argument("--tables", action="store_true", help="print the markdown table of --out, run nothing")
     args = ap.parse_args()
     console = Console(width=200)
+    if args.tables:
+        console.print(markdown(json.loads(Path(args.out).read_text())), soft_wrap=True)
+        return 0
     sc = SchedulerConfig()
     effs = load_efficiencies(ROOT / "results" / "seed_efficiency.json")
     t0 = time.time()
@@ -150,6 +177,7 @@ def main() -> int:
     console.print(f"shared bookings within {1 - TARGET:.0%} of one replica at every point: "
                   + ("yes" if not misses else f"no: {misses}"))
     write_json(args.out, results)
+    console.print(markdown(results), soft_wrap=True)
     return 0
 
 
