@@ -4,8 +4,9 @@ cost policy's placement.
 The cost policy places a stream of requests on a synthetic fleet (three server kinds, views as heartbeats);
 separately, the same stream goes through the flow queue as the scheduler's flow gate drives it at a full
 fleet, the worst case: every request is priced, counted, held (something of its band is always held), and
-placed by a pump that first finds the fleet still full once (a head looked at, its tenant's turn over) and
-then places another tenant's head with the headroom owed; every placed request finishes. Eight tenants in two bands, requests
+placed by a pump that first finds the fleet still full for a tenant's head, places the request behind it (its
+tenant's lookahead) with the headroom owed, and finds the fleet full again for the next one; every placed
+request finishes. Eight tenants in two bands, requests
 arriving at --rate per second. CPU per request = flow operations' time / requests, against the policy's
 placement time / placements; alternated --repeats times, the best of each kept (the machine is shared).
 
@@ -86,13 +87,15 @@ def flow(reqs: list[RequestInfo]) -> float:
             q.refused(h.tenant)
         turns = Turns(q)
         if (h := turns.next()) is not None:  # the pump's first look finds the fleet still full for it
-            turns.refused(h)
-        h = turns.next()  # a finish freed room: another tenant's head goes, leaving room for the refused one
+            turns.refused(h, now)
+        h = turns.next()  # a finish freed room: the request behind the refused head goes
         if h is not None:
             reserved(r, q.headroom(h.tenant, now, turns.done))
             q.take(h, now)
             q.placed(h.tenant, h.cost, r.prompt_len + r.max_tokens, now)
             inflight.append((h.tenant, h.cost))
+        if (h := turns.next()) is not None:  # the next one no longer fits
+            turns.refused(h, now)
         if len(inflight) > 64:
             done, c = inflight.popleft()
             q.finished(done, c, now)

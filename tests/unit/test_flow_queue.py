@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetmesh.placement import REFUSED, RequestInfo, WorkerView, make_policy
-from hetmesh.placement.flow import FlowQueue, Tenant, Turns, reserved, token_cost
+from hetmesh.placement.flow import LOOKAHEAD, FlowQueue, Held, Tenant, Turns, reserved, token_cost
 from hetmesh.protocol import Role
 
 
@@ -149,11 +151,11 @@ def test_a_refusal_ends_its_tenants_turn_and_lower_bands_not_its_band() -> None:
     while (h := turns.next()) is not None:
         seen.append(h.key)
         if h.tenant == "a":
-            turns.refused(h)  # a's head does not fit: it stays held, a's turn is over
+            turns.refused(h, 0.0)  # a's requests do not fit: they stay held, a's turn is over
         else:
             q.take(h, 0.0)
             q.placed(h.tenant, h.cost)
-    assert seen == ["a0", "b0", "b1"]  # b's fit behind a's refusal; band 1 waits for band 0
+    assert seen == ["a0", "a1", "b0", "b1"]  # b's fit behind a's refusals; band 1 waits for band 0
     assert [h.key for h in q.order()] == ["a0", "a1", "c0", "c1"]
     q = FlowQueue([Tenant("a"), Tenant("b"), Tenant("c", band=1)], reserve=0.5)
     assert q.headroom("b", 0.0, refused={"a"}) == 0.0  # b has nothing else waiting: it takes what it fits
@@ -161,6 +163,56 @@ def test_a_refusal_ends_its_tenants_turn_and_lower_bands_not_its_band() -> None:
     q.hold("b1", "b", 1.0, deadline=10.0, now=0.0)
     assert q.headroom("b", 0.0, refused={"a"}) == 0.5  # b, backlogged too, leaves room for a behind a's refusal
     assert q.headroom("b", 0.0, refused={"b"}) == 0.0
+
+
+def _pump(q: FlowQueue, fits: Callable[[Held], bool], now: float = 0.0) -> list[tuple[str, bool]]:
+    """A pump as the shells run it: each request taken out and placed, or held again if it does not fit."""
+    turns, seen = Turns(q), []
+    while (h := turns.next()) is not None:
+        q.take(h, now)
+        if fits(h):
+            q.placed(h.tenant, h.cost, now=now)
+        else:
+            q.hold(h.key, h.tenant, h.cost, h.deadline, now, again=True)
+            turns.refused(h, now)
+        seen.append((h.key, fits(h)))
+    return seen
+
+
+def test_a_refused_head_lets_its_tenants_next_requests_that_fit_go() -> None:
+    q = FlowQueue([Tenant("a"), Tenant("b")])
+    q.hold("a0", "a", 4.0, deadline=1.0, now=0.0)  # too big for the room there is
+    for k in (1, 2):
+        q.hold(f"a{k}", "a", 1.0, deadline=1.0 + k, now=0.0)
+    q.hold("b0", "b", 1.0, deadline=1.0, now=0.0)
+    seen = _pump(q, lambda h: h.cost <= 1.0)
+    assert [k for k, ok in seen if ok] == ["a1", "b0", "a2"]  # a's turn goes on past a0, in fair order with b
+    assert [h.key for h in q.order()] == ["a0"]  # a0 keeps its place at a's head
+    assert next(iter(q.order())).passed == 2.0
+    assert q.tenants["a"].finish == 2.0  # a is charged for what it placed: the shares hold
+
+
+def test_a_head_is_passed_over_for_at_most_its_own_cost() -> None:
+    q = FlowQueue([Tenant("a")])
+    q.hold("a0", "a", 2.0, deadline=1.0, now=0.0)
+    for k in range(1, 6):
+        q.hold(f"a{k}", "a", 1.0, deadline=1.0 + k, now=0.0)
+    small = lambda h: h.cost <= 1.0  # noqa: E731
+    assert _pump(q, small) == [("a0", False), ("a1", True), ("a2", True)]  # passed over for 2.0: no more
+    assert _pump(q, small) == [("a0", False)]  # its tenant's room is kept for it
+    assert _pump(q, lambda h: True)[0] == ("a0", True)
+
+
+def test_lookahead_is_bounded_per_pump() -> None:
+    q = FlowQueue([Tenant("a")])
+    for k in range(10):
+        q.hold(f"a{k}", "a", 1.0, deadline=float(k), now=0.0)
+    assert len(_pump(q, lambda h: False)) == 1 + LOOKAHEAD
+    turns = Turns(q, lookahead=0)
+    h = turns.next()
+    assert h is not None
+    turns.refused(h, 0.0)
+    assert turns.next() is None
 
 
 def test_over_share_and_retry_after() -> None:

@@ -18,6 +18,8 @@ the queue and the shell places from the queue's head, so that room the fleet fre
 (work-conserving: with nothing held, nothing waits). A pump walks the queue in that order and a refusal ends
 only its tenant's turn (and every lower band's): another tenant's request may still be placed behind it, but
 only with headroom left for the refused one (below), so that room freed goes to whoever is behind its share.
+Before its turn ends, the refused tenant's next few requests in EDF order are tried (one that fits goes in its
+tenant's share), for as long as its head has been passed over for less than its own cost (`Turns`).
 
 Headroom (`headroom`): a request is placed only if its predicted TTFT and TPOT stay within `1 - reserve` of its
 SLOs (`reserved`) while someone it would crowd out is active: a higher band (in flight or held); or, for a
@@ -38,12 +40,14 @@ import heapq
 import math
 from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import msgspec
 
 from hetmesh.placement.state import RequestInfo
 
 MAX_RETRY_AFTER_S = 60.0
+LOOKAHEAD = 4  # requests of a tenant a pump tries past its refused head, in EDF order
 RATE_WINDOW_S = 10.0  # a tenant's drain rate (cost finished per second) decays over this long
 
 
@@ -71,9 +75,13 @@ class Held:
     arrival: float
     item: object = None
     seq: int = 0
+    passed: float = 0.0  # cost its tenant placed past it while it did not fit (`Turns`)
 
     def __lt__(self, other: Held) -> bool:  # EDF, then arrival order
         return (self.deadline, self.seq) < (other.deadline, other.seq)
+
+
+_edf = attrgetter("deadline", "seq")  # Held's order as a key
 
 
 @dataclass(slots=True)
@@ -146,6 +154,7 @@ class FlowQueue:
         self.reserve = reserve  # share of the TTFT SLO a lower band leaves free while a higher one is active
         self._seq = 0
         self._n_held = 0
+        self._taken: Held | None = None  # the last request taken out (held again if still refused)
 
     # ---- reading ----
     def __len__(self) -> int:
@@ -262,13 +271,16 @@ class FlowQueue:
 
     def hold(self, key: str, tenant: str, cost: float, deadline: float, now: float, item: object = None,
              again: bool = False) -> Held | None:
-        """Hold a request (`again`: one taken out to be placed and still refused, not counted twice); None: its
-        tenant already holds max_held (refuse it: `refused`)."""
+        """Hold a request (`again`: one taken out to be placed and still refused, not counted twice, what was
+        placed past it kept); None: its tenant already holds max_held (refuse it: `refused`)."""
         s = self.tenants[tenant]
         if len(s.held) >= self.max_held:
             return None
         self._seq += 1
         h = Held(key, tenant, cost, deadline, now, item, self._seq)
+        out = self._taken
+        if again and out is not None and out.key == key:  # the same request back: what was placed past it
+            h.passed = out.passed
         heapq.heappush(s.held, h)
         self._n_held += 1
         s.stats.held += not again
@@ -279,11 +291,17 @@ class FlowQueue:
         s = self.tenants[h.tenant]
         if s.held[0] is h:  # the head: the common case
             heapq.heappop(s.held)
-        else:
-            s.held.remove(h)
-            heapq.heapify(s.held)
+        else:  # by identity (a Held compares by value), the last entry moved into its place
+            held = s.held
+            i = next(i for i, x in enumerate(held) if x is h)
+            last = held.pop()
+            if i < len(held):
+                held[i] = last
+                heapq._siftup(held, i)  # type: ignore[attr-defined]
+                heapq._siftdown(held, 0, i)  # type: ignore[attr-defined]
         self._n_held -= 1
         s.stats.held_s += max(now - h.arrival, 0.0)
+        self._taken = h
 
     def expired(self, now: float) -> list[Held]:
         """Held requests past their deadline, taken out of the queue (refuse each). EDF keeps them on top."""
@@ -323,19 +341,62 @@ class FlowQueue:
 
 
 class Turns:
-    """One pump's walk of the queue: held requests in its order (`FlowQueue.head`), a refusal ending its tenant's
-    turn and every lower band's (strict priority) but not its band's: the others' requests may fit where it did
-    not, with headroom left for it (`FlowQueue.headroom`'s `refused`: `done`). At most one refused placement per
-    tenant per pump."""
+    """One pump's walk of the queue: held requests in its order (`FlowQueue.head`). A refusal ends every lower
+    band's turn (strict priority) but not its band's: the others' requests may fit where it did not, with headroom
+    left for its tenant (`FlowQueue.headroom`'s `refused`: `done`). Within the refused tenant, the next
+    `lookahead` requests in EDF order are tried in turn: one that fits goes, charged to its tenant's tags as any
+    placement (the shares hold), and the refused head stays first for the next pump. A head is passed over so for
+    at most its own cost (`Held.passed`): its wait grows by at most what it would take itself, as if one more
+    request of its tenant had come before it; from then on its tenant's room is kept for it. At most
+    1 + `lookahead` refused placements per tenant per pump."""
 
-    def __init__(self, q: FlowQueue) -> None:
+    def __init__(self, q: FlowQueue, lookahead: int = LOOKAHEAD) -> None:
         self.q = q
-        self.done: set[str] = set()
+        self.lookahead = lookahead
+        self.done: set[str] = set()  # tenants with a refusal this pump (owed room)
+        self.over: set[str] = set()  # tenants whose turn is over
+        self.tried: dict[str, set[str]] = {}  # per tenant, the keys refused this pump
         self.last_band: int | None = None
+        self._ahead: Held | None = None  # the last request handed out past its tenant's refused head
 
     def next(self) -> Held | None:
-        return self.q.head(self.done, self.last_band)
+        """The next request to place (place it, or call `refused`)."""
+        q = self.q
+        if (c := self._ahead) is not None:  # placed (not refused): charged to the head it passed
+            self._ahead = None
+            held = q.tenants[c.tenant].held
+            if held:
+                head = held[0]
+                head.passed += c.cost
+                if head.passed >= head.cost:
+                    self.over.add(c.tenant)
+        while (h := q.head(self.over, self.last_band)) is not None:
+            tried = self.tried.get(h.tenant)
+            if not tried:
+                return h
+            held = q.tenants[h.tenant].held
+            n = len(tried) + 1
+            if n == 2 and held[0].key in tried:  # only the head refused: the next is the lesser of its children
+                behind = [min(held[1:3], key=_edf)] if len(held) > 1 else []
+            else:  # a heap's n smallest lie in its first 2^n - 1 entries
+                behind = heapq.nsmallest(n, held[: (1 << n) - 1], key=_edf)
+            for c in behind:
+                if c.key not in tried:
+                    self._ahead = c
+                    return c
+            self.over.add(h.tenant)
+        return None
 
-    def refused(self, h: Held) -> None:
-        self.done.add(h.tenant)
-        self.last_band = self.q.tenants[h.tenant].tenant.band
+    def refused(self, h: Held, now: float) -> None:
+        """`h` could not be placed now (held again, or still held)."""
+        self._ahead = None
+        t = h.tenant
+        self.done.add(t)
+        if self.last_band is None:
+            self.last_band = self.q.tenants[t].tenant.band
+        tried = self.tried.setdefault(t, set())
+        if not tried and h.passed >= h.cost:
+            self.over.add(t)  # passed over for its own cost already: its tenant's room is kept for it
+        tried.add(h.key)
+        if len(tried) > self.lookahead:
+            self.over.add(t)

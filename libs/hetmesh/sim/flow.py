@@ -4,7 +4,8 @@ hetmesh.wiring.flow_queue) at the point where the scheduler holds or refuses a r
 A request the policy refuses but could still serve in time (`Decision.hold_s`) waits in the queue instead of
 being placed again on its own; the queue is pumped, in its fair order, on each arrival it holds, whenever a
 request finishes and every admission hold period while it holds anything, and a refusal ends its tenant's turn
-in the pump (`Turns`). A new arrival joins the queue while anything of its band or a higher one waits there.
+in the pump once the requests behind it that may go instead have been tried (`Turns`). A new arrival joins the
+queue while anything of its band or a higher one waits there.
 The policy sees each request with the headroom its tenant must leave others (`FlowQueue.headroom`).
 """
 
@@ -129,7 +130,7 @@ class SimFlow:
         self._tick()
 
     def _drain(self) -> None:
-        """Place held requests in the queue's order, each tenant's until the fleet refuses one (`Turns`)."""
+        """Place held requests in the queue's order, each tenant's until the fleet refuses it (`Turns`)."""
         q, now = self.q, self.sim.now
         self.busy = True
         for h in q.expired(now):
@@ -140,6 +141,6 @@ class SimFlow:
             self.blocked = False
             self.sim.place_held(h.item)
             if self.blocked:
-                turns.refused(h)
+                turns.refused(h, now)
         self.turns = None
         self.busy = False

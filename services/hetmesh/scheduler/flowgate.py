@@ -3,7 +3,8 @@ as the simulator builds its own) at the point where the scheduler holds a reques
 
 A submit that arrives while anything of its band or a higher one is held, or that the policy refuses while its
 SLO is still in reach, waits on a future; a pump places held requests in the queue's order as it is held,
-every admission hold period and whenever a request finishes, a refusal ending its tenant's turn (`Turns`).
+every admission hold period and whenever a request finishes, a refusal ending its tenant's turn once the
+requests behind it that may go instead have been tried (`Turns`).
 The policy sees each request with the headroom its tenant must leave others (`FlowQueue.headroom`). What the
 pump places is booked in the cluster view at once (`ClusterState.assigned`), so the next placement of the same
 pump sees it. A request's booked cost leaves its tenant's share when it finishes, is cancelled, its worker is
@@ -110,8 +111,8 @@ class FlowGate:
             self.pump()
 
     def pump(self) -> None:
-        """Place held requests in the queue's order, each tenant's until the fleet refuses one (no await: one
-        view)."""
+        """Place held requests in the queue's order, each tenant's until the fleet refuses it (`Turns`; no await:
+        one view)."""
         q, now = self.q, time.monotonic()
         for h in q.expired(now):
             w: _Waiting = h.item  # type: ignore[assignment]
@@ -128,9 +129,10 @@ class FlowGate:
             d = self._place(w.req, msgspec.structs.replace(w.info, arrival=w.info.arrival + held,
                                                            waited_s=w.info.waited_s + held), turns)
             if d is not None and d.mode == REFUSED and d.hold_s is not None:
-                # the fleet is still full for it: back at its tenant's head, its tenant's turn over
+                # the fleet is still full for it: back in the queue (its place kept), its tenant's turn goes on
+                # with the requests behind it or is over (`Turns`)
                 q.hold(h.key, h.tenant, h.cost, h.deadline, now, w, again=True)
-                turns.refused(h)
+                turns.refused(h, now)
                 continue
             if d is not None and d.mode != REFUSED:
                 self.state.assigned(d)
