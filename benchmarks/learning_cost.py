@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import time
@@ -27,7 +28,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from hetmesh.costmodel.learn import REPORT_S, StepLog
+from hetmesh.costmodel.learn import REPORT_S, FitBudget, StepLog
 from hetmesh.placement import RequestInfo, WorkerView
 from hetmesh.placement.cost import CostPolicy
 from hetmesh.protocol import Heartbeat, Role, StepSample
@@ -70,8 +71,8 @@ def run(n: int, learn: bool, rate: float, requests: int, budget: bool = True, se
     views = fleet(n)
     pol = CostPolicy(models={MODEL: MODEL}, learn=learn, admission_margin=0.0)
     shell = Learning(pol, 1.0)
-    if not budget:
-        shell.budget.share, shell.budget.credit, shell.budget.burst_s = 0.0, float("inf"), float("inf")
+    if not budget:  # credit without end: every report fitted
+        shell.budget = FitBudget(share=0.0, floor=0.0, burst_s=math.inf)
     hbs = beats(views, reports(n, rng))
     prompts = rng.integers(128, 8192, requests)
     place_s = learn_s = 0.0

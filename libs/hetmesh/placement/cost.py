@@ -219,7 +219,8 @@ class CostPolicy:
         slow = 1.0 - self._decode_share(now, sl, req)
         tpot = pricing.tpot(d, slow, ld, self._life[sl], req.max_tokens, self._margin(req.model) > 0)
         return Priced(now=now, pre=pre, dec=dec, agg=agg, cached=p.cached, ctx=p.ctx, prefill=prefill,
-                      booked=booked, stolen=stolen, ttft=backlog + prefill + self._gap[sl], plain=d.plain, full_chunk=d.full_chunk,
+                      booked=booked, stolen=stolen, ttft=backlog + prefill + self._gap[sl], plain=d.plain,
+                      full_chunk=d.full_chunk,
                       tpot=tpot, prefill_delay=stolen * pricing.stalled(ld, self._queued_prefills(now)),
                       decode_delay=pricing.decode_delay(ld, d, slow, req.max_tokens), fits=pricing.kv_fits(ld, req))
 

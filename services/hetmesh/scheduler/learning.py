@@ -34,11 +34,11 @@ class Learning:
             return ""
         assert self.observe is not None and self.learner is not None
         b = self.budget
-        b.tick(time.process_time(), now)
+        c0 = time.process_time()
+        b.tick(c0, now)
         fit = b.ok or not self.learner.fitted(hb.worker_id)  # a worker's first fit is never put off
         if not fit:
             b.skipped += 1
-        c0 = time.process_time()
         self.observe(view, hb.steps, now * self.time_scale, hb.instance, fit)
         if fit:
             b.spend(time.process_time() - c0)

@@ -107,8 +107,9 @@ class Phases:
             if not first:
                 first = time.time()
                 self._observe_first(item, start, first, out.queued_s)
-                if busy or self.engine.stats().busy_s:  # an engine that counts its step time
-                    self._gap(first - start - (self.engine.stats().busy_s - busy))
+                busy_now = self.engine.stats().busy_s
+                if busy or busy_now:  # an engine that counts its step time
+                    self._gap(first - start - (busy_now - busy))
             if out.finished and item.phase == Phase.PREFILL:
                 break
             await self.out.send(req.reply_subject, self.out.chunk(rid, out, out.cached_tokens))
