@@ -9,6 +9,7 @@ nothing for `grace_s` after a request was sent to it does not hold that request 
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 
 
@@ -42,3 +43,75 @@ class IdleWatch:
                 if t is not None and last - max(first, t) >= self.grace_s:
                     out.append((rid, worker_id))
         return out
+
+
+class _Held:
+    __slots__ = ("reply_subject", "sent", "workers")
+
+    def __init__(self, reply_subject: str, workers: set[str], sent: float) -> None:
+        self.reply_subject = reply_subject
+        self.workers = workers
+        self.sent = sent
+
+
+class InFlight:
+    """The requests this scheduler placed that have not finished, by request and by worker: whom a lost
+    worker's WorkerLost goes to, and what `hetmesh status` counts in flight."""
+
+    def __init__(self, idle_grace_s: float) -> None:
+        self.requests: dict[str, _Held] = {}
+        self.by_worker: dict[str, set[str]] = defaultdict(set)
+        self.idle = IdleWatch(idle_grace_s)  # drops entries whose Finished was lost
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def record(self, rid: str, reply_subject: str, workers: set[str], now: float) -> None:
+        """A new attempt replaces the last one: its workers no longer hold the request (were one of them lost
+        or back as a new run, it must not send this attempt a WorkerLost)."""
+        self.forget(rid)
+        self.requests[rid] = _Held(reply_subject, workers, now)
+        for w in workers:
+            self.by_worker[w].add(rid)
+
+    def forget(self, rid: str) -> None:
+        held = self.requests.pop(rid, None)
+        if held is not None:
+            for w in held.workers:
+                self.by_worker.get(w, set()).discard(rid)
+
+    def lost(self, worker_id: str) -> list[tuple[str, str | None]]:
+        """Every request `worker_id` held leaves the books: (request, the reply subject to tell, or None where
+        the request is no longer in flight)."""
+        out: list[tuple[str, str | None]] = []
+        for rid in self.by_worker.pop(worker_id, set()):
+            held = self.requests.pop(rid, None)
+            if held is not None:
+                for w in held.workers:
+                    self.by_worker.get(w, set()).discard(rid)
+            out.append((rid, held.reply_subject if held is not None else None))
+        return out
+
+    def finished(self, worker_id: str, rid: str) -> bool | None:
+        """`worker_id` is done with `rid`: True when that was its last worker (the request is over), False when
+        another still holds it (P/D), None when it was not in flight here."""
+        held = self.requests.get(rid)
+        if held is None:
+            return None
+        held.workers.discard(worker_id)
+        self.by_worker.get(worker_id, set()).discard(rid)
+        if held.workers:
+            return False
+        del self.requests[rid]
+        return True
+
+    def reconcile(self) -> tuple[int, list[str]]:
+        """Forget what the workers' heartbeats say they no longer hold (their Finished lost on the bus):
+        (how many (request, worker) pairs went, the requests that left the books wholly)."""
+        stale = self.idle.stale(self.by_worker, lambda rid: h.sent if (h := self.requests.get(rid)) else None)
+        gone = []
+        for rid, worker_id in stale:
+            if self.finished(worker_id, rid):
+                gone.append(rid)
+            self.by_worker[worker_id].discard(rid)
+        return len(stale), gone

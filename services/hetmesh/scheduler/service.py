@@ -26,7 +26,6 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import defaultdict
 
 import msgspec
 from nats.aio.msg import Msg
@@ -62,7 +61,7 @@ from hetmesh.workqueue import WorkQueue, msg_id
 from .flowgate import FlowGate
 from .learning import Learning
 from .prefix_mirror import PrefixMirror
-from .reconcile import IdleWatch
+from .reconcile import InFlight
 from .reports import metric_rows, placement_attributes, status
 
 log = logging.getLogger("hetmesh.scheduler")
@@ -70,15 +69,6 @@ BOOKING_BATCH_S = 0.0  # its placements go out to the other schedulers this soon
 
 PREFIX_POLICIES = {"prefix_aware", "cost", "llm_d", "dynamo"}  # policies that read the prefix index
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, passed on untouched when not tracing
-
-
-class _InFlight:
-    __slots__ = ("reply_subject", "sent", "workers")
-
-    def __init__(self, reply_subject: str, workers: set[str]) -> None:
-        self.reply_subject = reply_subject
-        self.workers = workers
-        self.sent = time.monotonic()
 
 
 class Scheduler:
@@ -94,10 +84,8 @@ class Scheduler:
         self.learning = Learning(self.policy, cfg.mesh.time_scale)  # each worker's speed from its engine's steps
         self.uses_prefix = sc.policy in PREFIX_POLICIES
         self.block_size = {m.name: m.block_size for m in cfg.models}
-        self.inflight: dict[str, _InFlight] = {}
-        self.by_worker: dict[str, set[str]] = defaultdict(set)
+        self.inflight = InFlight(4 * cfg.mesh.heartbeat_timeout_s)  # what it placed, by request and by worker
         self.draining: set[str] = set()  # workers whose heartbeats say they are draining: placed on no more
-        self.idle = IdleWatch(4 * cfg.mesh.heartbeat_timeout_s)  # drops in-flight entries whose Finished was lost
         self.tracer = telemetry.setup("scheduler", instance)
         # Spans, context extraction and injection cost more than the rest of a placement; without an
         # exporter nobody sees them, so then the scheduler only passes the caller's trace headers on.
@@ -185,7 +173,7 @@ class Scheduler:
         elif self.draining:
             self.draining.discard(hb.worker_id)
         seen = self.state.observe(hb, time.monotonic())
-        self.idle.observe(hb.worker_id, hb.running + hb.queue_depth, time.monotonic())
+        self.inflight.idle.observe(hb.worker_id, hb.running + hb.queue_depth, time.monotonic())
         if seen == "restarted":  # back before its silence expired: the last run's requests are lost all the same
             await self.worker_lost(hb.worker_id, seen)
         if seen:
@@ -201,7 +189,7 @@ class Scheduler:
         # The workers reconnect too, each on its own backoff: one more heartbeat timeout from now before
         # silence counts again, rather than failing their streams for the bus's outage.
         self.state.touch_all(time.monotonic() + self.cfg.mesh.heartbeat_timeout_s)
-        self.idle.reset()
+        self.inflight.idle.reset()
 
     async def _expire_loop(self) -> None:
         period = max(self.cfg.mesh.heartbeat_interval_s / 2, 0.05)
@@ -224,37 +212,27 @@ class Scheduler:
 
     def _reconcile(self) -> None:
         """Forget what the workers' heartbeats say they no longer hold (their Finished lost on the bus)."""
-        stale = self.idle.stale(self.by_worker, lambda rid: fl.sent if (fl := self.inflight.get(rid)) else None)
-        for rid, worker_id in stale:
-            self.by_worker[worker_id].discard(rid)
-            fl = self.inflight.get(rid)
-            if fl is not None:
-                fl.workers.discard(worker_id)
-                if not fl.workers:
-                    del self.inflight[rid]
-                    if self.flow is not None:  # its cost leaves its tenant's share as a Finished would take it
-                        self.flow.done(rid)
+        stale, gone = self.inflight.reconcile()
+        if self.flow is not None:  # their cost leaves their tenants' shares as a Finished would take it
+            for rid in gone:
+                self.flow.done(rid)
         if stale:
-            log.info("in flight: %d request(s) no worker holds any more dropped (Finished lost)", len(stale))
+            log.info("in flight: %d request(s) no worker holds any more dropped (Finished lost)", stale)
 
     async def worker_lost(self, worker_id: str, why: str = "silent") -> None:
         """Every request `worker_id` held gets a WorkerLost (its gateway migrates or resubmits it). `why`:
         silent (heartbeats stopped), restarted (a new run of its process), wedged (heartbeats on, engine still:
         it stays in the view, placed on no more until it moves)."""
-        held = self.by_worker.pop(worker_id, set())
+        held = self.inflight.lost(worker_id)
         self.draining.discard(worker_id)
         log.warning("worker %s lost (%s); %d requests affected", worker_id, why, len(held))
         self.metrics.workers_lost.inc()
         await self._event("", "worker_lost", worker_id=worker_id, requests=len(held), why=why)
-        for rid in held:
-            fl = self.inflight.pop(rid, None)
+        for rid, reply_subject in held:
             if self.flow is not None:
                 self.flow.done(rid)
-            if fl is None:
-                continue
-            for w in fl.workers:
-                self.by_worker.get(w, set()).discard(rid)
-            await self.bus.publish(fl.reply_subject, WorkerLost(request_id=rid, worker_id=worker_id), rid)
+            if reply_subject is not None:
+                await self.bus.publish(reply_subject, WorkerLost(request_id=rid, worker_id=worker_id), rid)
         await self.prefix.drop_worker(worker_id)
 
     # --- placement ----------------------------------------------------------------------
@@ -385,7 +363,7 @@ class Scheduler:
             await self._dispatch(req, decision, placement, headers, booked)
         except Exception as exc:  # the work queue did not store it within publish_timeout_s (bus away, stream full)
             log.warning("request %s: work queue refused its WorkItem: %r", req.request_id, exc)
-            self._forget(req.request_id)
+            self.inflight.forget(req.request_id)
             if self.flow is not None:  # never dispatched: its cost leaves its tenant's share
                 self.flow.done(req.request_id)
             # A decode half may already be queued: no worker should run it for a client that got a 503.
@@ -420,13 +398,7 @@ class Scheduler:
             self.state.assigned(d)
         self.bookings.add(Booked(scheduler=self.instance, request_id=req.request_id, decode_worker=d.decode_worker,
                                  prefill_worker=d.prefill_worker, booking=d.booking))
-        # A new attempt replaces the last one: its workers no longer hold the request (were one of them lost or
-        # back as a new run, it must not send this attempt a WorkerLost)
-        self._forget(req.request_id)
-        workers = set(d.workers)
-        self.inflight[req.request_id] = _InFlight(req.reply_subject, workers)
-        for w in workers:
-            self.by_worker[w].add(req.request_id)
+        self.inflight.record(req.request_id, req.reply_subject, set(d.workers), time.monotonic())
         rid = req.request_id
         if d.prefill_worker is None:
             await self._send(d.decode_worker, WorkItem(request=req, phase=Phase.FULL, placement=placement), headers)
@@ -460,12 +432,6 @@ class Scheduler:
             await self._event(item.request.request_id, "duplicate_placement", worker_id=worker_id,
                               phase=item.phase.value, attempt=item.request.attempt)
 
-    def _forget(self, rid: str) -> None:
-        fl = self.inflight.pop(rid, None)
-        if fl is not None:
-            for w in fl.workers:
-                self.by_worker.get(w, set()).discard(rid)
-
     # --- bookkeeping --------------------------------------------------------------------
     async def on_booked(self, batch: BookedBatch, _m: Msg) -> None:
         """Other schedulers' placements: counted on their workers until those workers' next heartbeats (as its
@@ -488,17 +454,12 @@ class Scheduler:
     async def on_finished(self, batch: FinishedBatch, _m: Msg) -> None:
         for f in batch:
             self.state.finished(f.worker_id, f.ts)
-            fl = self.inflight.get(f.request_id)
-            if fl is None:
-                continue
-            fl.workers.discard(f.worker_id)
-            self.by_worker.get(f.worker_id, set()).discard(f.request_id)
-            if not fl.workers:
-                del self.inflight[f.request_id]
+            over = self.inflight.finished(f.worker_id, f.request_id)
+            if over:
                 met = self.demand.finished(f.request_id, time.monotonic(), f.completion_tokens, f.finish_reason)
                 if self.flow is not None:
                     self.flow.done(f.request_id, met)
-            elif f.finish_reason == "prefill_done":  # P/D: the decode side streams on from the first token
+            elif over is False and f.finish_reason == "prefill_done":  # P/D: the decode side streams on from the first token
                 self.demand.first_token(f.request_id, time.monotonic())
 
     async def _demand_loop(self) -> None:
@@ -519,7 +480,7 @@ class Scheduler:
             await asyncio.sleep(self.cfg.mesh.heartbeat_interval_s)
 
     async def on_cancel(self, c: Cancel, _m: Msg) -> None:
-        self._forget(c.request_id)
+        self.inflight.forget(c.request_id)
         if self.flow is not None:
             self.flow.done(c.request_id)
 

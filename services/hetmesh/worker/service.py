@@ -7,8 +7,9 @@ waits until its KV has landed, then continues the same completion.
 
 This module is the wiring: subscriptions, tasks, timers. The rules live in pure state
 (`requests.RequestBook`: intake, cancel, supersede, the KV wait; `kv`: landed KV, the prefix-cache
-mirror, transfer planning); serving an item is `phases`, shipping KV `transfer`, what goes out
-`outbox`, its Prometheus rows `scrape`, and the planner's role and model switches `switch`.
+mirror, transfer planning); serving an item is `phases`, shipping KV `transfer`, KV landing here and the
+prefix cache's events `kvbus`, what goes out `outbox`, its Prometheus rows `scrape`, and the planner's role
+and model switches `switch`.
 """
 
 from __future__ import annotations
@@ -36,10 +37,8 @@ from hetmesh.placement.state import progress
 from hetmesh.protocol import (
     Cancel,
     Heartbeat,
-    KvEvent,
     KvLanded,
     KvResync,
-    KvTransferRequest,
     Phase,
     Resume,
     Role,
@@ -53,6 +52,7 @@ from hetmesh.workqueue import RecentIds, WorkQueue, msg_id
 from . import intake, scrape
 from .gateways import GatewayWatch
 from .kv import CacheMirror, KvInbox
+from .kvbus import KvBus
 from .outbox import Outbox
 from .phases import Phases, Run
 from .replay import ReplayLog
@@ -62,7 +62,6 @@ from .transfer import KvShipper
 
 log = logging.getLogger("hetmesh.worker")
 
-KV_EVENT_PERIOD_S = 0.05  # coalescing window for KvEvent batches
 SUPERSEDE_WAIT_S = 5.0  # how long a newer attempt waits for the old one to let go of the request id
 
 
@@ -91,7 +90,6 @@ class Worker:
         self.http: metrics.MetricsServer | None = None
         self.book: RequestBook[Run] = RequestBook(self.group.model)
         self.inbox: KvInbox[kvstream.KvSink] = KvInbox(keep_bytes=self.engine.real_kv)
-        self.cache = CacheMirror()  # what the engine's prefix cache holds, mirrored from its KV events
         self.taken = RecentIds()  # ids (msg_id) of the WorkItems this worker took: a copy is dropped
         self.replay = ReplayLog()
         self.gateways = GatewayWatch(cfg.mesh.heartbeat_timeout_s)  # a dead gateway's requests are cancelled
@@ -112,6 +110,8 @@ class Worker:
     async def start(self) -> None:
         self.bus = await Bus.for_mesh(self.cfg.mesh, f"worker-{self.worker_id}")
         self.out = Outbox(self.bus, self.worker_id, self.replay)
+        self.kv = KvBus(self.bus, self.worker_id, self.book, self.inbox, self.out, lambda: self.engine,
+                        lambda: self.group.model)
 
         async def gap() -> None:  # the gateways' beats it missed meanwhile say nothing
             self.gateways.bus_gap(time.monotonic())
@@ -124,21 +124,21 @@ class Worker:
             await self.bus.subscribe(subjects.CANCEL, Cancel, self.on_cancel),
             await self.bus.subscribe(subjects.RESUME, Resume, self.on_resume),
             await nc.subscribe(subjects.GATEWAY_ALIVE_ALL, cb=self.on_gateway_alive),
-            await self.bus.subscribe(subjects.kv_landed(self.worker_id), KvLanded, self.on_kv_landed),
-            await self.bus.subscribe(subjects.KV_RESYNC, KvResync, self.on_kv_resync),
+            await self.bus.subscribe(subjects.kv_landed(self.worker_id), KvLanded, self.kv.on_kv_landed),
+            await self.bus.subscribe(subjects.KV_RESYNC, KvResync, self.kv.on_kv_resync),
             await self.bus.subscribe(subjects.worker_command(self.worker_id), WorkerCommand, self.switch.on_command),
-            await nc.subscribe(subjects.kv_recv(self.worker_id), cb=self.on_kv_recv,
+            await nc.subscribe(subjects.kv_recv(self.worker_id), cb=self.kv.on_kv_recv,
                                pending_msgs_limit=1_000_000, pending_bytes_limit=1 << 30),
         ]
         await self._open_kv_port()
         # The index must forget whatever an earlier incarnation of this worker held.
-        await self._publish_kv_events(force_cleared=True)
+        await self.kv.publish_events(force_cleared=True)
         # The stream may not exist yet (this worker started before any scheduler): make it, then the consumers.
         self.queue = WorkQueue(self.bus, self.cfg.work_queue)
         await self.queue.ensure()
         await self._take_work()
         await nc.flush()
-        self._loops = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._kv_event_loop())]
+        self._loops = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self.kv.event_loop())]
         await self.heartbeat()
         self.http = metrics.serve_from_env(self.metrics.registry, self._ready)
         log.info("worker %s up: %s x%d, role %s, engine %s, subject %s", self.worker_id, self.group.accelerator,
@@ -163,7 +163,7 @@ class Worker:
             await self.kv_port.close()
         await self.release_engine()
         with contextlib.suppress(Exception):
-            await self._publish_kv_events()
+            await self.kv.publish_events()
         await self.out.close()
         await self.bus.close()
 
@@ -207,8 +207,8 @@ class Worker:
     async def _open_kv_port(self) -> None:
         kvc = self.cfg.kv_transfer
         if kvc.data_plane == "direct" and self.role != Role.PREFILL and self.kv_port is None:
-            self.kv_port = kvstream.Receiver(self.worker_id, self._open_sink, self._stream_landed,
-                                             self._stream_failed, kvc.stream_idle_timeout_s,
+            self.kv_port = kvstream.Receiver(self.worker_id, self.kv.open_sink, self.kv.stream_landed,
+                                             self.kv.stream_failed, kvc.stream_idle_timeout_s,
                                              secret=kvc.secret.encode())
             await self.kv_port.start(kvc.listen_host, kvc.listen_port, kvc.advertise_host)
 
@@ -248,11 +248,11 @@ class Worker:
         the engine. Its prefix cache starts empty, so the index forgets what the old one held."""
         self.group, self.model, self.cost, self.engine = group, self.cfg.model(group.model), cost, engine
         self.book.model = group.model
-        self.cache = CacheMirror()
+        self.kv.cache = CacheMirror()
         sent = self.shipper.bytes_sent
         self._wire_engine()
         self.shipper.bytes_sent = sent  # a counter: it goes on across engines
-        await self._publish_kv_events(force_cleared=True)
+        await self.kv.publish_events(force_cleared=True)
 
     def _wire_engine(self) -> None:
         """The parts that call the engine; made again when a ModelSwitch replaced it (adopt_engine)."""
@@ -414,35 +414,6 @@ class Worker:
     async def on_resume(self, r: Resume, _m: Msg) -> None:
         await self.out.resend(r)
 
-    # ------------------------------------------------------------------ KV arriving for decodes
-    async def on_kv_landed(self, landed: KvLanded, _m: Msg) -> None:
-        self._landed(landed)
-
-    def _landed(self, landed: KvLanded) -> None:
-        r = self.book.landed(landed, time.time())
-        if r is not None and r.handle.kv is not None and not r.handle.kv.done():
-            r.handle.kv.set_result(landed)
-
-    async def on_kv_recv(self, m: Msg) -> None:
-        """A relayed chunk (kv-transfer publishes one transfer's chunks in order)."""
-        h = m.headers or {}
-        self.inbox.chunk(h.get("Kv-Transfer", ""), m.data, int(h.get("Kv-Seq", "-1")), time.time())
-
-    def _open_sink(self, header: KvTransferRequest) -> kvstream.KvSink:
-        if self.book.was_cancelled(header.request_id):
-            raise ValueError("request cancelled")
-        return self.engine.kv_sink(header.request_id, header.nbytes)
-
-    async def _stream_landed(self, header: KvTransferRequest, sink: kvstream.KvSink, seconds: float) -> None:
-        if self.book.was_cancelled(header.request_id):  # cancelled while it streamed in
-            sink.discard()
-            return
-        self.inbox.streamed(header.transfer_id, header.nbytes, sink, time.time())
-        self._landed(KvLanded.of(header, nbytes=header.nbytes, chunks=1, duration_s=seconds, direct=True))
-
-    async def _stream_failed(self, header: KvTransferRequest, why: str) -> None:
-        self._landed(KvLanded.of(header, ok=False, error=why))
-
     # ------------------------------------------------------------------ heartbeats and KV events
     async def heartbeat(self) -> EngineStats:
         """Publish this worker's heartbeat; the engine stats it was made from."""
@@ -500,30 +471,6 @@ class Worker:
         for sink in self.inbox.sweep(now):  # streamed in for a decode that never came
             sink.discard()
         self.book.sweep(now)
-
-    async def _publish_kv_events(self, force_cleared: bool = False) -> None:
-        b = self.engine.kv_events()
-        self.cache.apply(b.stored, b.removed, b.cleared)
-        if b or force_cleared:
-            await self.bus.publish(subjects.kv_events(self.worker_id), KvEvent(
-                worker_id=self.worker_id, model=self.group.model, stored=b.stored, removed=b.removed,
-                cleared=b.cleared or force_cleared, ts=time.time()))
-
-    async def on_kv_resync(self, r: KvResync, _m: Msg) -> None:
-        """The prefix index was lost (e.g. Redis restarted): publish everything the cache holds."""
-        await self._publish_kv_events()  # bring the mirror up to date first
-        for i, part in enumerate(self.cache.batches()):
-            await self.bus.publish(subjects.kv_events(self.worker_id), KvEvent(
-                worker_id=self.worker_id, model=self.group.model, stored=part, cleared=i == 0, ts=time.time()))
-        self.out.event("", "kv_resynced", blocks=len(self.cache.held), reason=r.reason)
-
-    async def _kv_event_loop(self) -> None:
-        while True:
-            await asyncio.sleep(KV_EVENT_PERIOD_S)
-            try:
-                await self._publish_kv_events()
-            except Exception:
-                log.exception("publishing KV events failed")
 
 
 def main(default_role: Role | None = None) -> None:
