@@ -79,6 +79,9 @@ class GatewayMetrics:
                 self.tpot.labels(model).observe((duration_s - ttft_s) / (completion_tokens - 1))
 
 
+BAD_INPUT = ("stale_heartbeat", "unknown_scheduler", "unknown_worker", "duplicate_placement")
+
+
 class SchedulerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry or CollectorRegistry()
@@ -98,6 +101,14 @@ class SchedulerMetrics:
         self.workers_lost = Counter("hetmesh_scheduler_workers_lost",
                                     "Workers counted lost: heartbeats stopped, process restarted, or engine wedged",
                                     registry=r)
+        # What the scheduler heard on the bus and set aside, by kind: stale_heartbeat (older than one already
+        # folded in, or from a run since replaced), unknown_scheduler (a booking from a scheduler not heard
+        # beating: not booked), unknown_worker (a booking of a worker not in the view: not booked),
+        # duplicate_placement (a WorkItem the work queue already held under its dedup id: stored and served once)
+        self.bad_input = Counter("hetmesh_scheduler_bad_input", "Messages heard on the bus and set aside, by kind",
+                                 ["kind"], registry=r)
+        for kind in BAD_INPUT:
+            self.bad_input.labels(kind)  # exported at 0 from the start
 
 
 class WorkerMetrics:

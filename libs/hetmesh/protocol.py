@@ -321,6 +321,9 @@ class Heartbeat(Struct, kw_only=True):
     # This run of the worker process (new at every start): a worker back under the same id faster than the
     # heartbeat timeout holds none of what its last run held, and only this tells the scheduler so.
     instance: str = ""
+    # This run's heartbeats numbered from 1: a heartbeat that arrives after a later one of the same run (delayed
+    # on the bus, e.g. a partitioned worker's flushed late) is stale and dropped. 0: not numbered (older workers).
+    seq: int = 0
     # A bounded sample of its engine's steps since the last heartbeat (totals and engine seconds, an array each):
     # what the scheduler learns this worker's speed from (hetmesh.costmodel.learn)
     steps: list[StepSample] = field(default_factory=list)

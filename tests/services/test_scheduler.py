@@ -137,7 +137,8 @@ async def test_places_publishes_work_and_follows_prefix(bus: Bus) -> None:
 
 async def test_placements_are_shared_with_the_other_schedulers(bus: Bus) -> None:
     """Each placement goes out on hetmesh.sched.booked; another scheduler's bookings count on their worker in this
-    one's view until the worker's next heartbeat; its own echoes and bookings of workers it does not know do not."""
+    one's view until the worker's next heartbeat; its own echoes, bookings of workers it does not know and
+    bookings from a scheduler never heard beating do not."""
     heard: asyncio.Queue[Booked] = asyncio.Queue()
 
     async def on_booked(batch: BookedBatch, _m: object) -> None:
@@ -162,12 +163,29 @@ async def test_placements_are_shared_with_the_other_schedulers(bus: Bus) -> None
     await asyncio.sleep(0.05)
     me, before = await queued("a-0")
     assert b.scheduler == me
+    await bus.nc.publish(subjects.sched_alive("sched-other"), b"0")
     await bus.publish(subjects.SCHED_BOOKED, [Booked(scheduler="sched-other", request_id=f"o{i}", decode_worker="a-0")
                                               for i in range(3)]
                       + [Booked(scheduler=me, request_id="echo", decode_worker="a-0"),
-                         Booked(scheduler="sched-other", request_id="g", decode_worker="ghost")])
+                         Booked(scheduler="sched-other", request_id="g", decode_worker="ghost"),
+                         Booked(scheduler="sched-stranger", request_id="s", decode_worker="a-0")])
     await asyncio.sleep(0.15)
     assert (await queued("a-0"))[1] == before + 3
+
+
+async def test_a_stale_heartbeat_does_not_replace_a_newer_one(bus: Bus) -> None:
+    """Heartbeats of one run heard out of order (a partitioned worker's, delayed): the older one is dropped."""
+    async def running(wid: str) -> int | None:
+        st = await bus.request(subjects.SCHED_STATUS, b"", SchedulerStatus, timeout_s=2)
+        return next((d.running for d in st.details if d.worker_id == wid), None)
+
+    newer = msgspec.structs.replace(beat("late-0", running=3), model="other", instance="run", seq=10)  # not placed on
+    await bus.publish(subjects.heartbeat("late-0"), newer)
+    await asyncio.sleep(0.1)
+    assert await running("late-0") == 3
+    await bus.publish(subjects.heartbeat("late-0"), msgspec.structs.replace(newer, running=0, seq=9))
+    await asyncio.sleep(0.1)
+    assert await running("late-0") == 3
 
 
 async def test_lost_worker_notifies_the_reply_subject(bus: Bus) -> None:

@@ -98,6 +98,21 @@ class _Counters(Protocol):
     aborted: int
 
 
+RETIRED_KEPT = 8  # per worker, the runs of its process (Heartbeat.instance) replaced by a newer one, remembered
+
+
+class _Past(Struct):
+    """What a worker's earlier heartbeats said, to tell a late one from a new one."""
+
+    retired: list[str] = field(default_factory=list)  # its runs since replaced by a newer one, newest last
+    lost: tuple[str, int] | None = None  # counted lost (silent): the (instance, seq) of its last heartbeat
+
+
+def stale(last: tuple[str, int], hb: Heartbeat) -> bool:
+    """`hb` was sent before the heartbeat `last` ((instance, seq)) of the same run: both numbered."""
+    return bool(hb.instance) and hb.instance == last[0] and 0 < hb.seq <= last[1]
+
+
 def progress(c: _Counters) -> tuple[int, int, int, int]:
     """What an engine that works moves every step (a heartbeat's or the engine's own stats): tokens out, prompt
     tokens in (computed or cached), aborts. Busy and unchanged for long: wedged."""
@@ -117,19 +132,35 @@ class ClusterState:
         self._views: list[WorkerView] | None = None
         self._at: dict[str, int] = {}  # worker -> its index in _views
         self._dirty: set[str] = set()
+        self._past: dict[str, _Past] = {}
 
     def observe(self, hb: Heartbeat, now: float) -> str:
-        """Fold a heartbeat in: "joined" for a worker not known, "restarted" for a known one whose heartbeat
-        names another run of its process (`Heartbeat.instance`: it came back faster than the heartbeat
-        timeout and holds nothing the last run held), else ""."""
+        """Fold a heartbeat in: "joined" for a worker not known, "rejoined" for one counted lost that is back
+        with the same run of its process (a partition healed: what it held was failed over meanwhile),
+        "restarted" for a known one whose heartbeat names another run of its process (`Heartbeat.instance`: it
+        came back faster than the heartbeat timeout and holds nothing the last run held), else "".
+        "stale": a heartbeat older than one already folded in (`Heartbeat.seq`), or from a run since replaced
+        by a newer one; it is dropped, changing nothing (folded in, it would put the newer view back by a
+        beat, or fail over the new run's requests as if it had restarted)."""
         old = self._workers.get(hb.worker_id)
+        past = self._past.get(hb.worker_id)
+        if past is not None and (hb.instance in past.retired or (past.lost is not None and stale(past.lost, hb))):
+            return "stale"
+        if old is not None and stale((old.hb.instance, old.hb.seq), hb):
+            return "stale"
         e = self._workers[hb.worker_id] = _Entry(hb, now, progress_at=now)
         if old is None:
             self._views = None
-            return "joined"
+            back = past is not None and past.lost is not None and past.lost[0] == hb.instance != ""
+            if past is not None:
+                past.lost = None
+            return "rejoined" if back else "joined"
         self._changed(hb.worker_id)
         if old.hb.instance and hb.instance and old.hb.instance != hb.instance:
             seen = "restarted"
+            retired = self._past.setdefault(hb.worker_id, _Past()).retired
+            retired.append(old.hb.instance)
+            del retired[:-RETIRED_KEPT]
         else:
             seen = ""
             if hb.running > 0 and progress(hb) == progress(old.hb):  # busy and still: the clock runs on
@@ -185,8 +216,12 @@ class ClusterState:
             e.progress_at = max(e.progress_at, seen)
 
     def expire(self, now: float) -> list[str]:
+        """The workers silent past the heartbeat timeout, removed; each one's last heartbeat is remembered, so
+        that one sent before it and arriving late does not bring the worker back."""
         dead = [w for w, e in self._workers.items() if now - e.seen > self.timeout_s]
         for w in dead:
+            hb = self._workers[w].hb
+            self._past.setdefault(w, _Past()).lost = (hb.instance, hb.seq)
             self.remove(w)
         return dead
 

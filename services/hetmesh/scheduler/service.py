@@ -14,9 +14,9 @@ predicted excess wait). Redis is optional at run time: while it is unreachable p
 load alone, and when it is back (or restarted empty) the scheduler asks every worker to
 republish its whole prefix cache (`hetmesh.kv.resync`), which rebuilds the index.
 
-This module is the service itself (the cluster view, placement and dispatch, bookkeeping); beside it
-lie prefix_mirror (the Redis prefix index, optional at run time) and reports (metrics rows, the status
-answer and the placement span's attributes).
+This module is the service itself (the cluster view, placement and dispatch); beside it lie reconcile (its
+in-flight books), bookings (which of the other schedulers' placements count here), prefix_mirror (the Redis
+prefix index, optional at run time) and reports (metrics rows, the status answer, the placement span).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ from hetmesh.protocol import (
 from hetmesh.runtime import run_service
 from hetmesh.workqueue import WorkQueue, msg_id
 
+from .bookings import Peers, sift
 from .flowgate import FlowGate
 from .learning import Learning
 from .prefix_mirror import PrefixMirror
@@ -101,9 +102,7 @@ class Scheduler:
         self.prefix: PrefixMirror
         self.placed = 0
         self.refused = 0
-        self.duplicates = 0  # WorkItems the stream already held (its dedup id): placed once, served once
-        self.heard_bookings = 0  # other schedulers' placements counted here (hetmesh.sched.booked)
-        self.unknown_bookings = 0  # of them naming a worker not in this view: ignored
+        self.peers = Peers(cfg.mesh.heartbeat_timeout_s)  # the schedulers heard beating: whose bookings count
         self.reconnects = 0
         # what the planner plans from (hetmesh.sched.demand), SLOs judged in engine time
         self.demand = DemandWindow(cfg.planner.window_s, {m.name: cfg.slo(m.name) for m in cfg.models},
@@ -120,6 +119,7 @@ class Scheduler:
         self.queue = WorkQueue(self.bus, self.cfg.work_queue)
         await self.queue.ensure()  # before taking requests: their WorkItems need the stream
         await self.prefix.probe()
+        await self.bus.nc.subscribe(subjects.SCHED_ALIVE_ALL, cb=self.peers.on_alive)
         await self.bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
         await self.bus.subscribe(subjects.KV_EVENTS_ALL, KvEvent, self.prefix.on_kv_event)
         await self.bus.subscribe(subjects.FINISHED, FinishedBatch, self.on_finished)
@@ -168,17 +168,20 @@ class Scheduler:
 
     # --- cluster view -------------------------------------------------------------------
     async def on_heartbeat(self, hb: Heartbeat, _m: Msg) -> None:
+        seen = self.state.observe(hb, time.monotonic())
+        if seen == "stale":  # sent before one already heard (delayed on the bus): it says nothing new
+            self.metrics.bad_input.labels("stale_heartbeat").inc()
+            return
         if hb.draining:
             self.draining.add(hb.worker_id)
         elif self.draining:
             self.draining.discard(hb.worker_id)
-        seen = self.state.observe(hb, time.monotonic())
         self.inflight.idle.observe(hb.worker_id, hb.running + hb.queue_depth, time.monotonic())
         if seen == "restarted":  # back before its silence expired: the last run's requests are lost all the same
             await self.worker_lost(hb.worker_id, seen)
         if seen:
             log.info("worker %s %s (%s x%d, %s)", hb.worker_id, seen, hb.accelerator, hb.devices, hb.role)
-            await self._event("", "worker_joined", worker_id=hb.worker_id, accelerator=hb.accelerator)
+            await self._event("", "worker_joined", worker_id=hb.worker_id, accelerator=hb.accelerator, how=seen)
         if hb.steps and (alarm := self.learning.heartbeat(hb, self.state.view(hb.worker_id), time.monotonic())):
             ratio = self.learning.status(hb.worker_id).get("vs_peers", 1.0)
             log.warning("worker %s %s: its steps take %.2fx its peers'", hb.worker_id, alarm, ratio)
@@ -428,7 +431,7 @@ class Scheduler:
             headers = headers_for(item.request.request_id) or {}
         ack = await self.queue.publish(hb.work_subject, encode(item), headers, msg_id(item))
         if ack.duplicate:  # stored already: a re-publish after a bus gap, or another scheduler placed this attempt
-            self.duplicates += 1
+            self.metrics.bad_input.labels("duplicate_placement").inc()
             await self._event(item.request.request_id, "duplicate_placement", worker_id=worker_id,
                               phase=item.phase.value, attempt=item.request.attempt)
 
@@ -436,20 +439,19 @@ class Scheduler:
     async def on_booked(self, batch: BookedBatch, _m: Msg) -> None:
         """Other schedulers' placements: counted on their workers until those workers' next heartbeats (as its
         own are), and booked in the policy's own bookkeeping (the cost policy's prefill backlog). Without them
-        each replica would price the fleet as if its placements were the only ones."""
+        each replica would price the fleet as if its placements were the only ones. Bookings from schedulers
+        not heard beating, or of workers not in the view, are set aside and counted (bookings.py)."""
+        now = time.monotonic()
+        got = sift(batch, self.instance, lambda s: self.peers.known(s, now), self.state.__contains__)
         book = getattr(self.policy, "booked", None)
-        for b in batch:
-            if b.scheduler == self.instance:
-                continue
-            d = Decision(mode="aggregated" if b.prefill_worker is None else "disaggregated",
-                         decode_worker=b.decode_worker, prefill_worker=b.prefill_worker, booking=b.booking)
-            if not all(w in self.state for w in d.workers):
-                self.unknown_bookings += 1  # a worker this view has lost (or not heard yet): nothing to count
-                continue
-            self.heard_bookings += 1
+        for d in got.booked:
             self.state.assigned(d)
             if book is not None:
                 book(d)
+        if got.unknown_scheduler:
+            self.metrics.bad_input.labels("unknown_scheduler").inc(got.unknown_scheduler)
+        if got.unknown_worker:
+            self.metrics.bad_input.labels("unknown_worker").inc(got.unknown_worker)
 
     async def on_finished(self, batch: FinishedBatch, _m: Msg) -> None:
         for f in batch:

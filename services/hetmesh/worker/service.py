@@ -94,6 +94,7 @@ class Worker:
         self.replay = ReplayLog()
         self.gateways = GatewayWatch(cfg.mesh.heartbeat_timeout_s)  # a dead gateway's requests are cancelled
         self._steps_sent = 0.0  # when the engine's steps last rode a heartbeat (monotonic)
+        self._beats = 0  # heartbeats sent by this run (Heartbeat.seq)
         self.kv_port: kvstream.Receiver | None = None  # decode-capable workers under the direct data plane
         # Made in start(), once the bus is up.
         self.bus: Bus
@@ -423,6 +424,7 @@ class Worker:
         if (now := time.monotonic()) - self._steps_sent >= learn.REPORT_S:
             steps, self._steps_sent = self.engine.step_log(), now
             gaps, self.phases.gaps = self.phases.gaps, []
+        self._beats += 1
         await self.bus.publish(subjects.heartbeat(self.worker_id), Heartbeat(
             worker_id=self.worker_id, model=g.model, accelerator=g.accelerator, vendor=g.vendor, devices=g.devices,
             role=self.role, engine=self.engine.name, work_subject=self.work_subject,
@@ -434,7 +436,7 @@ class Worker:
             step_tokens=g.step_tokens, draining=self.book.draining,
             moving_to=self.switch.moving_to.value if self.switch.moving_to is not None else "",
             moving_model=self.switch.moving_model, ready_in_s=self.switch.ready_in_s(), instance=self.instance,
-            steps=steps, first_token_gaps=gaps))
+            seq=self._beats, steps=steps, first_token_gaps=gaps))
         return s
 
     async def _heartbeat_loop(self) -> None:

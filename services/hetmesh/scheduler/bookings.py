@@ -1,0 +1,65 @@
+"""Other schedulers' placements heard on `hetmesh.sched.booked`, sifted before they count in this one's view.
+
+A booking counts only when it comes from a scheduler heard beating (`hetmesh.sched.alive.<instance>`)
+within the heartbeat timeout and names workers in this view. A booking from any other instance (a scheduler
+of another mesh on the same bus, one left over from a partition, a malformed sender) is set aside: counting
+it would price the fleet as busier than it is until the workers' next heartbeats, and those heartbeats count
+whatever the placement really put on the workers anyway. Nothing is lost by setting one aside: a booking
+only estimates load between heartbeats; the work itself travels on the work queue.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from nats.aio.msg import Msg
+
+from hetmesh.placement import Decision
+from hetmesh.protocol import Booked
+
+
+class Peers:
+    """The scheduler instances heard beating, and when last."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._heard: dict[str, float] = {}
+
+    def heard(self, instance: str, now: float) -> None:
+        self._heard[instance] = now
+
+    async def on_alive(self, m: Msg) -> None:  # hetmesh.sched.alive.<instance>
+        self.heard(m.subject.rsplit(".", 1)[-1], time.monotonic())
+
+    def known(self, instance: str, now: float) -> bool:
+        t = self._heard.get(instance)
+        return t is not None and now - t <= self.timeout_s
+
+
+@dataclass
+class Sifted:
+    booked: list[Decision] = field(default_factory=list)  # to count on their workers and book in the policy
+    unknown_scheduler: int = 0  # from a scheduler not heard beating
+    unknown_worker: int = 0  # naming a worker this view has lost (or not heard yet)
+
+
+def sift(batch: Iterable[Booked], me: str, known_scheduler: Callable[[str], bool],
+         known_worker: Callable[[str], bool]) -> Sifted:
+    """What of `batch` counts here: not this scheduler's own echoes (`me`), nor bookings from schedulers or of
+    workers it does not know."""
+    out = Sifted()
+    for b in batch:
+        if b.scheduler == me:
+            continue
+        if not known_scheduler(b.scheduler):
+            out.unknown_scheduler += 1
+            continue
+        d = Decision(mode="aggregated" if b.prefill_worker is None else "disaggregated",
+                     decode_worker=b.decode_worker, prefill_worker=b.prefill_worker, booking=b.booking)
+        if not all(known_worker(w) for w in d.workers):
+            out.unknown_worker += 1
+            continue
+        out.booked.append(d)
+    return out
