@@ -1,5 +1,6 @@
 """The cost policy's step prices kept per worker between requests (pricing.StepPricer) are the very floats
-`step_seconds_many` gives for the same steps, whichever workers moved since (Fleet.take_moved)."""
+`step_seconds_many` gives for the same steps, and its kept `Load` the numbers `pricing.load` works out whole,
+whichever workers moved since (Fleet.take_moved)."""
 
 from __future__ import annotations
 
@@ -37,9 +38,16 @@ def _reference(f: object, ld: pricing.Load, p: pricing.Prompt) -> dict[str, np.n
     def dec(batch: np.ndarray) -> np.ndarray:
         return step_seconds_many(f.coef, z, z, z, z, batch, batch * p.ctx)  # type: ignore[attr-defined]
 
+    n, cached = p.first, p.cached
+    pairs = n * cached + n * (n + 1) // 2
+    copies = chunk / np.maximum(n, 1.0)
     return {"decode": dec(ld.seated), "decode_fewer": dec(ld.seated - 1), "decode_alone": dec(ld.running),
             "with_chunk": step_seconds_many(f.coef, chunk, z + 1.0, chunk * (chunk + 1) // 2, z,  # type: ignore[attr-defined]
-                                            ld.running, ld.running * p.ctx)}
+                                            ld.running, ld.running * p.ctx),
+            "first_chunk": step_seconds_many(f.coef, n, z + 1.0, pairs, cached,  # type: ignore[attr-defined]
+                                             ld.running, ld.running * p.ctx),
+            "packed": step_seconds_many(f.coef, n * copies, copies, pairs * copies,  # type: ignore[attr-defined]
+                                        cached * copies, ld.running, ld.running * p.ctx) / copies}
 
 
 @pytest.mark.parametrize("model", ["llama-3.1-70b", "deepseek-r1"])  # dense, and with experts
@@ -55,7 +63,10 @@ def test_kept_steps_are_the_floats_of_pricing_them_whole(model: str) -> None:
         f.sync(list(views))
         req = RequestInfo(request_id=f"r{rnd}", model="m", prompt_len=rng.randint(10, 9000),
                           max_tokens=rng.randint(1, 500), cached_blocks={"w1": rng.randint(0, 40)}, block_size=16)
-        ld = pricing.load(f)
+        ld = sp.load(f)
+        fresh = pricing.load(f)
+        for name in pricing.Load.__struct_fields__:  # the kept load: the numbers worked out whole
+            assert np.array_equal(getattr(ld, name), getattr(fresh, name)), (rnd, name)
         p = pricing.prompt(req, f, ld)
         got = sp(f, ld, p)
         for name, want in _reference(f, ld, p).items():
@@ -76,3 +87,21 @@ def test_a_fleet_says_which_rows_moved() -> None:
     assert f.take_moved() == {2, 4}
     f.sync([*views, _views(rng, 7)[6]])  # a worker joins: every row
     assert f.take_moved() is None
+
+
+@pytest.mark.parametrize("flags", [0, 1, 3])
+def test_first_k_is_the_head_of_lexsort(flags: int) -> None:
+    """The options' order: pricing.first_k gives np.lexsort's first k, ties (many, and NaN) in index order."""
+    rng = np.random.default_rng(flags)
+    for rnd in range(300):
+        n = int(rng.integers(1, 400))
+        value = rng.integers(0, int(rng.choice((3, 50, 10_000))), n).astype(float)  # few distinct values: ties
+        if rnd % 5 == 0:
+            value[rng.random(n) < 0.3] = np.nan
+        if rnd % 7 == 0:
+            value[rng.random(n) < 0.3] = np.inf
+        share = float(rng.choice((0.0, 0.1, 0.9, 1.0)))
+        keys = tuple(rng.random(n) < share for _ in range(flags))
+        for k in (1, 4, 16):
+            want = np.lexsort((value, *keys))[:k]
+            assert np.array_equal(pricing.first_k(value, keys, k), want), (rnd, k)

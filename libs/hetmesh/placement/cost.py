@@ -31,7 +31,7 @@ from hetmesh.placement import pricing
 from hetmesh.placement.admission import DEFAULT_HOLD_S, DEFAULT_MARGIN, admit, over_slo, quiet_s, refusal
 from hetmesh.placement.fleet import Fleet
 from hetmesh.placement.guard import DecodeGuard
-from hetmesh.placement.pricing import Priced
+from hetmesh.placement.pricing import Priced, first_k
 from hetmesh.placement.state import Decision, RequestInfo, WorkerView
 from hetmesh.protocol import Booking
 
@@ -206,7 +206,7 @@ class CostPolicy:
         if self._t0 < 0:
             self._t0 = now
         sl = f.slot_index  # the workers' bookkeeping slots (a view when it can be)
-        ld = pricing.load(f)
+        ld = self._steps.load(f)
         p = pricing.prompt(req, f, ld)
         steps = self._steps(f, ld, p)
         prefill, packed = pricing.prefill_time(f, ld, p, steps)
@@ -266,9 +266,9 @@ class CostPolicy:
         pre, dec, agg_i, ttft, tpot = pr.pre, pr.dec, pr.agg, pr.ttft, pr.tpot
         # With admission on, the output tokens of the decodes placed on each worker that a prefill there would
         # push past their TPOT SLO (DecodeGuard); with it off the policy keeps no SLO but its own preference
-        # and places by cost.
+        # and places by cost (None: no decode is guarded, nothing harmed).
         harm_w = (self._guard.harmed(f.slots, np.maximum(self._busy_until[f.slot_index], pr.now), pr.stolen)
-                  if margin > 0 and self._guard.last_end > pr.now else np.zeros(len(f.ids)))
+                  if margin > 0 and self._guard.last_end > pr.now else None)
         # Options: every `both` worker alone, then the top_k prefill x top_k decode pairs.
         ip = id_ = agg_i
         xfer = np.zeros(len(agg_i))
@@ -276,35 +276,43 @@ class CostPolicy:
             rows = f.row_list
             kv_bytes = req.prompt_len * self._cm_list[rows[pre[0]]].kv_bytes_per_token()
             # the fastest prefills among those within the TTFT SLO, then harming no guarded decode (as below)
-            best_p = pre[np.lexsort((ttft[pre], harm_w[pre] > 0, ttft[pre] > ttft_slo))[: self.top_k]].tolist()
-            best_d = dec[tpot[dec].argsort(kind="stable")[: self.top_k]].tolist()
+            t_pre = ttft[pre]
+            late = t_pre > ttft_slo
+            best_p = pre[first_k(t_pre, (late,) if harm_w is None else (harm_w[pre] > 0, late), self.top_k)].tolist()
+            best_d = dec[first_k(tpot[dec], (), self.top_k)].tolist()
             pairs = [(p, d) for p in best_p for d in best_d if p != d]
             if pairs:
-                link = self._link
+                link, moves = self._link, {}  # the KV transfer between two servers' rows
+                for p, d in pairs:
+                    if (key := (rows[p], rows[d])) not in moves:
+                        moves[key] = transfer_time(kv_bytes, link(*key))
                 pp, dd = zip(*pairs, strict=True)
                 ip, id_ = np.concatenate([agg_i, pp]), np.concatenate([agg_i, dd])
-                xfer = np.concatenate([xfer, [transfer_time(kv_bytes, link(rows[p], rows[d])) for p, d in pairs]])
+                xfer = np.concatenate([xfer, [moves[rows[p], rows[d]] for p, d in pairs]])
         if not len(ip):
             return None
         o_ttft = ttft[ip]
         o_tpot = tpot[id_]
         o_e2e = o_ttft + xfer + (n_out - 1) * o_tpot
         miss = ~pr.fits[id_]
-        harm = harm_w[ip]
+        harm = None if harm_w is None else harm_w[ip]
+        spared = () if harm is None else (harm > 0,)  # sparing the guarded decodes (nothing to spare: no key)
         over = np.maximum((o_ttft + req.waited_s) / ttft_slo, o_tpot / tpot_slo if n_out > 1 else 0.0) / req.slo_share
         if margin > 0:  # before anything is committed: a refused request leaves no bookkeeping behind
             # the best placement that does not cost guarded decodes as many tokens as it may bring, else the
             # best that fits, else the best
-            out = next((m for m in (miss | (harm >= n_out), miss) if not m.all()), np.zeros_like(miss))
+            out = next((m for m in ((miss,) if harm is None else (miss | (harm >= n_out), miss)) if not m.all()),
+                       np.zeros_like(miss))
             j = int(np.argmin(np.where(out, np.inf, over)))
             if over[j] > margin and (no := self._refusal(req, pr, ip, int(ip[j]), float(over[j]), float(o_ttft[j]),
                                                          float(o_tpot[j]) if n_out > 1 else 0.0, margin)):
                 return no
         if self.objective == "latency":
-            order = np.lexsort((o_e2e, o_ttft, harm > 0, np.maximum(over, 1.0), miss))
+            order = np.lexsort((o_e2e, o_ttft, *spared, np.maximum(over, 1.0), miss))
         else:  # the cluster-seconds this request costs: its own time plus the delay it puts on others
             # within its SLOs first, then sparing the guarded decodes, then the cheapest
-            order = np.lexsort((o_e2e + pr.prefill_delay[ip] + pr.decode_delay[id_], harm > 0, over > 1.0, miss))
+            order = first_k(o_e2e + pr.prefill_delay[ip] + pr.decode_delay[id_], (*spared, over > 1.0, miss),
+                            MAX_CANDIDATES)
         k = int(order[0])
         p, d = int(ip[k]), int(id_[k])
         booking = Booking(prefill_s=float(pr.booked[p]), stolen_s=float(pr.stolen[p]),

@@ -49,12 +49,13 @@ class Fleet:
         self.row_list: list[int] = []
         self.slot_index: slice | np.ndarray = slice(0, 0)
         self.experts = False  # a worker's model has experts (pricing leaves their term out otherwise)
+        self.packing = False  # a worker is data-parallel (pricing prices a prompt's packed share)
         self._moved: set[int] | None = None  # rows whose numbers moved since `take_moved` (None: every row)
 
     def sync(self, workers: Sequence[WorkerView]) -> None:
         old = self.views
         if len(workers) == len(old):
-            changed = list(compress(range(len(old)), map(is_not, workers, old)))  # C speed: most are the same
+            changed = _changed(workers if isinstance(workers, list) else list(workers), old)
             if not changed:
                 return
             ids = self.ids
@@ -119,6 +120,7 @@ class Fleet:
         n = len(self.slots)
         self.slot_index = slice(0, n) if np.array_equal(self.slots, np.arange(n)) else self.slots
         self.experts = has_experts(self.coef) if self.coef.size else False
+        self.packing = bool(self.dp.any())
 
     def tiled(self, k: int) -> np.ndarray:
         """`coef` k times side by side: k steps per worker priced in one call."""
@@ -147,3 +149,16 @@ class Fleet:
             if not exclude:
                 self._pools[model] = got
         return got
+
+
+def _changed(new: list[WorkerView], old: list[WorkerView], block: int = 64) -> list[int]:
+    """Where `new` holds another view than `old` (most are the same objects): a block of them compared as lists
+    first (C speed: same objects are equal at once; one equal by value may pass), then the differing blocks one
+    by one."""
+    out: list[int] = []
+    for lo in range(0, len(old), block):
+        hi = lo + block
+        a, b = new[lo:hi], old[lo:hi]
+        if a != b:
+            out.extend(compress(range(lo, lo + len(a)), map(is_not, a, b)))
+    return out

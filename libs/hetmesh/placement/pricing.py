@@ -8,12 +8,20 @@ priced and why: docs/costmodel.md (cost-aware policy, a prefill worker's backlog
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
+
 import msgspec
 import numpy as np
 
 from hetmesh.costmodel.model import step_seconds_many
 from hetmesh.placement.fleet import PREFILL, Fleet
 from hetmesh.placement.state import RequestInfo
+
+
+def pairs(n: np.ndarray, cached: np.ndarray) -> np.ndarray:
+    """Attention (query, key) pairs of n new tokens after `cached` ones, causal: n x cached + n(n + 1) // 2 (the
+    floor of the half: exact in floats, and quicker than numpy's floor division)."""
+    return n * cached + np.floor(n * (n + 1) * 0.5)
 
 
 class Priced(msgspec.Struct, frozen=True, kw_only=True):
@@ -38,7 +46,8 @@ class Priced(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Load(msgspec.Struct, frozen=True):
-    """Each worker's numbers (`Fleet.num`'s columns) as pricing reads them, and the batch a decode joins."""
+    """Each worker's numbers (`Fleet.num`'s columns) as pricing reads them, the batch a decode joins, and what
+    follows from them alone (none depends on a request: `StepPricer.load` keeps them between requests)."""
 
     running: np.ndarray  # decodes running (0 on a prefill worker: its running sequences are prefills, booked)
     queue: np.ndarray
@@ -49,14 +58,34 @@ class Load(msgspec.Struct, frozen=True):
     block_size: np.ndarray
     batch: np.ndarray  # running + queued + this one
     seated: np.ndarray  # of which in the batch at once (at most max_batch)
+    chunk: np.ndarray  # tokens a prefill step takes beside the running batch
+    kv_free: np.ndarray  # KV blocks free
+    kv_any: np.ndarray  # any request's KV fits: the worker reports no KV, or runs nothing
+    per_block: np.ndarray  # tokens per KV block (at least 1)
 
 
 def load(f: Fleet) -> Load:
-    running, queue, max_batch, step_tokens, kv_total, kv_used, block_size = f.num.T
-    running = np.where(f.role == PREFILL, 0.0, running)
+    num = f.num.T.copy()  # a row per column: each contiguous
+    running, queue, max_batch, step_tokens, kv_total, kv_used, block_size = num
+    running[f.role == PREFILL] = 0.0
     batch = running + queue + 1
     return Load(running, queue, max_batch, step_tokens, kv_total, kv_used, block_size, batch,
-                np.minimum(batch, max_batch))
+                np.minimum(batch, max_batch), np.maximum(step_tokens - running, 1.0), kv_total - kv_used,
+                (kv_total <= 0) | (running == 0), np.maximum(block_size, 1))
+
+
+def _load_rows(ld: Load, f: Fleet, rows: Collection[int]) -> None:
+    """`load` for a few workers, in place, in Python floats (the same IEEE arithmetic)."""
+    for i in rows:
+        running, queue, max_batch, step_tokens, kv_total, kv_used, block_size = f.num[i].tolist()
+        if f.role[i] == PREFILL:
+            running = 0.0
+        batch = running + queue + 1
+        ld.running[i], ld.queue[i], ld.max_batch[i], ld.step_tokens[i] = running, queue, max_batch, step_tokens
+        ld.kv_total[i], ld.kv_used[i], ld.block_size[i], ld.batch[i] = kv_total, kv_used, block_size, batch
+        ld.seated[i], ld.chunk[i] = min(batch, max_batch), max(step_tokens - running, 1.0)
+        ld.kv_free[i], ld.kv_any[i] = kv_total - kv_used, kv_total <= 0 or running == 0
+        ld.per_block[i] = max(block_size, 1.0)
 
 
 class Prompt(msgspec.Struct, frozen=True):
@@ -78,7 +107,7 @@ def prompt(req: RequestInfo, f: Fleet, ld: Load) -> Prompt:
         if i is not None:
             hit_blocks[i] = nb
     cached = np.minimum(hit_blocks * req.block_size, max(length - 1, 0))
-    chunk = np.maximum(ld.step_tokens - ld.running, 1.0)
+    chunk = ld.chunk
     left = np.maximum(length - cached, 1.0)
     return Prompt(cached, chunk, left, np.ceil(left / chunk), np.minimum(left, chunk), length + req.max_tokens // 2)
 
@@ -95,27 +124,42 @@ class Steps(msgspec.Struct, frozen=True):
 
 
 class StepPricer:
-    """Prices `Steps`: the first chunk (its tokens are the request's) by `step_seconds_many`, per request. The other
-    steps (a decode at the batch it joins, at one fewer, the running batch alone, a full chunk beside it) depend on
-    the request only through their attention over its context: the rest of their terms is kept per worker between
-    requests and worked out again only for the workers whose numbers moved (`Fleet.take_moved`). The same floats
-    as `step_seconds_many` (its terms, in its order)."""
+    """Prices `Steps`. Most of their terms do not depend on the request: the decode steps (at the batch it joins,
+    at one fewer, the running batch alone) and a full chunk beside the batch depend on it only through their
+    attention over its context, the first chunk through its tokens. What does not is kept per worker between
+    requests (with the `Load`) and worked out again only for the workers whose numbers moved
+    (`Fleet.take_moved`). The same floats as `step_seconds_many` (its terms, in its order)."""
 
     def __init__(self) -> None:
-        self._work = np.zeros((4, 0))  # prefill tokens, sequences, pairs, cached: a block per step
-        self._block = self._work.reshape(4, 0, 0)  # the same, block[:, k] step k's arguments
+        self._ld: Load | None = None
+        self._moved: set[int] | None = None  # rows the kept steps have still to work out again (None: all)
         # Per worker (columns), the four kept steps (rows): decode batch, the terms but attention, tokens over the
         # replicas, the prefill's attention pairs term (0 for the decodes), and whether the step is empty.
         self._batch = self._base = self._t = self._pf = np.zeros((4, 0))
         self._empty = np.zeros((4, 0), dtype=bool)
+        # The first chunk's terms that do not depend on its tokens: the leading terms (overhead and per sequence)
+        # and the dense sequences' term.
+        self._lead = self._dense_s = np.zeros(0)
+
+    def load(self, f: Fleet) -> Load:
+        """The fleet's `Load`, worked out again only for the workers that moved since the last call."""
+        moved = f.take_moved()
+        ld = self._ld
+        if moved is None or ld is None or len(ld.running) != len(f.ids) or len(moved) > 8:
+            self._ld = ld = load(f)
+        else:
+            _load_rows(ld, f, moved)
+        self._moved = None if moved is None or self._moved is None else self._moved | moved
+        return ld
 
     def _keep(self, f: Fleet, ld: Load) -> None:
-        moved = f.take_moved()
+        moved, self._moved = self._moved, set()
         nw = len(f.ids)
         if moved is None or self._base.shape[1] != nw:
             rows: slice | np.ndarray = slice(None)
             self._batch, self._base, self._t, self._pf = (np.zeros((4, nw)) for _ in range(4))
             self._empty = np.zeros((4, nw), dtype=bool)
+            self._lead, self._dense_s = np.zeros(nw), np.zeros(nw)
         elif not moved:
             return
         elif len(moved) <= 8 and not f.experts:
@@ -125,8 +169,7 @@ class StepPricer:
             rows = np.fromiter(moved, dtype=np.intp, count=len(moved))
         c = f.coef[:, rows]
         inv_r, dense_c, dense_cs, dense_m, exp_c, log_miss, exp_m, attn_pf, _, _, comm, overhead, per_seq = c
-        running, seated = ld.running[rows], ld.seated[rows]
-        chunk = np.maximum(ld.step_tokens[rows] - running, 1.0)  # Prompt.chunk
+        running, seated, chunk = ld.running[rows], ld.seated[rows], ld.chunk[rows]
         batch = np.stack((seated, seated - 1, running, running))
         tokens = np.stack((seated, seated - 1, running, chunk + running))
         seqs = np.stack((seated, seated - 1, running, 1.0 + running))
@@ -137,6 +180,7 @@ class StepPricer:
         self._batch[:, rows], self._base[:, rows], self._t[:, rows] = batch, base, t
         self._pf[3, rows] = attn_pf * (chunk * (chunk + 1) // 2)
         self._empty[:, rows] = tokens == 0
+        self._lead[rows], self._dense_s[rows] = overhead + per_seq * seqs[3], dense_cs * seqs[3]
 
     def _keep_rows(self, f: Fleet, ld: Load, rows: set[int]) -> None:
         """`_keep` for a few workers, in Python floats: the same IEEE arithmetic in the same order, without the
@@ -144,8 +188,7 @@ class StepPricer:
         batch, base, t_, empty = self._batch, self._base, self._t, self._empty
         for i in rows:
             inv_r, dense_c, dense_cs, dense_m, _, _, _, attn_pf, _, _, comm, overhead, per_seq = f.coef[:, i].tolist()
-            running, seated = float(ld.running[i]), float(ld.seated[i])
-            chunk = max(float(ld.step_tokens[i]) - running, 1.0)
+            running, seated, chunk = float(ld.running[i]), float(ld.seated[i]), float(ld.chunk[i])
             for k, (b, tokens, seqs) in enumerate(((seated, seated, seated), (seated - 1, seated - 1, seated - 1),
                                                    (running, running, running),
                                                    (running, chunk + running, 1.0 + running))):
@@ -153,34 +196,30 @@ class StepPricer:
                 batch[k, i], t_[k, i], empty[k, i] = b, t, tokens == 0
                 base[k, i] = overhead + per_seq * seqs + comm * t + max(dense_c * t + dense_cs * seqs, dense_m)
             self._pf[3, i] = attn_pf * (chunk * (chunk + 1) // 2)
+            self._lead[i], self._dense_s[i] = overhead + per_seq * (1.0 + running), dense_cs * (1.0 + running)
 
     def __call__(self, f: Fleet, ld: Load, p: Prompt) -> Steps:
-        nw = len(f.ids)
-        # A data-parallel worker books a prompt at its packed share (`booking`): priced only if there is one.
-        packing = bool(f.dp.any())
-        blocks = 2 if packing else 1  # the first chunk, (packed copies of it)
-        if self._work.shape[1] != blocks * nw:
-            self._work = np.zeros((4, blocks * nw))
-            self._block = self._work.reshape(4, blocks, nw)  # a view
-        work, block = self._work, self._block
-        n = p.first
-        block[0, 0] = n
-        block[1, 0] = 1.0  # one sequence: every worker has at least a token of it to prefill
-        block[2, 0] = n * p.cached + n * (n + 1) // 2
-        block[3, 0] = p.cached
-        running = ld.running
-        if packing:
-            copies = p.chunk / np.maximum(n, 1.0)
-            block[:, 1] = block[:, 0] * copies
-        sizes = np.tile(running, blocks) if packing else running
-        pre = step_seconds_many(f.tiled(blocks), work[0], work[1], work[2], work[3], sizes, sizes * p.ctx,
-                                f.experts).reshape(blocks, nw)
         self._keep(f, ld)
-        inv_r, attn_dec, attn_m = f.coef[0], f.coef[8], f.coef[9]
+        c = f.coef
+        inv_r, attn_dec, attn_m = c[0], c[8], c[9]
         context = self._batch * p.ctx
-        kept = self._base + np.maximum(self._pf + attn_dec * context, (context * inv_r + self._t) * attn_m)
+        at_ctx = attn_dec * context
+        kept = self._base + np.maximum(self._pf + at_ctx, (context * inv_r + self._t) * attn_m)
         kept[self._empty] = 0.0
-        return Steps(pre[0], kept[0], kept[1], kept[2], kept[3], pre[1] / copies if packing else None)
+        # The first chunk: n of the prompt's tokens (at least 1) beside the running batch, one sequence more.
+        n, running = p.first, ld.running
+        t = (n + running) * inv_r
+        first = self._lead + c[10] * t + np.maximum(c[1] * t + self._dense_s, c[3])
+        if f.experts:
+            first += np.maximum(c[4] * t, (1.0 - np.exp(c[5] * t)) * c[6])
+        first += np.maximum(c[7] * pairs(n, p.cached) + at_ctx[2], ((p.cached + context[2]) * inv_r + t) * attn_m)
+        packed = None
+        if f.packing:  # a data-parallel worker books a prompt at its packed share (`booking`)
+            copies = p.chunk / np.maximum(n, 1.0)
+            nc = n * copies
+            packed = step_seconds_many(c, nc, copies, pairs(n, p.cached) * copies, p.cached * copies, running,
+                                       context[2], f.experts) / copies
+        return Steps(first, kept[0], kept[1], kept[2], kept[3], packed)
 
 
 def prefill_time(f: Fleet, ld: Load, p: Prompt, s: Steps) -> tuple[np.ndarray, np.ndarray | None]:
@@ -197,7 +236,7 @@ def prefill_time(f: Fleet, ld: Load, p: Prompt, s: Steps) -> tuple[np.ndarray, n
     while np.count_nonzero(left):  # a worker done with the prompt adds nothing
         n = np.minimum(left, p.chunk)
         on = (n > 0) * 1.0
-        args = [n, on, n * done + n * (n + 1) // 2, done, running, running * p.ctx]
+        args = [n, on, pairs(n, done), done, running, running * p.ctx]
         if packed is not None:  # its last, partial chunk shares a step too
             k = p.chunk / np.maximum(n, 1.0)
             args = [np.concatenate([a, a * k]) for a in args[:4]] + [np.concatenate([a, a]) for a in args[4:]]
@@ -266,5 +305,28 @@ def stalled(ld: Load, queued_prefills: np.ndarray) -> np.ndarray:
 
 def kv_fits(ld: Load, req: RequestInfo) -> np.ndarray:
     """The request's KV fits on each worker as D (or the worker reports no KV, or runs nothing)."""
-    need = np.ceil((req.prompt_len + req.max_tokens) / np.maximum(ld.block_size, 1))
-    return (ld.kv_total <= 0) | (need <= ld.kv_total - ld.kv_used) | (ld.running == 0)
+    return ld.kv_any | (np.ceil((req.prompt_len + req.max_tokens) / ld.per_block) <= ld.kv_free)
+
+
+def first_k(value: np.ndarray, flags: Sequence[np.ndarray], k: int) -> np.ndarray:
+    """`np.lexsort((value, *flags))[:k]`: the k first by the flags (False first, the last flag the most
+    significant), then by value, ties in index order. Where at least k have no flag set, only those within the
+    k smallest values are sorted (a partition finds that bound), not all of them."""
+    if len(value) > 2 * k:
+        idx = None
+        v = value
+        if flags:
+            bad = flags[0]
+            for fl in flags[1:]:
+                bad = bad | fl
+            if bad.any():
+                idx = np.flatnonzero(~bad)
+                v = value[idx]
+        if len(v) >= k:
+            bound = np.partition(v, k - 1)[k - 1]
+            if bound == bound:  # not NaN (NaNs sort last, and nothing is <= NaN)
+                near = np.flatnonzero(v <= bound)
+                if idx is not None:
+                    near = idx[near]
+                return near[value[near].argsort(kind="stable")[:k]]
+    return np.lexsort((value, *flags))[:k]
