@@ -160,9 +160,23 @@ def test_a_refusal_ends_its_tenants_turn_and_lower_bands_not_its_band() -> None:
     q = FlowQueue([Tenant("a"), Tenant("b"), Tenant("c", band=1)], reserve=0.5)
     assert q.headroom("b", 0.0, refused={"a"}) == 0.0  # b has nothing else waiting: it takes what it fits
     assert q.headroom("c", 0.0, refused={"a"}) == 0.0  # another band's refusal is not c's to make room for
+    q.hold("a1", "a", 1.0, deadline=10.0, now=0.0)
     q.hold("b1", "b", 1.0, deadline=10.0, now=0.0)
-    assert q.headroom("b", 0.0, refused={"a"}) == 0.5  # b, backlogged too, leaves room for a behind a's refusal
+    q.placed("b", 3.0, now=0.0)
+    assert q.headroom("b", 0.0, refused={"a"}) == 0.5  # b, backlogged too and ahead of a, leaves a room
     assert q.headroom("b", 0.0, refused={"b"}) == 0.0
+
+
+def test_a_tenant_within_one_request_of_a_refused_one_keeps_no_room_for_it() -> None:
+    q = FlowQueue([Tenant("a"), Tenant("b", 2.0)], reserve=0.5)
+    q.hold("a0", "a", 2.0, deadline=10.0, now=0.0)  # a's head: the fleet refused it this pump
+    for k in range(2):
+        q.hold(f"b{k}", "b", 1.0, deadline=10.0, now=0.0)
+    q.placed("a", 1.0, now=0.0)
+    q.placed("b", 6.0, now=0.0)  # per weight, b leads a by 2.0: a's head's cost per weight
+    assert q.headroom("b", 0.0, refused={"a"}) == 0.0  # the fleet's room is used: within fair queuing's bound
+    q.placed("b", 0.5, now=0.0)
+    assert q.headroom("b", 0.0, refused={"a"}) == 0.5  # past it: b keeps a's room
 
 
 def _pump(q: FlowQueue, fits: Callable[[Held], bool], now: float = 0.0) -> list[tuple[str, bool]]:

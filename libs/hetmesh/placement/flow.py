@@ -23,10 +23,11 @@ tenant's share), for as long as its head has been passed over for less than its 
 
 Headroom (`headroom`): a request is placed only if its predicted TTFT and TPOT stay within `1 - reserve` of its
 SLOs (`reserved`) while someone it would crowd out is active: a higher band (in flight or held); or, for a
-tenant with more requests waiting, another tenant of its band whose request this pump could not place, or one
-owed room (active, nothing waiting, sending less per weight than the waiting tenant is placed). The fleet is
-non-preemptive and admission fills it to the edge of the SLOs: the room left is what those tenants' next
-arrivals land in, prefill backlog and decode batch alike.
+tenant with more requests waiting, another tenant of its band whose request this pump could not place and that
+it leads by more than that request's cost per weight (up to that lead it uses the room: fair queuing's own
+bound), or one owed room (active, nothing waiting, sending less per weight than the waiting tenant is
+placed). The fleet is non-preemptive and admission fills it to the edge of the SLOs: the room left is what those
+tenants' next arrivals land in, prefill backlog and decode batch alike.
 
 A tenant over its share (its in-flight cost above its weight's share of what the active tenants have in flight)
 with a full queue, or a held request past its deadline, is refused with 429 and a Retry-After: how long until
@@ -36,6 +37,7 @@ scheduler and the simulator drive the same object.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections.abc import Container, Iterator, Sequence
@@ -77,11 +79,8 @@ class Held:
     seq: int = 0
     passed: float = 0.0  # cost its tenant placed past it while it did not fit (`Turns`)
 
-    def __lt__(self, other: Held) -> bool:  # EDF, then arrival order
-        return (self.deadline, self.seq) < (other.deadline, other.seq)
 
-
-_edf = attrgetter("deadline", "seq")  # Held's order as a key
+_edf = attrgetter("deadline", "seq")  # EDF, then arrival order
 
 
 @dataclass(slots=True)
@@ -105,9 +104,11 @@ class TenantStats:
 @dataclass(slots=True)
 class _State:
     tenant: Tenant
+    band: int = 0  # the tenant's, read on every walk
+    weight: float = 1.0
     finish: float = 0.0  # F: its finish tag
     inflight: float = 0.0  # cost placed and not finished
-    held: list[Held] = field(default_factory=list)  # heap, EDF
+    held: list[Held] = field(default_factory=list)  # sorted, EDF (`_edf`): the head first
     rate: float = 0.0  # cost finished, decaying sum over RATE_WINDOW_S
     rate_t: float = 0.0
     sent: float = 0.0  # cost arrived (its demand), decaying sum over RATE_WINDOW_S
@@ -143,7 +144,8 @@ class FlowQueue:
                  reserve: float = 0.0) -> None:
         if not tenants:
             raise ValueError("flow control needs at least one tenant")
-        self.tenants = {t.name: _State(t) for t in tenants}
+        self.tenants = {t.name: _State(t, t.band, t.weight) for t in tenants}
+        self._states = list(self.tenants.values())
         if len(self.tenants) != len(tenants):
             raise ValueError("tenant names must be unique")
         self.vtime: dict[int, float] = {t.band: 0.0 for t in tenants}
@@ -154,6 +156,9 @@ class FlowQueue:
         self.reserve = reserve  # share of the TTFT SLO a lower band leaves free while a higher one is active
         self._seq = 0
         self._n_held = 0
+        self._held_in: dict[int, int] = dict.fromkeys(self.vtime, 0)  # requests held per band
+        self._due = math.inf  # no held request's deadline is earlier (a bound: `expired` skips the walk before it)
+        self._top = min(self.vtime)  # the highest band
         self._taken: Held | None = None  # the last request taken out (held again if still refused)
 
     # ---- reading ----
@@ -164,7 +169,7 @@ class FlowQueue:
         return self.tenants[tenant].stats
 
     def _start(self, s: _State) -> float:
-        return max(self.vtime[s.tenant.band], s.finish)
+        return max(self.vtime[s.band], s.finish)
 
     def _active(self) -> list[_State]:
         return [s for s in self.tenants.values() if s.inflight > 1e-12 or s.held]
@@ -175,8 +180,8 @@ class FlowQueue:
         active = self._active()
         if me not in active:
             active.append(me)
-        total_w = sum(s.tenant.weight for s in active)
-        return me.tenant.weight / total_w * sum(s.inflight for s in active)
+        total_w = sum(s.weight for s in active)
+        return me.weight / total_w * sum(s.inflight for s in active)
 
     def over_share(self, tenant: str) -> bool:
         return self.tenants[tenant].inflight > self.share(tenant) + 1e-9
@@ -195,30 +200,39 @@ class FlowQueue:
     def may_try(self, tenant: str) -> bool:
         """A new arrival goes to the policy now (True) or joins the queue: nothing of its band or a higher one
         waits. Held requests go first, in the queue's order, whatever the newcomer's tags."""
-        band = self.tenants[tenant].tenant.band
-        return not any(s.held and s.tenant.band <= band for s in self.tenants.values())
+        band = self.tenants[tenant].band
+        for b, n in self._held_in.items():
+            if n and b <= band:
+                return False
+        return True
 
     def headroom(self, tenant: str, now: float, refused: Container[str] = ()) -> float:
         """The share of its SLOs a request of `tenant` (taken out of the queue, if it was held) must leave free
         when placed: `reserve` while a tenant of a higher band has work in flight or held; or while `tenant` has
         more requests waiting and another tenant of its band is owed room: in `refused` (this pump could not
-        place its request: `Turns.done`), or active with nothing waiting and sending less cost per weight than
-        `tenant` is being placed (its next arrivals are within what `tenant` takes). Else 0: no one to keep
-        room for (a tenant with nothing else waiting takes what it fits: it is within what it sends)."""
+        place its request: `Turns.done`) while `tenant` has been placed more cost per weight than it by more than
+        its head's cost per weight (up to that lead, placing past it stays within fair queuing's bound of one
+        request: the fleet's room is used, not kept), or active with nothing waiting and sending less cost per
+        weight than `tenant` is being placed (its next arrivals are within what `tenant` takes). Else 0: no one
+        to keep room for (a tenant with nothing else waiting takes what it fits: it is within what it sends).
+        Placed cost and cost sent are decaying sums over RATE_WINDOW_S."""
         if self.reserve <= 0.0:
             return 0.0
         me = self.tenants[tenant]
-        band = me.tenant.band
-        if any(s.tenant.band < band and (s.held or s.inflight > 1e-12) for s in self.tenants.values()):
+        band = me.band
+        if band > self._top and any(s.band < band and (s.held or s.inflight > 1e-12) for s in self._states):
             return self.reserve
         if not me.held:
             return 0.0
-        if any(t != tenant and self.tenants[t].tenant.band == band for t in refused):
-            return self.reserve
-        got = _decayed(me.got, me.got_t, now) / me.tenant.weight
-        for s in self.tenants.values():
-            if (s is not me and s.tenant.band == band and not s.held and s.inflight > 1e-12
-                    and _decayed(s.sent, s.sent_t, now) / s.tenant.weight < got):
+        got = _decayed(me.got, me.got_t, now) / me.weight
+        for t in refused:
+            r = self.tenants[t]
+            if r is not me and r.band == band and (got - _decayed(r.got, r.got_t, now) / r.weight
+                                                   > (r.held[0].cost / r.weight if r.held else 0.0)):
+                return self.reserve
+        for s in self._states:
+            if (s is not me and s.band == band and not s.held and s.inflight > 1e-12
+                    and _decayed(s.sent, s.sent_t, now) / s.weight < got):
                 return self.reserve
         return 0.0
 
@@ -228,13 +242,13 @@ class FlowQueue:
         by_band: dict[int, list[_State]] = {}
         for s in self.tenants.values():
             if s.held:
-                by_band.setdefault(s.tenant.band, []).append(s)
+                by_band.setdefault(s.band, []).append(s)
         for band in sorted(by_band):
             v = self.vtime[band]
             heap = []
             for i, s in enumerate(by_band[band]):
-                queue = sorted(s.held)
-                heap.append((max(v, s.finish), -s.tenant.weight, i, 0, queue, s))
+                queue = list(s.held)
+                heap.append((max(v, s.finish), -s.weight, i, 0, queue, s))
             heapq.heapify(heap)
             while heap:
                 start, nw, i, j, queue, s = heapq.heappop(heap)
@@ -242,23 +256,26 @@ class FlowQueue:
                 yield h
                 if j + 1 < len(queue):
                     v = max(v, start)
-                    heapq.heappush(heap, (max(v, start + h.cost / s.tenant.weight), nw, i, j + 1, queue, s))
+                    heapq.heappush(heap, (max(v, start + h.cost / s.weight), nw, i, j + 1, queue, s))
 
     def head(self, skip: Container[str] = (), last_band: int | None = None) -> Held | None:
         """The held request that goes next: the highest band that holds any, the tenant of it that would start
         first (ties: the heavier), its earliest deadline. O(tenants). `skip`: tenants whose turn is over;
         `last_band`: no tenant of a lower band (a pump's turns, `Turns`)."""
-        best, key = None, None
+        if not self._n_held:
+            return None
+        best = None
+        kb, ks, kw = math.inf, math.inf, 0.0  # the best's band, start tag, weight
         vtime = self.vtime
-        for s in self.tenants.values():
+        for s in self._states:
             if s.held:
-                t = s.tenant
-                if (last_band is not None and t.band > last_band) or t.name in skip:
+                b = s.band
+                if b > kb or (last_band is not None and b > last_band) or (skip and s.tenant.name in skip):
                     continue
-                v, f = vtime[t.band], s.finish
-                k = (t.band, f if f > v else v, -t.weight)
-                if key is None or k < key:
-                    best, key = s, k
+                v, f = vtime[b], s.finish
+                st = f if f > v else v
+                if b < kb or st < ks or (st == ks and s.weight > kw):
+                    best, kb, ks, kw = s, b, st, s.weight
         return best.held[0] if best is not None else None
 
     # ---- changing ----
@@ -281,37 +298,42 @@ class FlowQueue:
         out = self._taken
         if again and out is not None and out.key == key:  # the same request back: what was placed past it
             h.passed = out.passed
-        heapq.heappush(s.held, h)
+        bisect.insort(s.held, h, key=_edf)
         self._n_held += 1
+        self._held_in[s.band] += 1
+        if deadline < self._due:
+            self._due = deadline
         s.stats.held += not again
         return h
 
     def take(self, h: Held, now: float) -> None:
         """`h` leaves the queue (placed or refused next: call placed() or refused())."""
         s = self.tenants[h.tenant]
-        if s.held[0] is h:  # the head: the common case
-            heapq.heappop(s.held)
-        else:  # by identity (a Held compares by value), the last entry moved into its place
-            held = s.held
-            i = next(i for i, x in enumerate(held) if x is h)
-            last = held.pop()
-            if i < len(held):
-                held[i] = last
-                heapq._siftup(held, i)  # type: ignore[attr-defined]
-                heapq._siftdown(held, 0, i)  # type: ignore[attr-defined]
+        held = s.held
+        if held[0] is h:  # the head: the common case
+            del held[0]
+        else:  # by identity
+            del held[next(i for i, x in enumerate(held) if x is h)]
         self._n_held -= 1
+        self._held_in[s.band] -= 1
         s.stats.held_s += max(now - h.arrival, 0.0)
         self._taken = h
 
     def expired(self, now: float) -> list[Held]:
         """Held requests past their deadline, taken out of the queue (refuse each). EDF keeps them on top."""
-        out = []
-        if self._n_held:
-            for s in self.tenants.values():
-                while s.held and s.held[0].deadline < now:
-                    h = s.held[0]
-                    self.take(h, now)
-                    out.append(h)
+        out: list[Held] = []
+        if not self._n_held or now <= self._due:
+            return out
+        due = math.inf
+        for s in self._states:
+            held = s.held
+            while held and held[0].deadline < now:
+                h = held[0]
+                self.take(h, now)
+                out.append(h)
+            if held and held[0].deadline < due:
+                due = held[0].deadline
+        self._due = due
         return out
 
     def placed(self, tenant: str, cost: float, tokens: int = 0, now: float = 0.0) -> None:
@@ -319,9 +341,9 @@ class FlowQueue:
         s = self.tenants[tenant]
         s.got = _decayed(s.got, s.got_t, now) + cost
         s.got_t = now
-        band = s.tenant.band
+        band = s.band
         start = self._start(s)
-        s.finish = start + cost / s.tenant.weight
+        s.finish = start + cost / s.weight
         self.vtime[band] = max(self.vtime[band], start)
         s.inflight += cost
         s.stats.placed += 1
@@ -350,6 +372,8 @@ class Turns:
     request of its tenant had come before it; from then on its tenant's room is kept for it. At most
     1 + `lookahead` refused placements per tenant per pump."""
 
+    __slots__ = ("_ahead", "done", "last_band", "lookahead", "over", "q", "tried")
+
     def __init__(self, q: FlowQueue, lookahead: int = LOOKAHEAD) -> None:
         self.q = q
         self.lookahead = lookahead
@@ -374,13 +398,7 @@ class Turns:
             tried = self.tried.get(h.tenant)
             if not tried:
                 return h
-            held = q.tenants[h.tenant].held
-            n = len(tried) + 1
-            if n == 2 and held[0].key in tried:  # only the head refused: the next is the lesser of its children
-                behind = [min(held[1:3], key=_edf)] if len(held) > 1 else []
-            else:  # a heap's n smallest lie in its first 2^n - 1 entries
-                behind = heapq.nsmallest(n, held[: (1 << n) - 1], key=_edf)
-            for c in behind:
+            for c in q.tenants[h.tenant].held[: len(tried) + 1]:  # EDF: those tried lie among the first
                 if c.key not in tried:
                     self._ahead = c
                     return c
@@ -393,7 +411,7 @@ class Turns:
         t = h.tenant
         self.done.add(t)
         if self.last_band is None:
-            self.last_band = self.q.tenants[t].tenant.band
+            self.last_band = self.q.tenants[t].band
         tried = self.tried.setdefault(t, set())
         if not tried and h.passed >= h.cost:
             self.over.add(t)  # passed over for its own cost already: its tenant's room is kept for it
