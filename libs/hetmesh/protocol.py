@@ -216,6 +216,9 @@ ResponseEvent = TokenChunk | RequestError | WorkerLost | Working
 class Cancel(Struct, kw_only=True):
     request_id: str
     reason: str = "client_disconnected"
+    # Set: only this worker drops the request (a worker counted lost and back: what it held was failed over, and
+    # its new attempt, elsewhere, goes on); the request itself is not over. Empty: every worker drops it.
+    worker_id: str = ""
 
 
 class Resume(Struct, kw_only=True):

@@ -27,14 +27,22 @@ import openai
 import pytest
 
 from hetmesh import servers, subjects
-from hetmesh.bus import decode
+from hetmesh.bus import decode, encode
 from hetmesh.gateway.schedulers import Schedulers
+from hetmesh.kvindex.blocks import block_hashes
 from hetmesh.launcher import Mesh
-from hetmesh.protocol import Heartbeat
+from hetmesh.protocol import (
+    Heartbeat,
+    InferenceRequest,
+    ResponseEvent,
+    SamplingParams,
+    SubmitReply,
+    TokenChunk,
+)
 
 from ..clusters import cluster_toml, group, model
-from ..e2e.conftest import EventLog, collect_events, running_mesh
-from .conftest import expected_text
+from ..e2e.conftest import EventLog, collect_events, running_mesh, scrape
+from .conftest import TOK, expected_text
 
 HEARTBEAT_TIMEOUT_S = 1.0
 CLUSTER = cluster_toml(
@@ -93,6 +101,86 @@ async def streamed(c: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> str:
     s = await c.completions.create(model="m", prompt=prompt, max_tokens=max_tokens, stream=True,
                                    extra_body={"ignore_eos": True})
     return "".join([ch.choices[0].text async for ch in s if ch.choices])
+
+
+def bad_input(m: Mesh, kind: str) -> float:
+    """Both schedulers' hetmesh_scheduler_bad_input{kind}, summed."""
+    return sum(scrape(m.metrics_urls()[s]).get(("hetmesh_scheduler_bad_input_total", (("kind", kind),)), 0.0)
+               for s in ("scheduler", "scheduler-1"))
+
+
+async def test_one_request_placed_by_both_schedulers_is_served_once(mesh2: tuple[Mesh, str]) -> None:
+    """The same attempt submitted to both schedulers (a gateway that sent it again elsewhere, the first still
+    placing): each places it, the work queue stores its WorkItem once (its dedup id), one worker serves it, one
+    stream comes back, and the duplicate is counted."""
+    m, _ = mesh2
+    await schedulers_beating(m.nats_url, {"sched-0", "sched-1"})
+    before = await asyncio.to_thread(bad_input, m, "duplicate_placement")
+    prompt, rid = "placed twice, served once", "twice-0"
+    tokens = TOK.encode(prompt)
+    req = InferenceRequest(request_id=rid, model="m", prompt_tokens=tokens, block_hashes=block_hashes("m", tokens, 16),
+                           sampling=SamplingParams(max_tokens=8, ignore_eos=True), reply_subject=subjects.reply(rid),
+                           arrival_ts=time.time())
+    events = collect_events(m.nats_url)
+    log: EventLog = await anext(events)
+    nc = await nats.connect(m.nats_url)
+    got: list[TokenChunk] = []
+    done = asyncio.Event()
+
+    async def on_reply(msg: nats.aio.msg.Msg) -> None:
+        ev = decode(msg.data, ResponseEvent)
+        if isinstance(ev, TokenChunk):
+            got.append(ev)
+            if ev.finish_reason:
+                done.set()
+
+    await nc.subscribe(req.reply_subject, cb=on_reply)
+    replies = await asyncio.gather(*(nc.request(subjects.sched_submit(s), encode(req), timeout=10)
+                                     for s in ("sched-0", "sched-1")))
+    assert all(decode(r.data, SubmitReply).placement is not None for r in replies)
+    await asyncio.wait_for(done.wait(), 30)
+    await asyncio.sleep(1.0)  # a second run would have streamed by now
+    assert TOK.decode([t for c in sorted(got, key=lambda c: c.index) for t in c.token_ids]) == expected_text(prompt, 8)
+    assert len({c.worker_id for c in got}) == 1 and sum(bool(c.finish_reason) for c in got) == 1
+    assert len([e for e in log.for_request(rid) if e.kind == "accepted"]) == 1
+    assert len([e for e in log.for_request(rid) if e.kind == "duplicate_placement"]) == 1
+    assert await asyncio.to_thread(bad_input, m, "duplicate_placement") == before + 1
+    await nc.close()
+    with contextlib.suppress(StopAsyncIteration):
+        await events.aclose()
+
+
+async def test_worker_back_from_a_partition_serves_nothing_twice(mesh2: tuple[Mesh, str]) -> None:
+    """A worker silent past the heartbeat timeout (SIGSTOP: cut off, its process intact) is counted lost and its
+    stream moves to the other worker; back with the same run, it rejoins ("rejoined", not "joined") and is told
+    to drop the moved request's old attempt (it would decode it to the end for nobody), and what it streamed for
+    that attempt meanwhile is dropped by the gateway: the client gets the text once."""
+    m, _ = mesh2
+    events = collect_events(m.nats_url)
+    log: EventLog = await anext(events)
+    prompt, n = "cut off mid-stream", 40
+    t0 = time.time()
+    s = await client(m.url).completions.create(model="m", prompt=prompt, max_tokens=n, stream=True,
+                                               extra_body={"ignore_eos": True})
+    chunks = aiter(s)
+    text = [(await anext(chunks)).choices[0].text]
+    placed = [e for e in log.events if e.service == "gateway" and e.kind == "placed" and e.ts >= t0]
+    assert len(placed) == 1
+    rid, wid = placed[0].request_id, str(placed[0].detail["decode_worker"])
+    proc = m.services[f"worker:{wid}"].proc
+    assert proc is not None
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        await log.wait_for(rid, "migrated", timeout_s=10)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    await log.wait_for(rid, "aborted", timeout_s=5, worker_id=wid)  # long before its 40 tokens would be done
+    text += [ch.choices[0].text async for ch in chunks if ch.choices]
+    assert "".join(text) == expected_text(prompt, n)
+    back = [e for e in log.events if e.kind == "worker_joined" and e.detail.get("worker_id") == wid and e.ts > t0]
+    assert back and {e.detail["how"] for e in back} == {"rejoined"}
+    with contextlib.suppress(StopAsyncIteration):
+        await events.aclose()
 
 
 async def test_scheduler_killed_among_two_loses_nothing(mesh2: tuple[Mesh, str]) -> None:
@@ -255,3 +343,4 @@ async def test_submit_sent_again_when_its_scheduler_reconnected(nats_url: str) -
     beat.cancel()
     await gap
     await nc.close()
+

@@ -267,7 +267,8 @@ class KvTransferService:
 
     async def on_cancel(self, c: Cancel, _m: Msg) -> None:
         for t in self.active.values():
-            if t.req.request_id == c.request_id and not t.done.is_set():
+            if t.req.request_id == c.request_id and not t.done.is_set() and (
+                    not c.worker_id or c.worker_id in (t.req.src_worker, t.req.dst_worker)):
                 t.error = f"cancelled: {c.reason}"
                 t.done.set()
 

@@ -62,6 +62,9 @@ class InFlight:
         self.requests: dict[str, _Held] = {}
         self.by_worker: dict[str, set[str]] = defaultdict(set)
         self.idle = IdleWatch(idle_grace_s)  # drops entries whose Finished was lost
+        # per worker counted lost (silent), the requests it held then, all failed over: should it come back with
+        # the same run (a partition healed), it still runs them, for reply subjects nobody reads any more
+        self.left_behind: dict[str, list[str]] = {}
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -80,9 +83,9 @@ class InFlight:
             for w in held.workers:
                 self.by_worker.get(w, set()).discard(rid)
 
-    def lost(self, worker_id: str) -> list[tuple[str, str | None]]:
+    def lost(self, worker_id: str, silent: bool = False) -> list[tuple[str, str | None]]:
         """Every request `worker_id` held leaves the books: (request, the reply subject to tell, or None where
-        the request is no longer in flight)."""
+        the request is no longer in flight). `silent`: the worker may come back (`left_behind`)."""
         out: list[tuple[str, str | None]] = []
         for rid in self.by_worker.pop(worker_id, set()):
             held = self.requests.pop(rid, None)
@@ -90,7 +93,15 @@ class InFlight:
                 for w in held.workers:
                     self.by_worker.get(w, set()).discard(rid)
             out.append((rid, held.reply_subject if held is not None else None))
+        if silent and out:
+            self.left_behind[worker_id] = [rid for rid, _ in out]
         return out
+
+    def back(self, worker_id: str, seen: str) -> list[str]:
+        """A heartbeat of `worker_id` said `seen` (ClusterState.observe): what it was left holding when counted
+        lost, now to drop there, if it rejoined with that run; nothing for a new run (it holds nothing)."""
+        left = self.left_behind.pop(worker_id, []) if seen else []
+        return left if seen == "rejoined" else []
 
     def finished(self, worker_id: str, rid: str) -> bool | None:
         """`worker_id` is done with `rid`: True when that was its last worker (the request is over), False when

@@ -179,6 +179,8 @@ class Scheduler:
         self.inflight.idle.observe(hb.worker_id, hb.running + hb.queue_depth, time.monotonic())
         if seen == "restarted":  # back before its silence expired: the last run's requests are lost all the same
             await self.worker_lost(hb.worker_id, seen)
+        for rid in self.inflight.back(hb.worker_id, seen):  # what was failed over from it meanwhile: dropped there
+            await self.bus.publish(subjects.CANCEL, Cancel(request_id=rid, reason="failed_over", worker_id=hb.worker_id))
         if seen:
             log.info("worker %s %s (%s x%d, %s)", hb.worker_id, seen, hb.accelerator, hb.devices, hb.role)
             await self._event("", "worker_joined", worker_id=hb.worker_id, accelerator=hb.accelerator, how=seen)
@@ -226,7 +228,7 @@ class Scheduler:
         """Every request `worker_id` held gets a WorkerLost (its gateway migrates or resubmits it). `why`:
         silent (heartbeats stopped), restarted (a new run of its process), wedged (heartbeats on, engine still:
         it stays in the view, placed on no more until it moves)."""
-        held = self.inflight.lost(worker_id)
+        held = self.inflight.lost(worker_id, why == "silent")
         self.draining.discard(worker_id)
         log.warning("worker %s lost (%s); %d requests affected", worker_id, why, len(held))
         self.metrics.workers_lost.inc()
@@ -437,10 +439,8 @@ class Scheduler:
 
     # --- bookkeeping --------------------------------------------------------------------
     async def on_booked(self, batch: BookedBatch, _m: Msg) -> None:
-        """Other schedulers' placements: counted on their workers until those workers' next heartbeats (as its
-        own are), and booked in the policy's own bookkeeping (the cost policy's prefill backlog). Without them
-        each replica would price the fleet as if its placements were the only ones. Bookings from schedulers
-        not heard beating, or of workers not in the view, are set aside and counted (bookings.py)."""
+        """Other schedulers' placements, counted as its own: on their workers until their next heartbeats, and in
+        the policy's bookkeeping (the cost policy's prefill backlog). bookings.py says which count."""
         now = time.monotonic()
         got = sift(batch, self.instance, lambda s: self.peers.known(s, now), self.state.__contains__)
         book = getattr(self.policy, "booked", None)
@@ -448,10 +448,8 @@ class Scheduler:
             self.state.assigned(d)
             if book is not None:
                 book(d)
-        if got.unknown_scheduler:
-            self.metrics.bad_input.labels("unknown_scheduler").inc(got.unknown_scheduler)
-        if got.unknown_worker:
-            self.metrics.bad_input.labels("unknown_worker").inc(got.unknown_worker)
+        self.metrics.bad_input.labels("unknown_scheduler").inc(got.unknown_scheduler)
+        self.metrics.bad_input.labels("unknown_worker").inc(got.unknown_worker)
 
     async def on_finished(self, batch: FinishedBatch, _m: Msg) -> None:
         for f in batch:
@@ -482,6 +480,8 @@ class Scheduler:
             await asyncio.sleep(self.cfg.mesh.heartbeat_interval_s)
 
     async def on_cancel(self, c: Cancel, _m: Msg) -> None:
+        if c.worker_id:  # one worker's leftovers of a request that goes on elsewhere
+            return
         self.inflight.forget(c.request_id)
         if self.flow is not None:
             self.flow.done(c.request_id)

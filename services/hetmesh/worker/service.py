@@ -388,7 +388,10 @@ class Worker:
     # ------------------------------------------------------------------ cancel and resume
     async def on_cancel(self, c: Cancel, _m: Msg | None = None) -> None:
         """Every worker sees every Cancel: whatever phase the request is in here, all of it goes now (the
-        engine's blocks, a KV stream going out or coming in, KV that landed and its sink or spool file)."""
+        engine's blocks, a KV stream going out or coming in, KV that landed and its sink or spool file). One
+        for another worker (Cancel.worker_id) is not for this one."""
+        if c.worker_id and c.worker_id != self.worker_id:
+            return
         rid = c.request_id
         r = self.book.get(rid)
         how = self.book.cancel(rid, time.time())
