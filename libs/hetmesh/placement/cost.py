@@ -297,7 +297,10 @@ class CostPolicy:
         miss = ~pr.fits[id_]
         harm = None if harm_w is None else harm_w[ip]
         spared = () if harm is None else (harm > 0,)  # sparing the guarded decodes (nothing to spare: no key)
-        over = np.maximum((o_ttft + req.waited_s) / ttft_slo, o_tpot / tpot_slo if n_out > 1 else 0.0) / req.slo_share
+        over = np.maximum((o_ttft + req.waited_s if req.waited_s else o_ttft) / ttft_slo,
+                          o_tpot / tpot_slo if n_out > 1 else 0.0)
+        if req.slo_share != 1.0:
+            over /= req.slo_share
         if margin > 0:  # before anything is committed: a refused request leaves no bookkeeping behind
             # the best placement that does not cost guarded decodes as many tokens as it may bring, else the
             # best that fits, else the best
@@ -418,7 +421,7 @@ class CostPolicy:
         """Each worker's prefill share (seconds of prefill placed per second) at time constant taus[rung]: an
         exponentially decaying sum over the span it has seen (shorter than tau in the first seconds)."""
         tau = float(self._taus[rung])
-        decay = np.exp(-np.maximum(now - self._last[sl], 0.0) / tau)
+        decay = np.exp(np.minimum(self._last[sl] - now, 0.0) / tau)  # -max(now - last, 0) / tau
         return np.minimum(self._acc[rung, sl] * decay / self._span(now, tau), 0.95)
 
     def _arrivals(self, now: float, slot: int, seconds: float) -> float:

@@ -58,6 +58,8 @@ class Load(msgspec.Struct, frozen=True):
     block_size: np.ndarray
     batch: np.ndarray  # running + queued + this one
     seated: np.ndarray  # of which in the batch at once (at most max_batch)
+    fewer: np.ndarray  # seated - 1: the others beside it
+    waits: np.ndarray  # the batch it joins is over full: it waits for a slot
     chunk: np.ndarray  # tokens a prefill step takes beside the running batch
     kv_free: np.ndarray  # KV blocks free
     kv_any: np.ndarray  # any request's KV fits: the worker reports no KV, or runs nothing
@@ -69,8 +71,9 @@ def load(f: Fleet) -> Load:
     running, queue, max_batch, step_tokens, kv_total, kv_used, block_size = num
     running[f.role == PREFILL] = 0.0
     batch = running + queue + 1
-    return Load(running, queue, max_batch, step_tokens, kv_total, kv_used, block_size, batch,
-                np.minimum(batch, max_batch), np.maximum(step_tokens - running, 1.0), kv_total - kv_used,
+    seated = np.minimum(batch, max_batch)
+    return Load(running, queue, max_batch, step_tokens, kv_total, kv_used, block_size, batch, seated, seated - 1,
+                batch > max_batch, np.maximum(step_tokens - running, 1.0), kv_total - kv_used,
                 (kv_total <= 0) | (running == 0), np.maximum(block_size, 1))
 
 
@@ -83,7 +86,8 @@ def _load_rows(ld: Load, f: Fleet, rows: Collection[int]) -> None:
         batch = running + queue + 1
         ld.running[i], ld.queue[i], ld.max_batch[i], ld.step_tokens[i] = running, queue, max_batch, step_tokens
         ld.kv_total[i], ld.kv_used[i], ld.block_size[i], ld.batch[i] = kv_total, kv_used, block_size, batch
-        ld.seated[i], ld.chunk[i] = min(batch, max_batch), max(step_tokens - running, 1.0)
+        ld.seated[i] = seated = min(batch, max_batch)
+        ld.fewer[i], ld.waits[i], ld.chunk[i] = seated - 1, batch > max_batch, max(step_tokens - running, 1.0)
         ld.kv_free[i], ld.kv_any[i] = kv_total - kv_used, kv_total <= 0 or running == 0
         ld.per_block[i] = max(block_size, 1.0)
 
@@ -101,12 +105,12 @@ class Prompt(msgspec.Struct, frozen=True):
 
 def prompt(req: RequestInfo, f: Fleet, ld: Load) -> Prompt:
     length = req.prompt_len
-    hit_blocks = np.zeros(len(f.ids))
+    cached = np.zeros(len(f.ids))  # the few workers holding some of it, one by one
+    most = max(length - 1, 0)
     for wid, nb in req.cached_blocks.items():
         i = f.index.get(wid)
         if i is not None:
-            hit_blocks[i] = nb
-    cached = np.minimum(hit_blocks * req.block_size, max(length - 1, 0))
+            cached[i] = min(float(nb) * req.block_size, most)
     chunk = ld.chunk
     left = np.maximum(length - cached, 1.0)
     return Prompt(cached, chunk, left, np.ceil(left / chunk), np.minimum(left, chunk), length + req.max_tokens // 2)
@@ -169,10 +173,10 @@ class StepPricer:
             rows = np.fromiter(moved, dtype=np.intp, count=len(moved))
         c = f.coef[:, rows]
         inv_r, dense_c, dense_cs, dense_m, exp_c, log_miss, exp_m, attn_pf, _, _, comm, overhead, per_seq = c
-        running, seated, chunk = ld.running[rows], ld.seated[rows], ld.chunk[rows]
-        batch = np.stack((seated, seated - 1, running, running))
-        tokens = np.stack((seated, seated - 1, running, chunk + running))
-        seqs = np.stack((seated, seated - 1, running, 1.0 + running))
+        running, seated, fewer, chunk = ld.running[rows], ld.seated[rows], ld.fewer[rows], ld.chunk[rows]
+        batch = np.stack((seated, fewer, running, running))
+        tokens = np.stack((seated, fewer, running, chunk + running))
+        seqs = np.stack((seated, fewer, running, 1.0 + running))
         t = tokens * inv_r
         base = overhead + per_seq * seqs + comm * t + np.maximum(dense_c * t + dense_cs * seqs, dense_m)
         if f.experts:
@@ -205,7 +209,7 @@ class StepPricer:
         context = self._batch * p.ctx
         at_ctx = attn_dec * context
         kept = self._base + np.maximum(self._pf + at_ctx, (context * inv_r + self._t) * attn_m)
-        kept[self._empty] = 0.0
+        np.putmask(kept, self._empty, 0.0)
         # The first chunk: n of the prompt's tokens (at least 1) beside the running batch, one sequence more.
         n, running = p.first, ld.running
         t = (n + running) * inv_r
@@ -273,11 +277,11 @@ class DecodeStep(msgspec.Struct, frozen=True):
 
 def decode_step(ld: Load, s: Steps) -> DecodeStep:
     step = s.decode
-    waits = ld.batch > ld.max_batch
+    waits = ld.waits
     if np.count_nonzero(waits):
         step = np.where(waits, step * (ld.batch / ld.max_batch), step)  # waits for a slot: b / max_batch rounds
     marginal = step - s.decode_fewer
-    marginal[ld.seated <= 1] = 0.0
+    np.putmask(marginal, ld.fewer <= 0, 0.0)  # a batch of one
     return DecodeStep(step, marginal, s.with_chunk - s.decode_alone, waits)
 
 
@@ -294,7 +298,7 @@ def tpot(d: DecodeStep, slow: np.ndarray, ld: Load, life: np.ndarray, n_out: int
 
 def decode_delay(ld: Load, d: DecodeStep, slow: np.ndarray, n_out: int) -> np.ndarray:
     """Seconds a decode there adds to the other sequences' steps over its life."""
-    return (ld.seated - 1) * max(n_out - 1, 0) * d.marginal / slow
+    return ld.fewer * max(n_out - 1, 0) * d.marginal / slow
 
 
 def stalled(ld: Load, queued_prefills: np.ndarray) -> np.ndarray:
@@ -320,12 +324,12 @@ def first_k(value: np.ndarray, flags: Sequence[np.ndarray], k: int) -> np.ndarra
             for fl in flags[1:]:
                 bad = bad | fl
             if bad.any():
-                idx = np.flatnonzero(~bad)
+                idx = (~bad).nonzero()[0]
                 v = value[idx]
         if len(v) >= k:
             bound = np.partition(v, k - 1)[k - 1]
             if bound == bound:  # not NaN (NaNs sort last, and nothing is <= NaN)
-                near = np.flatnonzero(v <= bound)
+                near = (v <= bound).nonzero()[0]
                 if idx is not None:
                     near = idx[near]
                 return near[value[near].argsort(kind="stable")[:k]]
