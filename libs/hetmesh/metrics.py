@@ -65,6 +65,9 @@ class GatewayMetrics:
         self.migration_gap = Histogram("hetmesh_gateway_migration_gap_seconds",
                                        "A migrated stream's pause: last token before the move to the first after",
                                        ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.stray_replies = Counter("hetmesh_gateway_stray_replies",
+                                     "Messages on this gateway's reply subjects that no request waits for (an attempt "
+                                     "since re-placed, a request over): dropped", registry=r)
 
     def finished(self, model: str, status: int, duration_s: float, ttft_s: float | None = None,
                  completion_tokens: int = 0) -> None:

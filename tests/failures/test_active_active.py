@@ -183,6 +183,26 @@ async def test_worker_back_from_a_partition_serves_nothing_twice(mesh2: tuple[Me
         await events.aclose()
 
 
+async def test_a_stream_no_request_waits_for_is_dropped_and_counted(mesh2: tuple[Mesh, str]) -> None:
+    """Chunks on a gateway's reply subject for an attempt it no longer reads (a worker back from a partition,
+    still streaming an attempt that was re-placed) reach no client and are counted."""
+    m, url_b = mesh2
+
+    def stray() -> float:
+        return scrape(f"{url_b}/metrics").get(("hetmesh_gateway_stray_replies_total", ()), 0.0)
+
+    before = await asyncio.to_thread(stray)
+    nc = await nats.connect(m.nats_url)
+    chunk = TokenChunk(request_id="gone", worker_id="h100-0", index=3, token_ids=[104], text="h")
+    await nc.publish(subjects.reply_to("gwb", "gone-0"), encode(chunk))
+    await nc.flush()
+    await nc.close()
+    for _ in range(50):
+        if await asyncio.to_thread(stray) == before + 1:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"stray replies {await asyncio.to_thread(stray)}, expected {before + 1}")
+
 async def test_scheduler_killed_among_two_loses_nothing(mesh2: tuple[Mesh, str]) -> None:
     m, url_b = mesh2
     await schedulers_beating(m.nats_url, {"sched-0", "sched-1"})

@@ -182,6 +182,8 @@ class Gateway:
         box = self.inboxes.get(m.subject[m.subject.rfind(".") + 1:])
         if box is not None:
             box.put(ev)
+        else:  # e.g. a second stream of a re-placed attempt, from a worker that still ran the old one
+            self.metrics.stray_replies.inc()
 
     async def _on_reconnect(self) -> None:
         self.schedulers.bus_gap(asyncio.get_running_loop().time())
