@@ -68,12 +68,13 @@ async def bridge(mesh: Mesh, nc: Any, last: Heartbeat, going: Callable[[], bool]
                  **change: Any) -> None:
     """Keep a worker's heartbeats going for it: `last` again (with `change`, a fresh ts) every heartbeat
     interval while `going()`; `moving`: with one more token generated each time (an engine the scheduler
-    sees working), else its counters stand still (an engine wedged)."""
+    sees working), else its counters stand still (an engine wedged). Unnumbered (seq 0): numbered as `last`
+    is, they would be dropped as stale, and the worker's own numbers after them too."""
     n = 0
     while going():
         n += moving
         await nc.publish(subjects.heartbeat(last.worker_id), encode(msgspec.structs.replace(
-            last, ts=time.time(), tokens_generated=last.tokens_generated + n, **change)))
+            last, ts=time.time(), tokens_generated=last.tokens_generated + n, seq=0, **change)))
         await asyncio.sleep(mesh.cfg.mesh.heartbeat_interval_s)
 
 
