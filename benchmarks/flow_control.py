@@ -112,7 +112,10 @@ def cases(cap: float, d: float, k: int) -> list[dict[str, Any]]:
                  "detail": {"flow": round(fair["goodput_tok_s"]), "no flow": round(unfair["goodput_tok_s"]),
                             # how many requests met their SLOs: which ones, not how many, is what differs
                             "within SLO": {k: round(v["goodput_req_s"] * v["duration_s"])
-                                           for k, v in (("flow", fair), ("no flow", unfair))}}})
+                                           for k, v in (("flow", fair), ("no flow", unfair))},
+                            # the scheduler's CPU in the refusal path: each a placement's
+                            "policy calls per request": {k: round(v["policy_calls"] / len(equal), 1)
+                                                         for k, v in (("flow", fair), ("no flow", unfair))}}})
 
     banded = merge(ld(0.5 * cap, "high", 21), ld(2.0 * cap, "low", 22))
     for label, tenants in (("flow", (Tenant("high", 1.0, 0), Tenant("low", 1.0, 1))), ("no flow", ())):

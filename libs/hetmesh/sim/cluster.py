@@ -112,6 +112,7 @@ class Simulator:
         self.rejected_models: dict[str, int] = {}  # requests not served, per model; of them
         self.refused = 0  # refused by the policy's admission (hetmesh.placement.admission), retries exhausted
         self.retried = 0  # refusals a client retried after Retry-After (SimConfig.client_retries)
+        self.policy_calls = 0  # placements asked of the policy: first tries, retries, holds and pumps alike
         self.held = 0  # refusals held and placed again (Decision.hold_s)
         self.rejected_tenants: dict[str, int] = {}  # requests not served, per tenant
         self.flow: SimFlow | None = None  # flow control (SimConfig.tenants)
@@ -204,6 +205,7 @@ class Simulator:
         info = RequestInfo(request_id=str(req.rid), model=req.model or self._model, prompt_len=req.n_in,
                            max_tokens=req.n_out, cached_blocks=self._cached_blocks(req.hashes), block_size=block_tokens,
                            arrival=self.now, waited_s=self.now - req.arrival)
+        self.policy_calls += 1
         d = self.policy.place(info, self._views())
         if fl is not None and d is not None and d.mode == REFUSED:
             fl.refused(req, d, info.model)  # held in the flow queue, or refused with its tenant's Retry-After
@@ -501,4 +503,5 @@ class Simulator:
         return SimResult(self.records, stats, t_start, end, self.kv_bytes, sum(self.rejected_models.values()),
                          getattr(self.policy, "name", type(self.policy).__name__), steps, self.refused,
                          self.rejected_models, self.retried, self.held, self.rejected_tenants,
-                         {t: self.flow.q.stats(t) for t in self.flow.q.tenants} if self.flow else {})
+                         {t: self.flow.q.stats(t) for t in self.flow.q.tenants} if self.flow else {},
+                         self.policy_calls)

@@ -97,6 +97,7 @@ def summarize(res: SimResult, slo: Slo | Mapping[str, Slo] = Slo(),
         # of every request offered: the rejected (and admission-refused) ones count as misses
         "refused": res.refused,
         "retried": res.retried,
+        "policy_calls": res.policy_calls,
         "held": res.held,
         "offered_slo_attainment": float(ok.sum() / (len(recs) + res.rejected)) if recs or res.rejected else 0.0,
         "goodput_tok_s": goodput,

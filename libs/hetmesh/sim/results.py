@@ -60,3 +60,4 @@ class SimResult:
     held: int = 0  # refusals the scheduler held and placed again (Decision.hold_s)
     rejected_tenants: dict[str, int] = field(default_factory=dict)  # `rejected` per tenant
     flow: dict[str, Any] = field(default_factory=dict)  # flow control's TenantStats per tenant (SimConfig.tenants)
+    policy_calls: int = 0  # placements asked of the policy (each a scheduler's placement's CPU)
