@@ -128,6 +128,7 @@ def main() -> None:
     out.write_text(json.dumps({"command": "python benchmarks/flow_cost.py", "config": vars(args), "rows": rows,
                                "machine": f"{platform.platform()}, {os.cpu_count()} cores, python "
                                           f"{platform.python_version()}",
+                               "load_average": os.getloadavg(),
                                "date": datetime.now(UTC).isoformat(timespec="seconds")}, indent=1) + "\n")
     print(f"wrote {out}")
 

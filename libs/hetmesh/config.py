@@ -172,8 +172,9 @@ class FlowConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     # tenant `default`, weight 1, in the last band, unless [[tenants]] has one of that name.
     header: str = "x-hetmesh-tenant"
     max_held: int = 256  # requests one tenant may have held at once; past it, 429 + Retry-After
-    # A held request waits at most this share of its TTFT SLO, then 429 + Retry-After: served from the queue at
-    # the edge of its SLO it would mostly miss it, and keep the requests behind it waiting as long.
+    # The share of its TTFT and TPOT SLOs a request leaves free while a higher band, or a tenant of its band owed
+    # room, is active (the room their next arrivals land in). A held request waits until the latest start that
+    # meets its TTFT SLO (the SLO less its own prefill), then 429 + Retry-After.
     wait_share: float = 0.5
 
 

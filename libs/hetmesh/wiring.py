@@ -78,8 +78,8 @@ DEFAULT_TENANT = "default"  # requests that name no tenant
 def flow_queue(tenants: Sequence[Tenant], max_held: int, retry_floor_s: float, reserve: float = 0.0) -> FlowQueue:
     """The flow queue the scheduler and the simulator hold requests in: the given tenants, and the `default`
     tenant (weight 1, last band) for requests that name none, unless one of them is called that. `reserve`:
-    the share of the TTFT SLO a lower band leaves free while a higher one is active (flow.wait_share: as long
-    as a held request may wait)."""
+    the share of its SLOs a request leaves free for the tenants it would crowd out (flow.wait_share;
+    `FlowQueue.headroom`)."""
     ts = list(tenants)
     if all(t.name != DEFAULT_TENANT for t in ts):
         ts.append(Tenant(DEFAULT_TENANT, 1.0, max((t.band for t in ts), default=0)))

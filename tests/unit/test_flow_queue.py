@@ -9,7 +9,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetmesh.placement import REFUSED, RequestInfo, WorkerView, make_policy
-from hetmesh.placement.flow import LOOKAHEAD, FlowQueue, Held, Tenant, Turns, reserved, token_cost
+from hetmesh.placement.flow import (
+    LOOKAHEAD,
+    FlowQueue,
+    Held,
+    Tenant,
+    Turns,
+    hold_deadline,
+    reserved,
+    token_cost,
+)
 from hetmesh.protocol import Role
 
 
@@ -274,3 +283,14 @@ def test_the_cost_policy_keeps_a_reserved_request_within_its_share_of_the_tpot_s
         assert d.predicted_ttft_s < 0.5 and 0.05 < d.predicted_tpot_s < 0.1
         modes.append(d.mode)
     assert modes == ["aggregated", REFUSED]
+
+
+def test_a_held_request_may_wait_until_the_latest_start_that_meets_its_ttft_slo() -> None:
+    short = hold_deadline(10.0, ttft_slo_s=2.0, prefill_s=0.1, limit_s=30.0)
+    long = hold_deadline(10.0, ttft_slo_s=2.0, prefill_s=1.5, limit_s=30.0)
+    assert short == pytest.approx(11.9) and long == pytest.approx(10.5)  # its own prefill must still fit after it
+    assert hold_deadline(10.0, ttft_slo_s=2.0, prefill_s=0.1, limit_s=1.0) == 11.0  # the client's patience first
+    q = FlowQueue([Tenant("a")])
+    q.hold("long", "a", 1.5, long, now=10.0)
+    q.hold("short", "a", 0.1, short, now=10.0)
+    assert [h.key for h in q.order()] == ["long", "short"]  # EDF: the one with less room to wait goes first

@@ -10,7 +10,7 @@ it here instead of letting every held request retry on its own, where whoever se
   The next held request is the one whose tenant would start first. An idle tenant's tag is pulled up to V
   when it comes back (no credit banked while idle), and a band with one tenant waiting serves it alone: the
   queue is work-conserving;
-- earliest deadline first within a tenant (deadline = its arrival + its TTFT SLO).
+- earliest deadline first within a tenant (deadline: the latest start that meets its TTFT SLO, `hold_deadline`).
 
 A request's cost is in the cost model's units (`engine_seconds`: its predicted engine time; or tokens).
 A new arrival goes straight to the policy only while nothing of its band or above waits; otherwise it joins
@@ -130,6 +130,13 @@ def reserved(info: RequestInfo, headroom: float) -> RequestInfo:
     return info if headroom <= 0.0 else msgspec.structs.replace(info, slo_share=info.slo_share * (1.0 - headroom))
 
 
+def hold_deadline(sent: float, ttft_slo_s: float, prefill_s: float, limit_s: float) -> float:
+    """When a held request must start by: its TTFT SLO less its own prefill at an idle worker, the latest start
+    that can still meet it (a shorter hold turns away requests that would still be served in time), and
+    within `limit_s` of its first send (the client's patience)."""
+    return sent + min(ttft_slo_s - prefill_s, limit_s)
+
+
 def _decayed(total: float, t: float, now: float) -> float:
     return total * math.exp(-max(now - t, 0.0) / RATE_WINDOW_S)
 
@@ -153,7 +160,7 @@ class FlowQueue:
         self.retry_floor_s = retry_floor_s
         if not 0.0 <= reserve < 1.0:
             raise ValueError(f"flow reserve must be in [0, 1), not {reserve}")
-        self.reserve = reserve  # share of the TTFT SLO a lower band leaves free while a higher one is active
+        self.reserve = reserve  # share of its SLOs a request leaves free for those it would crowd out
         self._seq = 0
         self._n_held = 0
         self._held_in: dict[int, int] = dict.fromkeys(self.vtime, 0)  # requests held per band

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from hetmesh.placement import Decision
 from hetmesh.placement.admission import DEFAULT_HOLD_S, retry_wait_s
-from hetmesh.placement.flow import FlowQueue, Turns, reserved
+from hetmesh.placement.flow import FlowQueue, Turns, hold_deadline, reserved
 from hetmesh.placement.state import RequestInfo
 from hetmesh.wiring import flow_queue, pricer
 
@@ -90,7 +90,8 @@ class SimFlow:
 
     def _hold(self, req: Any, model: str) -> None:
         q, now = self.q, self.sim.now
-        deadline = req.sent + min(self.sim.cfg.flow_wait_share * self.ttft_slo(model), self.sim.cfg.hold_limit_s)
+        deadline = hold_deadline(req.sent, self.ttft_slo(model), self.prices[model](req.n_in, 0, 0),
+                                 self.sim.cfg.hold_limit_s)
         if q.hold(str(req.rid), req.tenant, req.cost, deadline, now, req, again=req.held) is None:
             self._refuse(req, q.retry_after_s(req.tenant, now), 0.0)
             return

@@ -23,7 +23,7 @@ import msgspec
 from hetmesh import config, wiring
 from hetmesh.placement import REFUSED, ClusterState, Decision, RequestInfo, refusals
 from hetmesh.placement.admission import DEFAULT_HOLD_S
-from hetmesh.placement.flow import FlowQueue, Turns, reserved, token_cost
+from hetmesh.placement.flow import FlowQueue, Turns, hold_deadline, reserved, token_cost
 from hetmesh.protocol import InferenceRequest
 
 Placed = tuple[Decision | None, bool]  # the decision, and whether it is booked in the cluster view already
@@ -94,10 +94,11 @@ class FlowGate:
             if d.hold_s is None:
                 return d, False  # admission's own refusal: the caller answers it
         now = time.monotonic()
-        ttft_slo = self.cfg.slo(req.model)[0] / self.scale
-        limit = min(self.cfg.flow.wait_share * ttft_slo, self.cfg.gateway.hold_limit_s)
+        price = self.prices.get(req.model)  # its own prefill, on the engines' clock (none: unknown, taken as 0)
+        prefill = price(len(req.prompt_tokens), cached, 0) / self.scale if price is not None else 0.0
+        deadline = hold_deadline(now, self.cfg.slo(req.model)[0] / self.scale, prefill, self.cfg.gateway.hold_limit_s)
         fut: asyncio.Future[Placed | refusals.Refusal] = asyncio.get_running_loop().create_future()
-        if q.hold(req.request_id, t, cost, now + limit, now, _Waiting(fut, info, req, now)) is None:
+        if q.hold(req.request_id, t, cost, deadline, now, _Waiting(fut, info, req, now)) is None:
             return self._refusal(req, f"it already holds {self.cfg.flow.max_held} requests")
         if self._pump_task is None or self._pump_task.done():
             self._pump_task = asyncio.create_task(self._pump_loop())
@@ -117,7 +118,7 @@ class FlowGate:
         for h in q.expired(now):
             w: _Waiting = h.item  # type: ignore[assignment]
             if not w.fut.done():
-                w.fut.set_result(self._refusal(w.req, "its wait passed its share of the TTFT SLO"))
+                w.fut.set_result(self._refusal(w.req, "its wait passed the latest start that meets its TTFT SLO"))
         turns = Turns(q)
         while (h := turns.next()) is not None:
             w = h.item  # type: ignore[assignment]
