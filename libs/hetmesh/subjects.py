@@ -15,7 +15,7 @@ PREFIX = "hetmesh"
 
 SUBMIT = f"{PREFIX}.sched.submit"  # request/reply: InferenceRequest -> SubmitReply
 SCHED_STATUS = f"{PREFIX}.sched.status"  # request/reply, empty -> SchedulerStatus
-SCHED_ALIVE_ALL = f"{PREFIX}.sched.alive.*"  # every scheduler's beat, so gateways know who answers submits
+SCHED_ALIVE_ALL = f"{PREFIX}.sched.alive.*"  # every scheduler's beat: for gateways (who answers) and schedulers (whose bookings count)
 GATEWAY_ALIVE_ALL = f"{PREFIX}.gateway.alive.*"  # every gateway's beat (empty): workers drop a dead one's work
 FINISHED = f"{PREFIX}.sched.finished"
 SCHED_BOOKED = f"{PREFIX}.sched.booked"  # every scheduler -> every scheduler: its placements (BookedBatch)
