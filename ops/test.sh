@@ -25,4 +25,4 @@ fi
 if [ "$fast" = 1 ]; then
   exec "$VPY/python" -m pytest -q -m "unit and not slow" "${args[@]}"
 fi
-exec "$VPY/python" -m pytest -q "${args[@]}"
+exec "$VPY/python" -m pytest -q --durations=15 "${args[@]}"  # the slowest tests listed: keep the suite short
