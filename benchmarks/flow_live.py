@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,6 +81,7 @@ class Outcome:
     last_s: float = 0.0  # to the last token so far
     tokens: int = 0  # streamed so far
     cut: bool = False  # still streaming at the run's end: judged on what it had streamed
+    code: str = ""  # a refusal's error code
 
     @property
     def tpot_s(self) -> float:
@@ -94,7 +97,8 @@ async def one(c: httpx.AsyncClient, o: Outcome, i: int, n_in: int, n_out: int, f
         async with c.stream("POST", "/v1/completions", json=body, headers={HEADER: o.tenant} if flow else {}) as r:
             o.status = r.status_code
             if r.status_code != 200:
-                await r.aread()
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    o.code = json.loads(await r.aread())["error"]["code"]
                 return
             async for line in r.aiter_lines():
                 if line.startswith("data: {"):
@@ -141,6 +145,7 @@ def score(outs: list[Outcome], time_scale: float) -> dict[str, dict[str, Any]]:
         per[t] = {"offered": len(mine), "served": len(served), "refused": sum(o.status in (429, 503) for o in mine),
                   "failed": sum(o.status not in (200, 429, 503) and not o.cut for o in mine),
                   "cut": sum(o.cut for o in mine),
+                  "refusals": dict(Counter(f"{o.status} {o.code}" for o in mine if o.status not in (0, 200))),
                   "attainment": len(ok) / len(mine), "good_tokens": sum(o.tokens for o in ok),
                   "ttft_p50_s": percentile([o.ttft_s * time_scale for o in served], 0.5),
                   "ttft_p99_s": percentile([o.ttft_s * time_scale for o in served], 0.99),
