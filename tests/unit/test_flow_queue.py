@@ -290,7 +290,18 @@ def test_a_held_request_may_wait_until_the_latest_start_that_meets_its_ttft_slo(
     long = hold_deadline(10.0, ttft_slo_s=2.0, prefill_s=1.5, limit_s=30.0)
     assert short == pytest.approx(11.9) and long == pytest.approx(10.5)  # its own prefill must still fit after it
     assert hold_deadline(10.0, ttft_slo_s=2.0, prefill_s=0.1, limit_s=1.0) == 11.0  # the client's patience first
+    # a tenant that must leave others half its SLOs cannot be placed past half of it: no use holding it longer
+    assert hold_deadline(10.0, ttft_slo_s=2.0, prefill_s=0.1, limit_s=30.0, headroom=0.5) == pytest.approx(10.9)
     q = FlowQueue([Tenant("a")])
     q.hold("long", "a", 1.5, long, now=10.0)
     q.hold("short", "a", 0.1, short, now=10.0)
     assert [h.key for h in q.order()] == ["long", "short"]  # EDF: the one with less room to wait goes first
+
+
+def test_a_request_held_again_keeps_its_deadline() -> None:
+    q = FlowQueue([Tenant("a")])
+    h = q.hold("a0", "a", 1.0, deadline=5.0, now=0.0)
+    q.hold("a1", "a", 1.0, deadline=6.0, now=0.0)
+    q.take(h, 1.0)  # taken out to be placed, and still refused: the shell works out a deadline again
+    q.hold("a0", "a", 1.0, deadline=9.0, now=1.0, again=True)
+    assert [(x.key, x.deadline) for x in q.order()] == [("a0", 5.0), ("a1", 6.0)]

@@ -130,11 +130,12 @@ def reserved(info: RequestInfo, headroom: float) -> RequestInfo:
     return info if headroom <= 0.0 else msgspec.structs.replace(info, slo_share=info.slo_share * (1.0 - headroom))
 
 
-def hold_deadline(sent: float, ttft_slo_s: float, prefill_s: float, limit_s: float) -> float:
-    """When a held request must start by: its TTFT SLO less its own prefill at an idle worker, the latest start
-    that can still meet it (a shorter hold turns away requests that would still be served in time), and
-    within `limit_s` of its first send (the client's patience)."""
-    return sent + min(ttft_slo_s - prefill_s, limit_s)
+def hold_deadline(sent: float, ttft_slo_s: float, prefill_s: float, limit_s: float, headroom: float = 0.0) -> float:
+    """When a held request must start by: the share of its TTFT SLO it may use (`1 - headroom`: the headroom its
+    tenant leaves others when it is held) less its own prefill at an idle worker, the latest start that can
+    still meet it (a shorter hold turns away requests that would still be served in time, a longer one keeps
+    hopeless ones at its tenant's head), within `limit_s` of its first send (the client's patience)."""
+    return sent + min((1.0 - headroom) * ttft_slo_s - prefill_s, limit_s)
 
 
 def _decayed(total: float, t: float, now: float) -> float:
@@ -295,16 +296,19 @@ class FlowQueue:
 
     def hold(self, key: str, tenant: str, cost: float, deadline: float, now: float, item: object = None,
              again: bool = False) -> Held | None:
-        """Hold a request (`again`: one taken out to be placed and still refused, not counted twice, what was
-        placed past it kept); None: its tenant already holds max_held (refuse it: `refused`)."""
+        """Hold a request (`again`: one taken out to be placed and still refused, not counted twice, its deadline
+        and what was placed past it kept); None: its tenant already holds max_held (refuse it: `refused`)."""
         s = self.tenants[tenant]
         if len(s.held) >= self.max_held:
             return None
         self._seq += 1
-        h = Held(key, tenant, cost, deadline, now, item, self._seq)
         out = self._taken
-        if again and out is not None and out.key == key:  # the same request back: what was placed past it
-            h.passed = out.passed
+        again_of = out if again and out is not None and out.key == key else None  # the same request back
+        if again_of is not None:
+            deadline = again_of.deadline
+        h = Held(key, tenant, cost, deadline, now, item, self._seq)
+        if again_of is not None:
+            h.passed = again_of.passed
         bisect.insort(s.held, h, key=_edf)
         self._n_held += 1
         self._held_in[s.band] += 1

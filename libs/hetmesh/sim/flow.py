@@ -91,7 +91,7 @@ class SimFlow:
     def _hold(self, req: Any, model: str) -> None:
         q, now = self.q, self.sim.now
         deadline = hold_deadline(req.sent, self.ttft_slo(model), self.prices[model](req.n_in, 0, 0),
-                                 self.sim.cfg.hold_limit_s)
+                                 self.sim.cfg.hold_limit_s, q.headroom(req.tenant, now))
         if q.hold(str(req.rid), req.tenant, req.cost, deadline, now, req, again=req.held) is None:
             self._refuse(req, q.retry_after_s(req.tenant, now), 0.0)
             return

@@ -96,7 +96,8 @@ class FlowGate:
         now = time.monotonic()
         price = self.prices.get(req.model)  # its own prefill, on the engines' clock (none: unknown, taken as 0)
         prefill = price(len(req.prompt_tokens), cached, 0) / self.scale if price is not None else 0.0
-        deadline = hold_deadline(now, self.cfg.slo(req.model)[0] / self.scale, prefill, self.cfg.gateway.hold_limit_s)
+        deadline = hold_deadline(now, self.cfg.slo(req.model)[0] / self.scale, prefill, self.cfg.gateway.hold_limit_s,
+                                 q.headroom(t, now))
         fut: asyncio.Future[Placed | refusals.Refusal] = asyncio.get_running_loop().create_future()
         if q.hold(req.request_id, t, cost, deadline, now, _Waiting(fut, info, req, now)) is None:
             return self._refusal(req, f"it already holds {self.cfg.flow.max_held} requests")
