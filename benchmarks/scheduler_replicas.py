@@ -2,10 +2,11 @@
 
 Each replica is its own cost policy (its own bookkeeping) over its own view: every worker's heartbeat every
 0.5 s and Finished records 20 ms late (batched), both heard by every replica, plus what the replica placed itself
-since the heartbeat (hetmesh.sim.replicas). Gateways pick a replica at random per request. Two ways to share
+since the heartbeat (hetmesh.sim.replicas). Gateways pick a replica at random per request (and per client retry;
+a request a replica holds stays on it). Two ways to share
 placements: "own" (no sharing: another replica's placements show only in the next heartbeat, and never in a
 policy's own bookkeeping) and "shared", what the scheduler does: each replica publishes its placements on the bus
-(hetmesh.sched.booked, at once; heard here 1 ms later) and the others count them on the workers and book them
+(hetmesh.sched.booked, at once; heard here --share-s later, 1 ms by default) and the others count them on the workers and book them
 in their policy as the placing one did (CostPolicy.booked). The worker is the arbiter either way: its engine
 admits nothing past its batch or KV blocks.
 
@@ -19,7 +20,7 @@ draw: the spread (min..max over draws) is in the results. Over-booking: requests
 chosen workers that the placing replica did not count, placements onto a batch that was full while the
 replica's view showed room, admissions past pool_full (queue_factor) the replica could not see, and steps in
 which any worker ran past its batch or KV limit (must be 0). Writes results/scheduler_replicas.json.
-    nice .venv/bin/python benchmarks/scheduler_replicas.py [--only mix] [--traces azure-conv] [--seeds 4]
+    nice .venv/bin/python benchmarks/scheduler_replicas.py [--only mix] [--traces azure-conv] [--seeds 4] [--share-s 0.001]
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=4, help="draws per point and replica count (goodput: their mean)")
     ap.add_argument("--only", nargs="*", default=None, choices=sorted(CLUSTERS))
     ap.add_argument("--traces", nargs="*", default=None, choices=sorted(TRACES))
+    ap.add_argument("--share-s", type=float, default=MODES["shared"], help="how late the other replicas hear a booking")
     ap.add_argument("--out", default=str(ROOT / "results" / "scheduler_replicas.json"))
     ap.add_argument("--tables", action="store_true", help="print the markdown table of --out, run nothing")
     args = ap.parse_args()
@@ -121,6 +123,7 @@ def main() -> int:
     if args.tables:
         console.print(markdown(json.loads(Path(args.out).read_text())), soft_wrap=True)
         return 0
+    MODES["shared"] = args.share_s
     sc = SchedulerConfig()
     effs = load_efficiencies(ROOT / "results" / "seed_efficiency.json")
     t0 = time.time()

@@ -3,7 +3,7 @@ simulator's replicas (hetmesh.sim.replicas), each placing on its own heartbeat-o
 
 from __future__ import annotations
 
-from hetmesh.placement import RequestInfo, WorkerView
+from hetmesh.placement import REFUSED, RequestInfo, WorkerView
 from hetmesh.placement.cost import CostPolicy
 from hetmesh.protocol import Role
 from hetmesh.sim import policy_for, pool, synthetic
@@ -60,3 +60,27 @@ def test_replicas_miss_each_others_placements_until_they_share_them() -> None:
     assert own.unseen > 0  # placed on a worker holding more than its view said
     assert shared.unseen < own.unseen / 2
     assert own.over_limit == shared.over_limit == 0  # the batching core never runs past its batch or KV
+
+
+def test_a_held_request_is_placed_again_by_the_replica_that_held_it() -> None:
+    # as the scheduler's hold loop does: the gateway picked a replica once, the hold runs there
+    ws = pool("h100", 1, "nvidia-h100", model="llama-3.1-70b", max_batch=16)
+    reps = [policy_for("cost", ws) for _ in range(2)]
+    calls: list[tuple[str, int, bool]] = []  # (request, replica, refused and held)
+    for k, p in enumerate(reps):
+        def place(info: RequestInfo, views: list[WorkerView], k: int = k, place=p.place) -> object:
+            d = place(info, views)
+            calls.append((info.request_id, k, d is not None and d.mode == REFUSED and d.hold_s is not None))
+            return d
+        p.place = place  # type: ignore[method-assign]
+    sim = ReplicaSimulator(ws, reps, share_s=0.001, seed=1)
+    sim.run(synthetic(150, rate=6.0, input_mean=6000, output_mean=100, seed=3))
+    holder: dict[str, int] = {}
+    again = []
+    for rid, k, held in calls:
+        if rid in holder:
+            again.append(holder.pop(rid) == k)
+        if held:
+            holder[rid] = k
+    assert sim.held > 50 and len(again) == sim.held
+    assert all(again)

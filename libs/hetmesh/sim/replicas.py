@@ -5,8 +5,9 @@ every worker's heartbeats (one per `heartbeat_s`) and Finished records (batched,
 `ClusterState`, and adds what it placed itself since a worker's last heartbeat on top; another replica's
 placements it sees only in the worker's next heartbeat. Each replica runs its own policy object, so a policy's
 own bookkeeping (the cost policy's prefill backlog) holds that replica's placements only. A gateway sends each
-request to a replica picked at random. The worker's engine is the arbiter: its batching core admits nothing
-past its batch or its KV blocks, the rest waits in its queue.
+request, and each client retry, to a replica picked at random; a request a replica refuses and holds stays on
+that replica, which places it again (the scheduler's hold loop). The worker's engine is the
+arbiter: its batching core admits nothing past its batch or its KV blocks, the rest waits in its queue.
 
 `ReplicaSimulator` is the Simulator with that in front of the workers; its `overbooking` says what the replicas
 did not see when they placed, and checks after every step that no worker holds more than its limits.
@@ -79,6 +80,8 @@ class ReplicaSimulator(Simulator):
         self._hb_t: list[float] = []
         self._fin: list[int] = []  # Finished records heard since it (every replica hears them)
         self._beats = 0  # heartbeat events pending
+        self._refused_by: dict[str, int] = {}  # request id -> the replica that refused it last
+        self._held = False  # the request being placed comes back from a hold
 
     # ---- the replicas' views ----
     def _start(self) -> None:
@@ -135,11 +138,15 @@ class ReplicaSimulator(Simulator):
     def place(self, info: RequestInfo, truth: list[WorkerView]) -> Decision | None:
         if not self._books:
             self._start()
-        k = self._rng.randrange(len(self._books))
+        k = self._refused_by.pop(info.request_id, None)
+        if k is None or not self._held:  # a new request or a client's retry: the gateway picks
+            k = self._rng.randrange(len(self._books))
         b = self._books[k]
         mine = self.view_of(b)
         d = b.policy.place(info, mine)
         if d is None or d.mode == REFUSED:
+            if d is not None:
+                self._refused_by[info.request_id] = k  # held, it comes back to this replica
             return d
         ob = self.overbooking
         ob.placements += 1
@@ -165,6 +172,10 @@ class ReplicaSimulator(Simulator):
         return d
 
     # ---- the simulator's events, heard by every replica ----
+    def _arrive(self, req, block_tokens: int, held: bool = False) -> None:  # type: ignore[no-untyped-def]
+        self._held = held
+        super()._arrive(req, block_tokens, held)
+
     def _build(self, hash_tokens: int) -> None:
         super()._build(hash_tokens)
         self._index = {w.spec.worker_id: w.index for w in self.workers}
