@@ -92,6 +92,55 @@ max_batch = 256
 """
 
 
+# --flow: the same mesh with flow control on (the header names each request's tenant, in turn), and a full fleet.
+TENANTS = (("gold", 2.0, "high"), ("silver", 1.0, "high"), ("a", 1.0, "low"), ("b", 1.0, "low"), ("c", 2.0, "low"),
+           ("d", 4.0, "low"))
+FLOW = '\n[flow]\nbands = ["high", "low"]\nheader = "x-hetmesh-tenant"\n' + "".join(
+    f'[[tenants]]\nname = "{n}"\nweight = {w}\npriority = "{b}"\n' for n, w, b in TENANTS)
+
+# One Llama-3.1-8B H100 sim worker in real time (time_scale 1), small batches: offered past its capacity, the
+# cost policy's admission (or flow control) holds requests and refuses those that would miss the TTFT SLO.
+FULL_CLUSTER = """
+[mesh]
+time_scale = 1.0
+heartbeat_interval_s = 0.5
+[scheduler]
+policy = "cost"
+ttft_slo_s = {ttft_slo}
+tpot_slo_s = 0.1
+[[models]]
+name = "tiny-sim"
+spec = "llama-3.1-8b"
+max_context = 32768
+block_size = 16
+[[workers]]
+name = "h100"
+model = "tiny-sim"
+accelerator = "nvidia-h100"
+role = "both"
+count = 1
+max_batch = {max_batch}
+"""
+
+
+def full_body(i: int) -> bytes:
+    # A unique head: no prefix hits; 1,000 prompt tokens (byte tokenizer), 32 out.
+    return json.dumps({"model": "tiny-sim", "prompt": f"request {i} " + "x" * 1000, "max_tokens": 32,
+                       "ignore_eos": True, "stream": True}).encode()
+
+
+class TenantClient(SSEClient):
+    """Names the next tenant, in turn, in the flow header of each request. loadgen's client sends no headers of
+    its own, so the header rides after the path in the request line (POST <path> HTTP/1.1 CRLF header ...)."""
+
+    turn = 0
+
+    async def stream(self, path: str, body: bytes) -> Any:
+        self.turn += 1
+        tenant = TENANTS[self.turn % len(TENANTS)][0]
+        return await super().stream(f"{path} HTTP/1.1\r\nx-hetmesh-tenant: {tenant}\r\nx-path:", body)
+
+
 def body(i: int) -> bytes:
     return json.dumps({"model": "tiny-sim", "prompt": f"request {i} " * 8, "max_tokens": 8, "stream": True}).encode()
 
@@ -204,27 +253,38 @@ s.serve_forever()
 """
 
 
-async def bench(mesh: Mesh, rates: list[float], seconds: float) -> dict[str, object]:
-    client = SSEClient(mesh.cfg.gateway.host, mesh.port)
+def mesh_pids(mesh: Mesh) -> dict[str, int]:
     procs = {name: s.proc.pid for name, s in mesh.services.items() if s.proc}
     procs.update({p.name: p.proc.pid for p in mesh.started_servers})
+    return procs
+
+
+async def rate_row(client: SSEClient, procs: dict[str, int], rate: float, seconds: float,
+                   body: Any) -> dict[str, Any]:
+    """One open loop at `rate`: TTFT of the requests served, and the mesh's CPU per request served, per process."""
+    pids = list(procs.values())
+    each0 = {name: cpu_seconds([pid]) for name, pid in procs.items()}
+    c0, w0, k0 = cpu_seconds(pids), time.perf_counter(), cpu_ticks()
+    res = await open_loop(client, PATH, rate, seconds, body)
+    cpu, wall = cpu_seconds(pids) - c0, time.perf_counter() - w0
+    steal = steal_fraction(k0, cpu_ticks())
+    t = [r.ttft_s for r in res if r.ok]
+    per_process = {name: (cpu_seconds([pid]) - each0[name]) / max(len(t), 1) * 1e3 for name, pid in procs.items()}
+    return {"rate_rps": rate, "requests": len(res), "errors": len(res) - len(t),
+            "achieved_rps": len(res) / wall, "ttft_p50_ms": percentile(t, 0.5) * 1e3,
+            "ttft_p90_ms": percentile(t, 0.9) * 1e3, "ttft_p99_ms": percentile(t, 0.99) * 1e3,
+            "ttft_mean_ms": statistics.fmean(t) * 1e3 if t else float("nan"),
+            "mesh_cpu_ms_per_request": cpu / max(len(t), 1) * 1e3,
+            "mesh_cpu_cores": cpu / wall, "cpu_ms_per_request_by_process": per_process,
+            "host_steal_fraction": steal}
+
+
+async def bench(mesh: Mesh, rates: list[float], seconds: float) -> dict[str, object]:
+    client = SSEClient(mesh.cfg.gateway.host, mesh.port)
+    procs = mesh_pids(mesh)
     pids = list(procs.values())
     await open_loop(client, PATH, 50, 2, body)  # warm-up: imports, connections, caches
-    rows = []
-    for rate in rates:
-        each0 = {name: cpu_seconds([pid]) for name, pid in procs.items()}
-        c0, w0, k0 = cpu_seconds(pids), time.perf_counter(), cpu_ticks()
-        res = await open_loop(client, PATH, rate, seconds, body)
-        cpu, wall = cpu_seconds(pids) - c0, time.perf_counter() - w0
-        steal = steal_fraction(k0, cpu_ticks())
-        t = [r.ttft_s for r in res if r.ok]
-        per_process = {name: (cpu_seconds([pid]) - each0[name]) / max(len(t), 1) * 1e3 for name, pid in procs.items()}
-        rows.append({"rate_rps": rate, "requests": len(res), "errors": len(res) - len(t),
-                     "achieved_rps": len(res) / wall, "ttft_p50_ms": percentile(t, 0.5) * 1e3,
-                     "ttft_p90_ms": percentile(t, 0.9) * 1e3, "ttft_p99_ms": percentile(t, 0.99) * 1e3,
-                     "ttft_mean_ms": statistics.fmean(t) * 1e3, "mesh_cpu_ms_per_request": cpu / max(len(t), 1) * 1e3,
-                     "mesh_cpu_cores": cpu / wall, "cpu_ms_per_request_by_process": per_process,
-                     "host_steal_fraction": steal})
+    rows = [await rate_row(client, procs, rate, seconds, body) for rate in rates]
     c0, w0 = cpu_seconds(pids), time.perf_counter()
     res = await closed_loop(client, PATH, 32, seconds, stream_body)
     wall, cpu = time.perf_counter() - w0, cpu_seconds(pids) - c0
@@ -246,7 +306,16 @@ def main() -> None:
     ap.add_argument("--out", default="results/mesh_overhead.json")
     ap.add_argument("--tracing", action="store_true", help="every service exports its spans over OTLP")
     ap.add_argument("--pd", action="store_true", help="a prefill worker + a decode worker instead (P/D rows)")
+    ap.add_argument("--flow", action="store_true", help="flow control on vs off, alternated, and a full fleet")
+    ap.add_argument("--repeats", type=int, default=3, help="--flow: on/off pairs per case")
+    ap.add_argument("--full-rate", type=float, default=20, help="--flow: req/s offered to the full fleet")
+    ap.add_argument("--full-seconds", type=float, default=15)
+    ap.add_argument("--full-ttft-slo", type=float, default=1.0)
+    ap.add_argument("--full-max-batch", type=int, default=8)
     args = ap.parse_args()
+    if args.flow:
+        main_flow(args)
+        return
     if args.pd:
         main_pd(args)
         return
@@ -299,6 +368,79 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
     con.print(f"wrote {args.out}")
+
+
+async def flow_rates(mesh: Mesh, rates: list[float], seconds: float, body: Any, warm_rps: float) -> list[dict]:
+    client = TenantClient(mesh.cfg.gateway.host, mesh.port)
+    procs = mesh_pids(mesh)
+    await open_loop(client, PATH, warm_rps, 2, body)  # warm-up: imports, connections, caches
+    rows = []
+    for rate in rates:
+        load = os.getloadavg()[0]
+        row = await rate_row(client, procs, rate, seconds, body)
+        served = row["requests"] - row["errors"]
+        for name in ("scheduler", "gateway"):  # per request offered: in the full case most are refused
+            row[f"{name}_cpu_ms_per_offered"] = row["cpu_ms_per_request_by_process"][name] * served / row["requests"]
+        rows.append({**row, "load_average_1m": load, "failures": client.failures[:3]})
+        client.failures.clear()
+    return rows
+
+
+def flow_run(text: str, flow: bool, rates: list[float], seconds: float, body: Any, warm_rps: float) -> list[dict]:
+    d = Path(tempfile.mkdtemp(prefix="hetmesh-bench-"))
+    (d / "cluster.toml").write_text(text + (FLOW if flow else ""))
+    mesh = Mesh(d / "cluster.toml", gateway_port=0, log_dir=temp_log_dir())
+    mesh.start()
+    try:
+        return asyncio.run(flow_rates(mesh, rates, seconds, body, warm_rps))
+    finally:
+        mesh.stop()
+
+
+def main_flow(args: argparse.Namespace) -> None:
+    """Flow control on vs off in fresh meshes, alternated `--repeats` times: the rates on the fast mesh, then a
+    full fleet (`--full-rate`, about twice its capacity), where requests are held and refused with flow control
+    (the fair queue) and without it (admission's own hold)."""
+    fast = CLUSTER.format(workers=args.workers, policy=args.policy)
+    full = FULL_CLUSTER.format(ttft_slo=args.full_ttft_slo, max_batch=args.full_max_batch)
+    runs: list[dict[str, Any]] = []
+    for case, text, rates, secs, body, warm in (("fast", fast, args.rates, args.seconds, globals()["body"], 50),
+                                                ("full", full, [args.full_rate], args.full_seconds, full_body, 5)):
+        for rep in range(args.repeats):
+            for flow in (True, False):
+                rows = flow_run(text, flow, rates, secs, body, warm)
+                runs.append({"case": case, "flow": flow, "repeat": rep, "rows": rows})
+                print(case, "flow" if flow else "off", [(r["rate_rps"], r["errors"], round(r["scheduler_cpu_ms_per_offered"], 3))
+                                                        for r in rows], flush=True)
+    summary = []
+    for case, rate in [("fast", r) for r in args.rates] + [("full", args.full_rate)]:
+        pick = {f: [row for run in runs if run["case"] == case and run["flow"] == f for row in run["rows"]
+                    if row["rate_rps"] == rate] for f in (True, False)}
+        s: dict[str, Any] = {"case": case, "rate_rps": rate, "refused_share": {
+            f"{'on' if f else 'off'}": [r["errors"] / r["requests"] for r in rows] for f, rows in pick.items()}}
+        for name in ("scheduler", "gateway"):
+            on, off = ([r[f"{name}_cpu_ms_per_offered"] for r in pick[f]] for f in (True, False))
+            s[name] = {"on_ms": on, "off_ms": off, "on_over_off": statistics.fmean(on) / statistics.fmean(off),
+                       "pair_ratios": [a / b for a, b in zip(on, off, strict=True)]}
+        summary.append(s)
+    table = Table(title=f"Flow control's CPU per request offered (ms), on vs off, alternated x{args.repeats}")
+    for col in ("case", "req/s", "refused on/off", "scheduler on", "off", "on/off", "pairs", "gateway on", "off",
+                "on/off"):
+        table.add_column(col, justify="right")
+    for s in summary:
+        ref = "/".join(f"{statistics.fmean(s['refused_share'][k]) * 100:.0f}%" for k in ("on", "off"))
+        sc, gw = s["scheduler"], s["gateway"]
+        table.add_row(s["case"], f"{s['rate_rps']:.0f}", ref, " ".join(f"{x:.3f}" for x in sc["on_ms"]),
+                      " ".join(f"{x:.3f}" for x in sc["off_ms"]), f"{sc['on_over_off']:.3f}",
+                      " ".join(f"{x:.2f}" for x in sc["pair_ratios"]), " ".join(f"{x:.3f}" for x in gw["on_ms"]),
+                      " ".join(f"{x:.3f}" for x in gw["off_ms"]), f"{gw['on_over_off']:.3f}")
+    Console(width=160).print(table)
+    loads = [row["load_average_1m"] for run in runs for row in run["rows"]]
+    res = {"command": " ".join(sys.argv), "summary": summary, "load_average_1m": [min(loads), max(loads)],
+           "runs": runs, "machine": machine(), "config": vars(args)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    print(f"wrote {args.out}")
 
 
 def machine() -> dict[str, object]:
