@@ -18,7 +18,8 @@ exact). Two replicas placing within the sharing delay of each other still place 
 placement, and at points where few requests meet their SLOs that changes goodput by several % either way per
 draw: the spread (min..max over draws) is in the results. Over-booking: requests on the
 chosen workers that the placing replica did not count, placements onto a batch that was full while the
-replica's view showed room, admissions past pool_full (queue_factor) the replica could not see, and steps in
+replica's view showed room, prefills placed on a worker another replica had just placed on (its booking not heard
+yet: the collisions the sharing delay allows), admissions past pool_full (queue_factor) the replica could not see, and steps in
 which any worker ran past its batch or KV limit (must be 0). Writes results/scheduler_replicas.json.
     nice .venv/bin/python benchmarks/scheduler_replicas.py [--only mix] [--traces azure-conv] [--seeds 4] [--share-s 0.001]
 """
@@ -90,8 +91,9 @@ def run_point(ws: list, tr: Any, cfg: SimConfig, slo: Any, sc: SchedulerConfig, 
 def markdown(results: dict[str, Any]) -> str:
     """docs/benchmarks.md's table: per point, goodput of 1 replica and M replicas over it, and over-booking."""
     lines = ["| cluster / trace | load | 1 replica (tok/s) | 2, own | 4, own | 2, shared | 4, shared | 4 shared: draws "
-             "| unseen per placement, 4 own / shared | placed on a full batch, 4 own / shared | over a limit |",
-             "|---|---|---:|---:|---:|---:|---:|---|---|---|---:|"]
+             "| unseen per placement, 4 own / shared | placed on a full batch, 4 own / shared "
+             "| prefills placed on unheard bookings, 2 / 4 shared | over a limit |",
+             "|---|---|---:|---:|---:|---:|---:|---|---|---|---|---:|"]
     for cname, c in results["clusters"].items():
         for tname, t in c["traces"].items():
             for p in t["points"]:
@@ -104,6 +106,7 @@ def markdown(results: dict[str, Any]) -> str:
                     + f" | {min(draws):.2f}-{max(draws):.2f} | "
                     + " / ".join(f"{o['unseen'] / max(o['placements'], 1):.2f}" for o in ob.values()) + " | "
                     + " / ".join(str(o["blind_full"]) for o in ob.values()) + " | "
+                    + " / ".join(str(p[k]["overbooking"].get("collided", 0)) for k in ("2 shared", "4 shared")) + " | "
                     + str(sum(p[k]["overbooking"]["over_limit"] for k in ("1", *RUNS))) + " |")
     return "\n".join(lines)
 

@@ -84,3 +84,8 @@ def test_a_held_request_is_placed_again_by_the_replica_that_held_it() -> None:
             holder[rid] = k
     assert sim.held > 50 and len(again) == sim.held
     assert all(again)
+
+
+def test_prefills_placed_on_bookings_not_heard_yet_are_counted() -> None:
+    near, late = (_run(2, s).overbooking for s in (0.001, 0.05))
+    assert late.collided > 10 * max(near.collided, 1)  # the longer the bookings take, the more placements collide

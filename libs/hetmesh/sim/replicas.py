@@ -42,6 +42,7 @@ class Overbooking:
     unseen: int = 0  # requests on the chosen workers the placing replica's view did not count, summed
     unseen_max: int = 0
     blind_full: int = 0  # placed on a worker its view showed with a free batch slot, whose batch was in fact full
+    collided: int = 0  # prefills placed on a worker with another replica's placement not heard yet (share_s)
     pool_full_missed: int = 0  # admitted while the pool held more than pool_full allows (its view said less)
     peak_pool_load: float = 0.0  # the most the pool held, over what pool_full lets it hold
     over_limit: int = 0  # steps in which a worker ran past its max_batch or KV blocks (must stay 0)
@@ -51,13 +52,14 @@ class Overbooking:
 class _Replica:
     """One scheduler's books: the heartbeats every replica shares, plus its own placements since each."""
 
-    __slots__ = ("assigned", "dirty", "policy", "views")
+    __slots__ = ("assigned", "dirty", "policy", "unheard", "views")
 
     def __init__(self, policy: Policy, views: list[WorkerView]) -> None:
         self.policy = policy
         self.views = list(views)
         self.assigned = [0] * len(views)  # placed on each worker since its last heartbeat
         self.dirty: set[int] = set()
+        self.unheard = [0] * len(views)  # other replicas' placements on each worker on their way here
 
 
 class ReplicaSimulator(Simulator):
@@ -119,6 +121,7 @@ class ReplicaSimulator(Simulator):
         for wid in d.workers:
             i = self._index[wid]
             b.assigned[i] += 1
+            b.unheard[i] -= 1
             b.dirty.add(i)
         booked = getattr(b.policy, "booked", None)
         if booked is not None:
@@ -152,6 +155,7 @@ class ReplicaSimulator(Simulator):
         ob.placements += 1
         ob.per_replica[k] += 1
         idx = self._index
+        ob.collided += b.unheard[idx[d.prefill_worker or d.decode_worker]] > 0
         for wid in d.workers:
             i = idx[wid]
             t, m = truth[i], mine[i]
@@ -164,6 +168,8 @@ class ReplicaSimulator(Simulator):
         if self.share_s is not None:
             for other in self._books:
                 if other is not b:
+                    for wid in d.workers:
+                        other.unheard[idx[wid]] += 1
                     self.call_at(self.now + self.share_s, lambda o=other: self._heard_booking(o, d))
         cap = sum(w.max_batch for w in truth if w.model == info.model) * (1.0 + self.queue_factor)
         held = sum(w.load for w in truth if w.model == info.model)
