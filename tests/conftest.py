@@ -46,6 +46,7 @@ PROCESS_FIXTURES = frozenset({
     "gw_nats",  # gateway/conftest.py: a nats-server (and through it the peer, the gateway process)
     "mesh",  # e2e/ and failures/ conftest.py, services/test_worker_kv.py: a whole mesh
     "one_slot", "traced_mesh",  # e2e/test_priority.py, e2e/test_tracing.py
+    "overload_mesh", "tenants_mesh",  # e2e/test_admission_tail.py, e2e/test_tenants.py
     "lonely",  # gateway/test_gateway_no_scheduler.py: a nats-server without a scheduler
     "secured",  # services/test_credentials.py: nats-server and redis-server with passwords
     "relay_mesh", "slow_mesh",  # services/test_worker_kv.py, services/test_worker_working.py

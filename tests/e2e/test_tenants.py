@@ -4,6 +4,9 @@ one-worker mesh with long prompts, the other is still served; an unknown tenant 
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import httpx
@@ -52,8 +55,24 @@ async def test_a_flooding_tenant_does_not_starve_the_other(tenants_mesh: Mesh) -
         assert status
 
 
+
 async def test_an_unknown_tenant_is_a_400_naming_the_header(tenants_mesh: Mesh) -> None:
     async with httpx.AsyncClient(base_url=tenants_mesh.url, timeout=30) as c:
         r = await _ask(c, "nobody", "hi", 2)
         assert r.status_code == 400 and r.json()["error"]["param"] == "x-hetmesh-tenant"
         assert (await _ask(c, "quiet", "hi", 2)).status_code == 200
+
+
+def test_the_scheduler_shares_the_fleet_by_tenant(tenants_mesh: Mesh) -> None:
+    """Flow control is on in the live scheduler when the cluster file names [[tenants]]: each tenant that sent
+    a request shows in its status (`hetmesh status --tenants --json`)."""
+    with httpx.Client(base_url=tenants_mesh.url, timeout=30) as c:
+        for tenant in ("flood", "quiet"):
+            r = c.post("/v1/completions", headers={"x-hetmesh-tenant": tenant},
+                       json={"model": "m", "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+    r = subprocess.run([sys.executable, "-m", "hetmesh.cli", "status", "--nats", tenants_mesh.nats_url, "--json"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    tenants = json.loads(r.stdout)["tenants"]
+    assert {"flood", "quiet"} <= set(tenants), tenants

@@ -81,7 +81,8 @@ class Scheduler:
         self.policy = wiring.policy(cfg)
         # Flow control ([[tenants]]): requests it cannot place yet wait in one fair queue (hetmesh.placement.flow)
         q = wiring.flow(cfg)
-        self.flow = FlowGate(cfg, q, lambda i: self.policy.place(i, self.state.views()), self.state) if q else None
+        place = lambda i: self.policy.place(i, self.state.views())  # noqa: E731
+        self.flow = FlowGate(cfg, q, place, self.state) if q is not None else None  # (an empty queue is falsy)
         self.learning = Learning(self.policy, cfg.mesh.time_scale)  # each worker's speed from its engine's steps
         self.uses_prefix = sc.policy in PREFIX_POLICIES
         self.block_size = {m.name: m.block_size for m in cfg.models}
