@@ -110,7 +110,8 @@ class Scheduler:
                                    cfg.mesh.time_scale)
 
     async def start(self) -> None:
-        self.bus = await Bus.for_mesh(self.cfg.mesh, f"scheduler-{self.instance}")
+        self.bus = await Bus.connect(self.cfg.mesh.nats_url, f"scheduler-{self.instance}", no_echo=True,  # not
+                                     **config.nats_options(self.cfg.mesh))  # its own bookings back: a wake-up each
         self.bus.on_reconnect.append(self._on_reconnect)
         self.events = EventBatcher(self.bus, "scheduler")
         # What it places, for the other schedulers: at once (what it places in one turn of its loop, as one message)
