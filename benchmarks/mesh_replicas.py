@@ -16,12 +16,18 @@ scheduler's CPU seconds (/proc) and how many requests it placed (its hetmesh_sch
   cost of sharing bookings;
 - each scheduler's share of the placements; the whole mesh's CPU per request and requests/s per core.
 
+`--per-message` first measures what one scheduler (a 1-scheduler mesh, no requests) spends on one message of
+each kind that every replica hears whoever placed the request: a BookedBatch of one booking from another
+scheduler, a FinishedBatch of one record, a KvEvent of 5 blocks (written to Redis), at `--message-rate` a second;
+with the messages each scheduler hears per request (counted during the load), that is where the repeated work goes.
+
 `--max` also raises the offered rate with 1 and 2 schedulers until the mesh falls behind (achieved below 95% of
 offered, or errors), and says which process was busiest there: on a 2-core host the gateway, the workers, NATS
 and the load client share the same cores, so the host, not the scheduler, sets that ceiling.
 
     .venv/bin/python benchmarks/mesh_replicas.py [--rates 200 400] [--seconds 8] [--out results/mesh_replicas.json]
     .venv/bin/python benchmarks/mesh_replicas.py --max --max-rates 400 600 800 1000
+    .venv/bin/python benchmarks/mesh_replicas.py --per-message --schedulers 1 2 4 --gateways 1 --rates 400
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -38,17 +45,21 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import msgspec
+import nats
 from loadgen import Result, SSEClient, cpu_seconds, cpu_ticks, open_loop, percentile, steal_fraction
 from mesh_overhead import CLUSTER, PATH, body, machine
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
-from hetmesh import servers
+from hetmesh import servers, subjects
 from hetmesh.launcher import Mesh
 from hetmesh.launcher.mesh import temp_log_dir
+from hetmesh.protocol import Booked, Finished, KvEvent
 
 IDLE_S = 3.0
+HEARD = {"booked": subjects.SCHED_BOOKED, "finished": subjects.FINISHED, "kv": subjects.KV_EVENTS_ALL}
 
 
 class Spread:
@@ -139,6 +150,12 @@ async def measure(mesh: Mesh, gws: list[tuple[str, int]], scheds: dict[str, str]
     load = Spread(clients)
     procs = {n: s.proc.pid for n, s in mesh.services.items() if s.proc}
     procs.update({p.name: p.proc.pid for p in mesh.started_servers})
+    heard = dict.fromkeys(HEARD, 0)  # messages on the subjects every scheduler hears, as one of them hears them
+    nc = await nats.connect(mesh.nats_url)
+    for kind, subject in HEARD.items():
+        async def count(_m: Any, k: str = kind) -> None:
+            heard[k] += 1
+        await nc.subscribe(subject, cb=count)
     await open_loop(load, PATH, 50, 2, body)  # warm-up: imports, connections, caches
     await asyncio.sleep(1.0)
     i0, w0 = {n: cpu_seconds([procs[n]]) for n in scheds}, time.perf_counter()
@@ -148,6 +165,7 @@ async def measure(mesh: Mesh, gws: list[tuple[str, int]], scheds: dict[str, str]
     for rate in rates:
         p0 = {n: await asyncio.to_thread(placements, urls[n]) for n in scheds}
         c0 = {n: cpu_seconds([pid]) for n, pid in procs.items()}
+        h0 = dict(heard)
         w0, k0, me0, l0 = time.perf_counter(), cpu_ticks(), time.process_time(), os.getloadavg()
         res = await open_loop(load, PATH, rate, seconds, body)
         wall = time.perf_counter() - w0
@@ -164,6 +182,7 @@ async def measure(mesh: Mesh, gws: list[tuple[str, int]], scheds: dict[str, str]
                                "cpu_ms_per_placed": cpu[n] / max(placed[n], 1) * 1e3,
                                "cpu_ms_per_placed_over_idle": (cpu[n] - idle[n] * wall) / max(placed[n], 1) * 1e3}
                            for n in scheds},
+            "heard_per_request": {k: (heard[k] - h0[k]) / n_ok for k in HEARD},
             "scheduler_cpu_ms_per_request": sum(cpu[n] for n in scheds) / n_ok * 1e3,
             "gateway_cpu_ms_per_request": sum(v for n, v in cpu.items() if n.startswith("gateway")) / n_ok * 1e3,
             "mesh_cpu_ms_per_request": sum(cpu.values()) / n_ok * 1e3,
@@ -174,7 +193,44 @@ async def measure(mesh: Mesh, gws: list[tuple[str, int]], scheds: dict[str, str]
             "host_steal_fraction": steal_fraction(k0, cpu_ticks()), "load_average_start": l0,
             "failures": load.failures[:3]})
         await asyncio.sleep(1.0)
+    await nc.close()
     return rows
+
+
+async def per_message(rate: float, seconds: float, policy: str) -> dict[str, float]:
+    """CPU ms one scheduler (1-scheduler mesh, no requests) spends per message of each kind, published at `rate`."""
+    mesh, _, _ = start(1, 1, policy)
+    pid = mesh.services["scheduler"].proc.pid
+    enc = msgspec.json.Encoder()
+    kinds = {  # subject, body of message i
+        "none (a subject nobody hears)": lambda i: ("hetmesh.nobody", b"[]"),
+        "booked": lambda i: (subjects.SCHED_BOOKED, enc.encode([Booked(
+            scheduler="sched-peer", request_id=f"r{i}", decode_worker=f"h100-{i % 2}")])),
+        "finished": lambda i: (subjects.FINISHED, enc.encode([Finished(
+            request_id=f"r{i}", worker_id=f"h100-{i % 2}", finish_reason="length", ts=time.time())])),
+        "kv": lambda i: (subjects.kv_events("h100-0"), enc.encode(KvEvent(
+            worker_id="h100-0", model="tiny-sim", stored=[random.getrandbits(63) for _ in range(5)]))),
+    }
+    out: dict[str, float] = {}
+    try:
+        nc = await nats.connect(mesh.nats_url)
+        await nc.publish(subjects.sched_alive("sched-peer"), b"0")  # its bookings count (a peer heard beating)
+        for name, make in kinds.items():
+            c0, t0, i = cpu_seconds([pid]), time.perf_counter(), 0
+            while (elapsed := time.perf_counter() - t0) < seconds:
+                i += 1
+                await nc.publish(*make(i))
+                if i % 50 == 0:
+                    await nc.publish(subjects.sched_alive("sched-peer"), b"0")
+                await asyncio.sleep(max(0.0, i / rate - elapsed))
+            await nc.flush()
+            await asyncio.sleep(0.3)
+            out[name] = (cpu_seconds([pid]) - c0) / i * 1e3
+            Console().print(f"[dim]{name}: {out[name]:.3f} ms of the scheduler's CPU per message ({i} at {rate:.0f}/s)")
+        await nc.close()
+    finally:
+        mesh.stop()
+    return out
 
 
 def run(schedulers: int, gateways: int, rates: list[float], a: argparse.Namespace) -> dict[str, Any]:
@@ -202,9 +258,12 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1, help="each layout this many times, alternated")
     ap.add_argument("--max", action="store_true", help="also the highest rate sustained with 1 and 2 schedulers")
     ap.add_argument("--max-rates", type=float, nargs="+", default=[400, 600, 800, 1000])
+    ap.add_argument("--per-message", action="store_true", help="also one scheduler's CPU per message of each kind")
+    ap.add_argument("--message-rate", type=float, default=400)
     ap.add_argument("--out", default="results/mesh_replicas.json")
     a = ap.parse_args()
     t0, load0 = time.time(), os.getloadavg()
+    msg_ms = asyncio.run(per_message(a.message_rate, 5.0, a.policy)) if a.per_message else {}
     layouts = [(s, g) for g in a.gateways for s in a.schedulers]
     runs = [run(s, g, a.rates, a) for _ in range(a.repeats) for s, g in layouts]
     ceiling = [run(s, 2, a.max_rates, a) for s in (1, 2)] if a.max else []
@@ -214,7 +273,7 @@ def main() -> int:
                         f"{os.cpu_count()} cores)")
     for c in ("scheds", "gws", "req/s", "achieved", "errors", "ms CPU / placed, each", "same, over idle",
               "idle cores, each", "share placed, each",
-              "sched sum ms/req", "gateway ms/req", "mesh ms/req", "req/s per mesh core", "TTFT p50 / p99 ms", "load"):
+              "sched sum ms/req", "heard/req: booked finished kv", "gateway ms/req", "mesh ms/req", "req/s per mesh core", "TTFT p50 / p99 ms", "load"):
         table.add_column(c, justify="right")
     for r in runs:
         for x in r["rows"]:
@@ -224,10 +283,13 @@ def main() -> int:
                           " ".join(f"{v['cpu_ms_per_placed_over_idle']:.3f}" for v in s),
                           " ".join(f"{v['idle_cores']:.3f}" for v in s),
                           " ".join(f"{v['share']:.2f}" for v in s), f"{x['scheduler_cpu_ms_per_request']:.3f}",
+                          " ".join(f"{v:.2f}" for v in x["heard_per_request"].values()),
                           f"{x['gateway_cpu_ms_per_request']:.3f}", f"{x['mesh_cpu_ms_per_request']:.2f}",
                           f"{x['requests_per_s_per_mesh_core']:.0f}",
                           f"{x['ttft_p50_ms']:.1f} / {x['ttft_p99_ms']:.1f}", f"{x['load_average_start'][0]:.1f}")
     con.print(table)
+    if msg_ms:
+        con.print("One scheduler's CPU per message heard (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in msg_ms.items()))
     if ceiling:
         mt = Table(title="Highest offered rate, 2 gateways (the mesh falls behind: achieved < 95% or errors)")
         for c in ("scheds", "req/s", "achieved", "errors", "TTFT p99 ms", "mesh cores", "client cores", "busiest",
@@ -243,7 +305,7 @@ def main() -> int:
     Path(a.out).write_text(json.dumps({
         "machine": machine(), "code": code(), "load_average_start": load0, "load_average_end": os.getloadavg(),
         "command": "python benchmarks/mesh_replicas.py " + " ".join(sys.argv[1:]), "config": vars(a),
-        "wall_s": time.time() - t0, "runs": runs, "ceiling": ceiling}, indent=1))
+        "wall_s": time.time() - t0, "cpu_ms_per_message": msg_ms, "runs": runs, "ceiling": ceiling}, indent=1))
     con.print(f"wrote {a.out}")
     return 0
 
