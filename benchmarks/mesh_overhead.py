@@ -415,7 +415,7 @@ def main_flow(args: argparse.Namespace) -> None:
     full fleet (`--full-rate`, about twice its capacity), where requests are held and refused with flow control
     (the fair queue) and without it (admission's own hold)."""
     # Admission off on the fast mesh: at time_scale 1e6 a millisecond's wait on the host is 1,000 s of engine time,
-    # so at 500 req/s the cost policy refuses a share of requests that swings with the host's load (3-30%).
+    # so at 500 req/s the cost policy refuses a share of requests that swings with the host's load.
     fast = CLUSTER.format(workers=args.workers, policy=args.policy).replace(
         "[scheduler]\n", "[scheduler]\nadmission_margin = 0.0\n", 1)
     full = FULL_CLUSTER.format(ttft_slo=args.full_ttft_slo, max_batch=args.full_max_batch)
