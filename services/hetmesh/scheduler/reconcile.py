@@ -88,10 +88,8 @@ class InFlight:
         the request is no longer in flight). `silent`: the worker may come back (`left_behind`)."""
         out: list[tuple[str, str | None]] = []
         for rid in self.by_worker.pop(worker_id, set()):
-            held = self.requests.pop(rid, None)
-            if held is not None:
-                for w in held.workers:
-                    self.by_worker.get(w, set()).discard(rid)
+            held = self.requests.get(rid)
+            self.forget(rid)
             out.append((rid, held.reply_subject if held is not None else None))
         if silent and out:
             self.left_behind[worker_id] = [rid for rid, _ in out]
