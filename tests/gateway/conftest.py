@@ -182,7 +182,8 @@ class FakePeer:
         if ("partial-lost" in prompt and req.attempt == 0) or "partial-lost-always" in prompt:
             for c in chunks[:2]:
                 await self.bus.publish(rs, c)
-            await asyncio.sleep(0.05)
+            if "always" not in prompt:  # always: each loss right behind its tokens, often in the gateway's same read
+                await asyncio.sleep(0.05)
             await self.bus.publish(rs, WorkerLost(request_id=rid, worker_id="fake-0"))
             return
         if "shuffle" in prompt:

@@ -228,6 +228,8 @@ class Call:
         The decisions are `self.stream`'s; this loop only waits and carries them out.
         """
         s = self.stream
+        if s.failure is not None:  # the chunks before it went out with the last pull
+            return s.failure
         loop = asyncio.get_running_loop()
         items = self.box.items
         s.progress(loop.time())
@@ -237,7 +239,9 @@ class Call:
                 if act is None:
                     continue
                 if type(act) is Fail:  # from a message: the mesh ended it, nothing to cancel
-                    return act.error
+                    if not s.ready:
+                        return act.error
+                    break  # the tokens read before it go out first; the next pull returns s.failure
                 assert type(act) is Retry
                 err = await self.retry(act)
                 if err is not None:

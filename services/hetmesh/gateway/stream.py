@@ -16,6 +16,7 @@ The driver's loop, per `pull` (call.Call.pull is the one real driver):
     progress(now)                                  # the client asked for more: the stall clock restarts
     loop:
         for each message: receive(msg)             # -> None | Fail | Retry (then progress(now) once placed)
+                                                   #    Fail: drained(now)'s chunks go out first, then `failure`
         drained(now)                               # -> the chunks for the client, if any: return them
         tick(now) until Wait                       # -> SendResume | POLL_CLIENT | Fail (stalled)
         wait for a message until Wait.until; progress(now) if one came
@@ -112,9 +113,9 @@ class Wait:
 class ReplyStream:
     """Everything the gateway keeps about one request's reply stream, across its attempts."""
 
-    __slots__ = ("attempt", "cancelled", "delivered", "gap_retries", "max_attempts", "migration_limit", "migrations",
-                 "poll_client_at", "ready", "reasm", "restarts", "resume_at", "resume_every", "resumes", "stall_at",
-                 "stall_s", "tokens")
+    __slots__ = ("attempt", "cancelled", "delivered", "failure", "gap_retries", "max_attempts", "migration_limit",
+                 "migrations", "poll_client_at", "ready", "reasm", "restarts", "resume_at", "resume_every", "resumes",
+                 "stall_at", "stall_s", "tokens")
 
     def __init__(self, max_attempts: int, stall_timeout_s: float, now: float, migration_limit: int = 3) -> None:
         self.max_attempts = max_attempts
@@ -130,6 +131,8 @@ class ReplyStream:
         self.migrations = 0  # attempts that went on after some tokens (bounded by migration_limit)
         self.delivered = False  # some token reached the client: no more retries
         self.cancelled = False  # a Cancel went out (or the mesh ended it): an abort is then our own doing
+        # A message ended the request: the error the client gets once the chunks in order before it went out.
+        self.failure: ErrorInfo | None = None
         self.resumes = 0
         self.resume_at = math.inf  # when to ask the workers to publish this stream again (once delivered)
         self.resume_every = RESUME_EVERY_S
@@ -171,8 +174,8 @@ class ReplyStream:
         """One message from the inbox. Chunks are kept for `drained`; None means read on."""
         if type(msg) is TokenChunk:  # the hot path: one per token batch
             if msg.finish_reason == "abort" and not self.cancelled:
-                return Fail(ErrorInfo(message=f"worker {msg.worker_id} aborted the request", type="server_error",
-                                      code="aborted", status=502))
+                return self._end(ErrorInfo(message=f"worker {msg.worker_id} aborted the request",
+                                           type="server_error", code="aborted", status=502))
             got = self.reasm.add(msg)
             if got:
                 self.ready.extend(got)
@@ -180,7 +183,7 @@ class ReplyStream:
                     self.tokens.extend(c.token_ids)
             return None
         if type(msg) is RequestError and not msg.retryable:
-            return Fail(msg.error)
+            return self._end(msg.error)
         if type(msg) is Working:  # a worker still at it: news enough for the stall clock (progress), no more
             return None
         if msg is BUS_GAP:
@@ -193,7 +196,7 @@ class ReplyStream:
             return self._retry(None, "bus_gap", counted=False)
         assert type(msg) is WorkerLost or type(msg) is RequestError  # a retryable error
         if not self.can_retry():
-            return Fail(self._lost_info(msg))
+            return self._end(self._lost_info(msg))
         if type(msg) is WorkerLost:
             return self._retry(msg.worker_id, "worker_lost")
         return self._retry(None, msg.error.code or "retryable_error")
@@ -244,6 +247,12 @@ class ReplyStream:
         return Wait(min(self.stall_at, self.poll_client_at, self.resume_at))
 
     # --- internals -------------------------------------------------------------------------------
+    def _end(self, error: ErrorInfo) -> Fail:
+        """The mesh ended the request. Chunks that came in order before the message that ended it (in the
+        same read of the inbox) are still the client's: the driver hands out `drained` first, then `failure`."""
+        self.failure = error
+        return Fail(error)
+
     def _retry(self, lost_worker: str | None, reason: str, counted: bool = True, exclude_placed: bool = False) -> Retry:
         """The next attempt goes on after the tokens in order so far (the old worker's out-of-order ones are
         dropped): with the sim engine, or greedy sampling, the new worker continues with the same text."""
