@@ -66,6 +66,12 @@ def lane(item: pytest.Item) -> str:
     return "unit"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # matplotlib builds its font cache on first use by running fc-list: done here, once, so that a unit test that
+    # plots on a fresh machine does not start that process itself (_unit_starts_no_process)
+    import matplotlib.font_manager  # noqa: F401
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if not any(item.get_closest_marker(name) for name in LANES):
