@@ -219,6 +219,11 @@ class Cancel(Struct, kw_only=True):
     # Set: only this worker drops the request (a worker counted lost and back: what it held was failed over, and
     # its new attempt, elsewhere, goes on); the request itself is not over. Empty: every worker drops it.
     worker_id: str = ""
+    # Set (with worker_id): that worker drops only its item of this phase and attempt, not the request: a
+    # P/D placement withdrawn because another placement of the attempt streams it (hetmesh.workqueue.withdrawals),
+    # whose FULL the same worker may hold. None: whatever it holds of the request.
+    phase: Phase | None = None
+    attempt: int = 0
 
 
 class Resume(Struct, kw_only=True):

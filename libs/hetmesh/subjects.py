@@ -146,7 +146,8 @@ TABLE: tuple[SubjectRow, ...] = (
                "every mesh.heartbeat_interval_s: a worker cancels the requests of a gateway silent for "
                "mesh.heartbeat_timeout_s"),
     SubjectRow(f"{PREFIX}.work.<role>.<vendor>.<accelerator>.<worker_id>", "scheduler (`js.publish`)", f"stream {WORK_STREAM}",
-               "WorkItem", "direct placement; work-queue stream, `Nats-Msg-Id` <request_id>-<attempt>-<phase>"),
+               "WorkItem", "direct placement; work-queue stream, `Nats-Msg-Id` <request_id>-<attempt>-stream "
+               "(FULL, DECODE) or -prefill"),
     SubjectRow(f"{PREFIX}.work.<role>.<vendor>.<accelerator>", "scheduler (`js.publish`)", f"stream {WORK_STREAM}",
                "WorkItem", "any worker of the pool; same stream"),
     SubjectRow(f"{PREFIX}.workq.work_<role>_<vendor>_<accelerator>_<worker_id>", f"stream {WORK_STREAM} (durable consumer)",

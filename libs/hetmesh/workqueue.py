@@ -2,8 +2,10 @@
 subjects `hetmesh.work.>`), so that no accepted request is lost while a worker or the bus is away.
 
 - The scheduler publishes an item with `js.publish`, which returns once the stream has stored it
-  (the PubAck); across a bus gap it publishes again with the same `Nats-Msg-Id`
-  (`<request_id>-<attempt>-<phase>`), which the stream stores once (within `duplicate_window_s`).
+  (the PubAck); across a bus gap it publishes again with the same `Nats-Msg-Id` (`msg_id`), which the
+  stream stores once (within `duplicate_window_s`). The item that streams an attempt (its FULL or its DECODE)
+  has one id whatever the mode, so two placements of one attempt in different modes store one of them; a
+  P/D placement whose DECODE was the duplicate withdraws its PREFILL (`withdrawals`).
 - Each work subject has one durable push consumer: a worker's direct subject its own, a pool subject
   one shared by every worker of the pool (a deliver group). An item waits in the stream until a worker
   is there to take it, and a stream on file storage keeps it across a nats-server restart.
@@ -14,7 +16,8 @@ subjects `hetmesh.work.>`), so that no accepted request is lost while a worker o
 - Side effects at most once per item: the worker remembers the ids it took (`RecentIds`) and acks and
   drops a redelivered or re-published copy.
 
-Pure parts (ids, configs, `RecentIds`) first; `WorkQueue` is the shell that talks to the server.
+Pure parts (ids, configs, `RecentIds`, the Cancels of a withdrawal) first; `WorkQueue` is the shell that
+talks to the server.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import nats.errors
 import nats.js.errors
@@ -42,7 +46,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 from hetmesh import subjects
 from hetmesh.bus import Bus
 from hetmesh.config import WorkQueueConfig
-from hetmesh.protocol import WorkItem
+from hetmesh.protocol import Cancel, Phase, WorkItem
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +62,41 @@ TRANSIENT = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.error
              nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError, asyncio.TimeoutError)
 
 
+STREAM_HALF = "stream"  # the id's last part for FULL and DECODE: the item that streams the tokens
+
+
 def msg_id(item: WorkItem) -> str:
-    """One item's identity: what the stream dedups on and what a worker remembers having taken."""
+    """One item's identity: what the stream dedups on and what a worker remembers having taken.
+    `<request_id>-<attempt>-stream` for the item that streams (FULL or DECODE: one per attempt, whatever
+    mode placed it), `<request_id>-<attempt>-prefill` for a PREFILL."""
     r = item.request
-    return f"{r.request_id}-{r.attempt}-{item.phase.value}"
+    half = item.phase.value if item.phase == Phase.PREFILL else STREAM_HALF
+    return f"{r.request_id}-{r.attempt}-{half}"
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """What one `WorkQueue.publish` got: the stream's PubAck, and whether it published more than once."""
+
+    ack: PubAck
+    retried: bool
+
+    @property
+    def held_before(self) -> bool:
+        """The stream held this id before this call: another placement's item (of another scheduler, or an
+        earlier one of this). A duplicate after a retry may be this call's own first copy, so it is not."""
+        return bool(self.ack.duplicate) and not self.retried
+
+
+def withdrawals(prefill: WorkItem, reason: str = "placed_twice") -> list[Cancel]:
+    """A P/D placement's PREFILL stored while its DECODE was held before (another placement of the attempt
+    streams it): Cancels for that prefill item, on its worker, and for the KV it may have shipped to the
+    decode worker meanwhile, there. Each names its phase and attempt: the same worker may hold the other
+    placement's FULL of the request, which goes on."""
+    r, p = prefill.request, prefill.placement
+    assert p.prefill_worker is not None, "only a P/D placement has a prefill to withdraw"
+    return [Cancel(request_id=r.request_id, reason=reason, worker_id=w, phase=phase, attempt=r.attempt)
+            for w, phase in ((p.prefill_worker, Phase.PREFILL), (p.decode_worker, Phase.DECODE))]
 
 
 def stream_config(wq: WorkQueueConfig) -> StreamConfig:
@@ -133,16 +168,19 @@ class WorkQueue:
         await self._ensure_consumer(work_subject, pool)
         return sub
 
-    async def publish(self, subject: str, data: bytes, headers: dict[str, str], item_id: str) -> PubAck:
+    async def publish(self, subject: str, data: bytes, headers: dict[str, str], item_id: str) -> Stored:
         """Store one item; returns once the stream has it. Re-published with the same id (stored once) while
         the bus or the stream is away, up to `publish_timeout_s`; then the last error is raised."""
         headers = {**headers, MSG_ID: item_id}
+        tries = 0
         async for attempt in AsyncRetrying(retry=retry_if_exception_type(TRANSIENT), reraise=True,
                                            wait=wait_exponential(multiplier=0.05, max=1.0),
                                            stop=stop_after_delay(self.wq.publish_timeout_s)):
             with attempt:
+                tries += 1
                 try:
-                    return await self.js.publish(subject, data, timeout=API_TIMEOUT_S, headers=headers)
+                    ack = await self.js.publish(subject, data, timeout=API_TIMEOUT_S, headers=headers)
+                    return Stored(ack, retried=tries > 1)
                 except nats.js.errors.NoStreamResponseError:
                     # No stream (a memory one lost to a restart, before the reconnect hook made it again).
                     await self._ensure_stream()

@@ -1,7 +1,8 @@
 from pathlib import Path
 
+import msgspec
 import pytest
-from nats.js.api import RetentionPolicy, StorageType
+from nats.js.api import PubAck, RetentionPolicy, StorageType
 
 from hetmesh import config, subjects, workqueue
 from hetmesh.protocol import InferenceRequest, Phase, Placement, SamplingParams, WorkItem
@@ -89,8 +90,29 @@ def test_item_ids_and_recent_ids() -> None:
     req = InferenceRequest(request_id="r1", model="m", prompt_tokens=[1], block_hashes=[], sampling=SamplingParams(max_tokens=1),
                            reply_subject="x", arrival_ts=0.0, attempt=2)
     place = Placement(mode="disaggregated", decode_worker="d", prefill_worker="p")
-    ids = {workqueue.msg_id(WorkItem(request=req, phase=ph, placement=place)) for ph in (Phase.PREFILL, Phase.DECODE)}
-    assert ids == {"r1-2-prefill", "r1-2-decode"}
+    ids = {ph: workqueue.msg_id(WorkItem(request=req, phase=ph, placement=place)) for ph in Phase}
+    # One id for the half that streams, whichever mode placed the attempt: the work queue stores one of them.
+    assert ids == {Phase.PREFILL: "r1-2-prefill", Phase.DECODE: "r1-2-stream", Phase.FULL: "r1-2-stream"}
+    again = msgspec.structs.replace(req, attempt=3)
+    assert workqueue.msg_id(WorkItem(request=again, phase=Phase.FULL, placement=place)) == "r1-3-stream"
     seen = workqueue.RecentIds(limit=2)
     assert seen.add("a") and not seen.add("a") and seen.add("b") and seen.add("c")
     assert len(seen) == 2 and seen.add("a")  # the oldest was forgotten first
+
+
+def test_a_duplicate_on_the_first_try_was_held_before_one_after_a_retry_may_be_its_own() -> None:
+    def stored(duplicate: bool | None, retried: bool) -> workqueue.Stored:
+        return workqueue.Stored(PubAck(stream="s", seq=1, duplicate=duplicate), retried=retried)
+
+    assert stored(True, retried=False).held_before
+    assert not stored(True, retried=True).held_before  # its first copy's PubAck may have been lost
+    assert not stored(False, retried=False).held_before and not stored(None, retried=True).held_before
+
+
+def test_withdrawing_a_prefill_names_its_phase_and_attempt_on_each_worker() -> None:
+    req = InferenceRequest(request_id="r1", model="m", prompt_tokens=[1], block_hashes=[], attempt=2,
+                           sampling=SamplingParams(max_tokens=1), reply_subject="x", arrival_ts=0.0)
+    pre = WorkItem(request=req, phase=Phase.PREFILL, placement=Placement(mode="disaggregated", decode_worker="d",
+                                                                        prefill_worker="p"))
+    got = [(c.request_id, c.worker_id, c.phase, c.attempt) for c in workqueue.withdrawals(pre)]
+    assert got == [("r1", "p", Phase.PREFILL, 2), ("r1", "d", Phase.DECODE, 2)]

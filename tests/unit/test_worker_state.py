@@ -106,6 +106,46 @@ def test_cancel_of_a_decode_waiting_for_kv_stops_the_wait_else_the_engine() -> N
     assert book.cancel("d", 3.0) == Stop.ENGINE
 
 
+def test_a_cancel_naming_a_phase_stops_only_that_item() -> None:
+    """A withdrawn P/D placement's Cancels (Cancel.phase, attempt): the same worker may hold another placement's
+    FULL of the request, which goes on; the prefill they name stops, here or when it comes."""
+    book: RequestBook[Handle] = RequestBook(MODEL)
+    book.accept(item(), 0.0, Handle())  # the FULL
+    assert book.cancel("r1", 1.0, Phase.PREFILL, 0) == Stop.NONE
+    assert book.cancel("r1", 1.0, Phase.FULL, 1) == Stop.NONE  # another attempt's
+    full = book.get("r1")
+    assert full is not None and not full.cancelled and not book.was_cancelled("r1")
+    assert book.cancel("r1", 1.0, Phase.FULL, 0) == Stop.ENGINE and full.cancelled  # its own phase and attempt
+    # A prefill that is held stops; one whose Cancel came first is cancelled on arrival, once, that attempt only.
+    book.accept(item("p", Phase.PREFILL), 0.0, Handle())
+    assert book.cancel("p", 1.0, Phase.PREFILL, 0) == Stop.ENGINE
+    assert book.cancel("q", 1.0, Phase.PREFILL, 2) == Stop.NONE
+    assert book.verdict(item("q", Phase.PREFILL, attempt=1)) == Verdict.ACCEPT
+    assert book.verdict(item("q", Phase.FULL, attempt=2)) == Verdict.ACCEPT
+    assert book.verdict(item("q", Phase.PREFILL, attempt=2)) == Verdict.CANCELLED
+    assert book.verdict(item("q", Phase.PREFILL, attempt=2)) == Verdict.ACCEPT
+    book.sweep(1.0 + book.stale_s + 1)  # a remembered one whose item never came is forgotten
+    assert book.cancel("s", 0.0, Phase.PREFILL, 0) == Stop.NONE
+    book.sweep(book.stale_s + 1)
+    assert book.verdict(item("s", Phase.PREFILL)) == Verdict.ACCEPT
+
+
+def test_a_decode_cancel_for_a_decode_not_held_refuses_its_kv() -> None:
+    """The decode half of a withdrawn placement never comes (the stream dropped it as a duplicate): KV its
+    prefill shipped before its own Cancel landed is refused or dropped, unless a decode here waits for KV."""
+    book: RequestBook[Handle] = RequestBook(MODEL)
+    book.landed(landed("o"), 0.0)  # orphan KV, kept for a DECODE that might still come
+    assert book.cancel("o", 1.0, Phase.DECODE, 0) == Stop.NONE and book.was_cancelled("o")
+    assert book.verdict(item("o", Phase.DECODE)) == Verdict.CANCELLED
+    book.accept(item("f"), 0.0, Handle())  # the other placement's FULL on this very worker
+    assert book.cancel("f", 1.0, Phase.DECODE, 0) == Stop.NONE and book.was_cancelled("f")
+    f = book.get("f")
+    assert f is not None and not f.cancelled
+    book.accept(item("d", Phase.DECODE, attempt=1), 0.0, Handle())  # a newer attempt waiting for its own KV
+    assert book.cancel("d", 1.0, Phase.DECODE, 0) == Stop.NONE and not book.was_cancelled("d")
+    assert book.landed(landed("d"), 2.0) is book.get("d")
+
+
 # ---------------------------------------------------------------------- RequestBook: the KV wait
 def test_landed_wakes_the_waiting_decode_once() -> None:
     book: RequestBook[Handle] = RequestBook(MODEL)

@@ -4,7 +4,7 @@ Every scheduler beats on `hetmesh.sched.alive.<instance>` and also takes submits
 (`hetmesh.sched.submit.<instance>`). The gateway sends each request to one live scheduler, chosen at random
 (the load spreads like the queue group's), and watches it: if its beats stop for a heartbeat timeout before
 it answered (killed mid-placement), the request goes to another live one with the same attempt. A WorkItem
-the dead one had already stored carries the same dedup id (`<request_id>-<attempt>-<phase>`), so the stream
+the dead one had already stored carries the same dedup id (`hetmesh.workqueue.msg_id`), so the stream
 keeps it once and the request is served once. A scheduler gone from the bus answers at once with "no
 responders": the next one is tried without waiting. With none known (just started) the shared queue-group
 subject is used, as before.

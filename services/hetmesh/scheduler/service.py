@@ -56,7 +56,7 @@ from hetmesh.protocol import (
     WorkItem,
 )
 from hetmesh.runtime import run_service
-from hetmesh.workqueue import WorkQueue, msg_id
+from hetmesh.workqueue import Stored, WorkQueue, msg_id, withdrawals
 
 from .bookings import Peers, sift
 from .flowgate import FlowGate
@@ -412,10 +412,16 @@ class Scheduler:
         else:
             # Decode first (it can reserve KV space before the prefill side starts shipping): both go out in
             # this order on the one connection, and their two PubAcks are awaited together, not one by one.
-            await asyncio.gather(
+            pre = WorkItem(request=req, phase=Phase.PREFILL, placement=placement)
+            dec, pre_stored = await asyncio.gather(
                 self._send(d.decode_worker, WorkItem(request=req, phase=Phase.DECODE, placement=placement), headers),
-                self._send(d.prefill_worker, WorkItem(request=req, phase=Phase.PREFILL, placement=placement),
-                           headers))
+                self._send(d.prefill_worker, pre, headers))
+            if dec.held_before and not pre_stored.ack.duplicate:  # another placement streams this attempt (its
+                self.inflight.forget(rid)  # FULL shares the DECODE's id): these workers hold none of it, and
+                if self.flow is not None:  # this prefill would feed nobody
+                    self.flow.done(rid)
+                for c in withdrawals(pre):
+                    await self.bus.publish(subjects.CANCEL, c, rid)
         self.placed += 1
         await self._event(rid, "placed", mode=d.mode, prefill_worker=d.prefill_worker,
                           decode_worker=d.decode_worker, cached_tokens=d.expected_cached_tokens,
@@ -428,16 +434,17 @@ class Scheduler:
         if req.attempt == 0:  # a retry's arrival was counted with its first attempt
             self.demand.refused(req.model, time.monotonic(), len(req.prompt_tokens), req.sampling.max_tokens)
 
-    async def _send(self, worker_id: str, item: WorkItem, headers: dict[str, str] | None) -> None:
+    async def _send(self, worker_id: str, item: WorkItem, headers: dict[str, str] | None) -> Stored:
         hb = self.state.heartbeat(worker_id)
         assert hb is not None, "policies only pick workers from the view"
         if headers is None:
             headers = headers_for(item.request.request_id) or {}
-        ack = await self.queue.publish(hb.work_subject, encode(item), headers, msg_id(item))
-        if ack.duplicate:  # stored already: a re-publish after a bus gap, or another scheduler placed this attempt
+        stored = await self.queue.publish(hb.work_subject, encode(item), headers, msg_id(item))
+        if stored.ack.duplicate:  # stored already: a re-publish after a bus gap, or another placement of the attempt
             self.metrics.bad_input.labels("duplicate_placement").inc()
             await self._event(item.request.request_id, "duplicate_placement", worker_id=worker_id,
                               phase=item.phase.value, attempt=item.request.attempt)
+        return stored
 
     # --- bookkeeping --------------------------------------------------------------------
     async def on_booked(self, batch: BookedBatch, _m: Msg) -> None:

@@ -18,6 +18,7 @@ EARLY_MAX = 10_000  # KvLanded / Cancel messages kept for a WorkItem still on it
 STALE_S = 120.0  # ... and for this long
 
 H = TypeVar("H")
+K = TypeVar("K")
 
 
 class Verdict(StrEnum):
@@ -72,6 +73,7 @@ class RequestBook(Generic[H]):
         self._live: dict[str, Request[H]] = {}
         self._early_landed: dict[str, tuple[KvLanded, float]] = {}
         self._early_cancels: dict[str, float] = {}
+        self._early_withdrawn: dict[tuple[str, int, Phase], float] = {}  # one item's Cancel (Cancel.phase)
         self._cancelled: dict[str, float] = {}  # every cancelled id, for a while: KV for them is refused/dropped
         # Kept as a count: the metrics thread reads it while the event loop changes the requests.
         self.kv_waiting = 0
@@ -99,7 +101,8 @@ class RequestBook(Generic[H]):
             return Verdict.SUPERSEDE if item.request.attempt > held.attempt else Verdict.DUPLICATE
         if item.request.model != self.model:
             return Verdict.MISROUTED
-        if self._early_cancels.pop(rid, None) is not None:
+        if self._early_cancels.pop(rid, None) is not None or self._early_withdrawn.pop(
+                (rid, item.request.attempt, item.phase), None) is not None:
             return Verdict.CANCELLED
         return Verdict.ACCEPT
 
@@ -133,7 +136,11 @@ class RequestBook(Generic[H]):
         r.superseded = True
         return _how(r)
 
-    def cancel(self, request_id: str, now: float) -> Stop:
+    def cancel(self, request_id: str, now: float, phase: Phase | None = None, attempt: int = 0) -> Stop:
+        """Cancel what is held of the request; with `phase`, only its item of that phase and attempt (another
+        item of the request held here goes on, and the Cancel is remembered for that item alone)."""
+        if phase is not None and not self._holds(request_id, phase, attempt):
+            return self._withdraw_unheld(request_id, phase, attempt, now)
         _put(self._cancelled, request_id, now, self.early_max)
         self._early_landed.pop(request_id, None)
         r = self._live.get(request_id)
@@ -143,6 +150,21 @@ class RequestBook(Generic[H]):
             return Stop.NONE
         r.cancelled = True
         return _how(r)
+
+    def _holds(self, request_id: str, phase: Phase, attempt: int) -> bool:
+        r = self._live.get(request_id)
+        return r is not None and r.item.phase == phase and r.attempt == attempt
+
+    def _withdraw_unheld(self, request_id: str, phase: Phase, attempt: int, now: float) -> Stop:
+        """An item's Cancel that beat it here (or whose item never comes: a duplicate the stream dropped). For
+        a DECODE, KV for the request that lands or streams in meanwhile is dropped (refused), unless a DECODE
+        of the request held here waits for its own."""
+        _put(self._early_withdrawn, (request_id, attempt, phase), now, self.early_max)
+        held = self._live.get(request_id)
+        if phase == Phase.DECODE and (held is None or held.item.phase != Phase.DECODE):
+            _put(self._cancelled, request_id, now, self.early_max)
+            self._early_landed.pop(request_id, None)
+        return Stop.NONE
 
     def hand_over(self) -> list[tuple[Request[H], Stop]]:
         """The drain ran out of time: every request still held, and how to stop it here so that it ends
@@ -178,6 +200,8 @@ class RequestBook(Generic[H]):
             del self._early_landed[rid]
         for rid in [r for r, ts in self._early_cancels.items() if now - ts > self.stale_s]:
             del self._early_cancels[rid]
+        for key in [k for k, ts in self._early_withdrawn.items() if now - ts > self.stale_s]:
+            del self._early_withdrawn[key]
         for rid in [r for r, ts in self._cancelled.items() if now - ts > self.stale_s]:
             del self._cancelled[rid]
 
@@ -196,7 +220,7 @@ def _how(r: Request[H]) -> Stop:
 V = TypeVar("V")
 
 
-def _put(d: dict[str, V], key: str, value: V, cap: int) -> None:
+def _put(d: dict[K, V], key: K, value: V, cap: int) -> None:
     """Insert, dropping the oldest entry when full (dicts keep insertion order)."""
     if key not in d and len(d) >= cap:
         d.pop(next(iter(d)))

@@ -389,16 +389,18 @@ class Worker:
     async def on_cancel(self, c: Cancel, _m: Msg | None = None) -> None:
         """Every worker sees every Cancel: whatever phase the request is in here, all of it goes now (the
         engine's blocks, a KV stream going out or coming in, KV that landed and its sink or spool file). One
-        for another worker (Cancel.worker_id) is not for this one."""
+        for another worker (Cancel.worker_id) is not for this one; one naming a phase (Cancel.phase) stops
+        only that item of the request (RequestBook.cancel)."""
         if c.worker_id and c.worker_id != self.worker_id:
             return
         rid = c.request_id
         r = self.book.get(rid)
-        how = self.book.cancel(rid, time.time())
+        how = self.book.cancel(rid, time.time(), c.phase, c.attempt)
         if r is not None:
             await self._stop(rid, how, r.handle)
-        for sink in self.inbox.cancel(rid):
-            sink.discard()
+        if self.book.was_cancelled(rid):
+            for sink in self.inbox.cancel(rid):
+                sink.discard()
 
     async def on_gateway_alive(self, m: Msg) -> None:
         self.gateways.heard(m.subject, time.monotonic())
