@@ -318,3 +318,21 @@ def test_an_anchor_behind_the_admission_gate_is_judged_on_its_own_choice() -> No
     assert {gd.place(r, views).decode_worker for _ in range(2)} == {"h-0", "h-1"}  # type: ignore[union-attr]
     assert gd.place(r, views).mode == REFUSED  # type: ignore[union-attr]  # both busy: 2x the SLO either way
     assert [len(q) for q in dyn._prefills.values()] == [1, 1]  # the refused one was withdrawn
+
+
+def test_admissions_idle_reference_counts_the_workers_first_token_gap() -> None:
+    """A request over its TTFT SLO even on an idle worker, once that worker's first-token gap (time outside its
+    engine's steps) is counted, is judged by the idle exception (admitted while nothing else is expected), not
+    held and refused for load it does not face."""
+    ws = [WorkerView(worker_id="h0", model="llama-3.1-70b", accelerator="nvidia-h100", vendor="nvidia", devices=8,
+                     role=Role.BOTH, queue_depth=0, running=0, max_batch=64, kv_blocks_total=0, kv_blocks_used=0,
+                     block_size=16)]
+    r = RequestInfo(request_id="r", model="llama-3.1-70b", prompt_len=4_000, max_tokens=1, arrival=0.0)
+    probe = make_policy("cost", ttft_slo_s=10.0).place(r, ws)
+    assert probe is not None and probe.predicted_ttft_s is not None
+    pf = probe.predicted_ttft_s  # the prefill alone, on the idle server
+    p = make_policy("cost", ttft_slo_s=2 * pf, admission_margin=1.0)
+    p.observe_gaps(ws[0], [3 * pf] * 8)  # the gap alone is past the SLO
+    d = p.place(r, ws)
+    assert d is not None and d.mode == "aggregated", d
+    assert math.isclose(d.predicted_ttft_s or 0, 4 * pf, rel_tol=1e-6)

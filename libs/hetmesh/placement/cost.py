@@ -247,8 +247,9 @@ class CostPolicy:
         return self._queued[sl]
 
     def _idle(self, pr: Priced, prefill: np.ndarray, n_out: int, ttft_slo: float, tpot_slo: float) -> float:
-        """admission's idle reference: the best prefill alone, and a decode step alone in its batch, over SLO."""
-        idle = float(pr.prefill[prefill].min()) / ttft_slo
+        """admission's idle reference: the best prefill alone (with its worker's first-token gap), and a decode
+        step alone in its batch, over SLO."""
+        idle = float((pr.prefill[prefill] + self._gap[self._fleet.slots[prefill]]).min()) / ttft_slo
         if n_out > 1:
             c = self._fleet.coef[:, pr.dec]
             one, z = np.ones(len(pr.dec)), np.zeros(len(pr.dec))
