@@ -16,12 +16,15 @@ beside it:
 - noisy neighbour: three quiet tenants at 0.2x capacity each, a fourth sending 10x its fair share (2.5x capacity)
   of 8k-token prompts; target: each quiet tenant's attainment within 3 points of the run without the noisy one;
 - priority bands: a high band at 0.5x capacity keeps >= 99% attainment while a low band sends 2x capacity;
-- equal weights, backlogged (tenants at 0.5x, 1x, 2x capacity): Jain's index of per-tenant goodput >= 0.95.
+- equal weights, backlogged (tenants at 0.5x, 1x, 2x capacity): Jain's index of per-tenant goodput >= 0.95;
+- weights 1:2:4, backlogged (each tenant at 1.5x capacity): each tenant's goodput share within 10% of w/7;
+- an idle tenant (three tenants at 1x capacity, a fourth configured that sends nothing): total goodput (output
+  tokens of the requests within SLO, the same trace in both runs) with flow control >= 0.97x that without.
 
 The load average and the mesh's CPU are recorded per run: where the host, not the engines, sets the pace, the
 quiet-only run itself misses its SLOs.
 
-    .venv/bin/python benchmarks/flow_live.py [--time-scale 0.25] [--duration 24] [--cases noisy bands jain]
+    .venv/bin/python benchmarks/flow_live.py [--time-scale 0.25] [--duration 24] [--cases noisy bands jain weights idle]
 """
 
 from __future__ import annotations
@@ -181,12 +184,19 @@ def att(run: dict[str, Any], t: str) -> float:
     return run["tenants"][t]["attainment"]
 
 
+def share_error(good: dict[str, float], weights: dict[str, float]) -> float:
+    """The largest relative error of a tenant's share of `good` against its share of `weights`."""
+    total, wsum = sum(good.values()), sum(weights.values())
+    return max(abs(good[n] / total / (w / wsum) - 1) for n, w in weights.items()) if total else 1.0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--time-scale", type=float, default=0.25, help="engine seconds per wall second")
     ap.add_argument("--duration", type=float, default=30.0, help="engine seconds of arrivals per trace")
     ap.add_argument("--grace", type=float, default=20.0, help="wall seconds a run waits past its last arrival")
-    ap.add_argument("--cases", nargs="+", default=["noisy", "bands", "jain"], choices=["noisy", "bands", "jain"])
+    every = ["noisy", "bands", "jain", "weights", "idle"]
+    ap.add_argument("--cases", nargs="+", default=every, choices=every)
     ap.add_argument("--out", default="results/flow_live.json")
     a = ap.parse_args()
     t0, d, ts = time.time(), a.duration, a.time_scale
@@ -198,8 +208,9 @@ def main() -> int:
         out = []
         for label, ts_ in (("flow", tenants), ("no flow", ())):
             r = live(trace, ts_, a, f"{case}, {label}")
-            r["sim"] = {n: {"attainment": v["offered_slo_attainment"], "goodput_tok_s": v["goodput_tok_s"]}
-                        for n, v in simulate(trace, ts_)["tenants"].items()}
+            s = simulate(trace, ts_)
+            r["sim"] = {n: {"attainment": v["offered_slo_attainment"], "goodput_tok_s": v["goodput_tok_s"],
+                            "good_tokens": v["goodput_tok_s"] * s["duration_s"]} for n, v in s["tenants"].items()}
             runs.append(r)
             out.append((label, r, r["sim"]))
         return out
@@ -234,13 +245,38 @@ def main() -> int:
                          "value": j, "sim": jain([sim[n]["goodput_tok_s"] for n in "abc"]), "target": ">= 0.95",
                          "ok": j >= 0.95, "detail": {n: r["tenants"][n]["good_tokens"] for n in "abc"}})
 
+    if "weights" in a.cases:
+        ws = {"a": 1.0, "b": 2.0, "c": 4.0}
+        weighted = merge(*(load(1.5 * cap, d, n, 10 + i) for i, n in enumerate(ws)))
+        for label, r, sim in both("weights 1:2:4", weighted, tuple(Tenant(n, w) for n, w in ws.items())):
+            good = {n: r["tenants"][n]["good_tokens"] for n in ws}
+            err = share_error(good, ws)
+            rows.append({"case": "weights 1:2:4, backlogged", "run": label, "metric": "largest share error vs 1:2:4",
+                         "value": err, "sim": share_error({n: sim[n]["goodput_tok_s"] for n in ws}, ws),
+                         "target": "<= 0.10", "ok": err <= 0.10,
+                         "detail": {n: round(g / (sum(good.values()) or 1), 3) for n, g in good.items()}})
+
+    if "idle" in a.cases:
+        equal = merge(*(load(cap, d, n, i) for i, n in enumerate("abc")))
+        runs_ = both("an idle tenant", equal, tuple(Tenant(n) for n in "abcd"))  # d configured, sends nothing
+        # goodput over the same trace in both runs: output tokens of the requests within SLO, not a rate over each
+        # run's own makespan
+        good = {label: sum(v["good_tokens"] for v in r["tenants"].values()) for label, r, _ in runs_}
+        sgood = {label: sum(v["good_tokens"] for v in sim.values()) for label, _, sim in runs_}
+        ratio = good["flow"] / good["no flow"] if good["no flow"] else 0.0
+        rows.append({"case": "an idle tenant", "run": "flow vs no flow", "metric": "total goodput, flow / no flow",
+                     "value": ratio, "sim": sgood["flow"] / sgood["no flow"], "target": ">= 0.97",
+                     "ok": ratio >= 0.97, "detail": good | {"within SLO": {
+                         label: round(sum(v["attainment"] * v["offered"] for v in r["tenants"].values()))
+                         for label, r, _ in runs_}}})
+
     table = Table(title=f"Flow control on the live mesh (4x H100 sim workers, Llama-3.1-8B, time_scale {ts:g}, "
                         f"capacity {cap:.1f} engine req/s = {cap * ts:.1f} req/s wall)")
     for c in ("case", "run", "metric", "live", "sim, same trace", "target", "per tenant (live)"):
         table.add_column(c)
     for r in rows:
         table.add_row(r["case"], r["run"], r["metric"], f"{r['value']:.3f}", f"{r['sim']:.3f}",
-                      r["target"] if r["run"] == "flow" else "", json.dumps(r["detail"]))
+                      r["target"] if r["run"] != "no flow" else "", json.dumps(r["detail"]))
     Console(width=160).print(table)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({
