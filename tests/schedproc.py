@@ -12,15 +12,18 @@ from hetmesh.servers import env_with
 
 
 @contextmanager
-def scheduler_process(cluster: str, workdir: Path, nats_url: str, redis_url: str) -> Iterator[None]:
-    """`python -m hetmesh.scheduler` on the cluster file text `cluster`; its log is printed at the end."""
+def scheduler_process(cluster: str, workdir: Path, nats_url: str, redis_url: str, instance: str = "",
+                      **env: str) -> Iterator[subprocess.Popen[bytes]]:
+    """`python -m hetmesh.scheduler` on the cluster file text `cluster` (`instance`: its --instance, `env`: more
+    environment); its log is printed at the end."""
     (workdir / "c.toml").write_text(cluster)
+    args = ["--instance", instance] if instance else []
     with open(workdir / "scheduler.log", "wb") as log:
-        p = subprocess.Popen([sys.executable, "-m", "hetmesh.scheduler", "--cluster", str(workdir / "c.toml")],
-                             env=env_with(HETMESH_NATS_URL=nats_url, HETMESH_REDIS_URL=redis_url), stdout=log,
+        p = subprocess.Popen([sys.executable, "-m", "hetmesh.scheduler", "--cluster", str(workdir / "c.toml"), *args],
+                             env=env_with(HETMESH_NATS_URL=nats_url, HETMESH_REDIS_URL=redis_url, **env), stdout=log,
                              stderr=subprocess.STDOUT)
         try:
-            yield
+            yield p
         finally:
             p.terminate()
             p.wait(10)

@@ -27,6 +27,7 @@ async def test_a_burst_of_lookups_queues_for_the_pool_and_redis_stays_up(nats_ur
     writer = asyncio.create_task(mirror.writer())
     try:
         await mirror.probe()
+        await mirror.role(True)  # the one scheduler here writes the index
         assert mirror.ok
         tokens = list(range(64))
         hashes = block_hashes("pool-m", tokens, 4)

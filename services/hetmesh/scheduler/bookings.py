@@ -6,16 +6,22 @@ of another mesh on the same bus, one left over from a partition, a malformed sen
 it would price the fleet as busier than it is until the workers' next heartbeats, and those heartbeats count
 whatever the placement really put on the workers anyway. Nothing is lost by setting one aside: a booking
 only estimates load between heartbeats; the work itself travels on the work queue.
+
+The same beats say which scheduler writes workers' KV events into the Redis prefix index (`Peers.writer`);
+`beat` sends this scheduler's.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
 
+from hetmesh import subjects
+from hetmesh.bus import Bus
 from hetmesh.placement import Decision
 from hetmesh.protocol import Booked
 
@@ -36,6 +42,23 @@ class Peers:
     def known(self, instance: str, now: float) -> bool:
         t = self._heard.get(instance)
         return t is not None and now - t <= self.timeout_s
+
+    def writer(self, me: str, now: float) -> bool:
+        """Whether `me` writes the KV index: the smallest instance id among itself and the schedulers heard
+        beating within the timeout (one writer at a time; the next one takes over once the writer's beats stop)."""
+        return all(me <= i for i, t in self._heard.items() if now - t <= self.timeout_s)
+
+
+async def beat(bus: Bus, instance: str, interval_s: float, reconnects: Callable[[], int],
+               then: Callable[[], Awaitable[None]]) -> None:
+    """Beat on `hetmesh.sched.alive.<instance>` every `interval_s` while connected, with `reconnects()` (a gateway
+    sends again what it still waits on when that grows), and `then()` after each beat."""
+    subject = subjects.sched_alive(instance)
+    while True:
+        if bus.nc.is_connected:
+            await bus.nc.publish(subject, str(reconnects()).encode())
+            await then()
+        await asyncio.sleep(interval_s)
 
 
 @dataclass

@@ -7,6 +7,11 @@ restarted empty) every worker is asked to republish its whole prefix cache (`het
 rebuilds the index. Only a failure of Redis itself counts as down: a call that found no free connection in
 this process's pool (many placements at once) degrades alone (a lookup finds nothing, the writer tries the
 event again), with no resync. Kept apart from placement and the cluster view, which only call it.
+
+Of several schedulers, one writes the index (events, a lost worker's entries, the resync when Redis is back):
+the one `role` makes the writer, each beat (bookings.Peers.writer); the others drop the events and only look
+prefixes up. A scheduler that takes the role asks for a resync first, which rebuilds what the events no one
+wrote (the old writer dead, not yet timed out) would have changed.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from collections.abc import Iterable, Sequence
 
 from nats.aio.msg import Msg
 
-from hetmesh import subjects
+from hetmesh import metrics, subjects
 from hetmesh.bus import Bus, EventBatcher
 from hetmesh.kvindex.index import PrefixIndex
 from hetmesh.protocol import KvEvent, KvResync, ServiceEvent
@@ -39,6 +44,7 @@ class PrefixMirror:
         self.run_id = ""  # a different one means Redis restarted (empty: no persistence)
         self.queue: asyncio.Queue[KvEvent] = asyncio.Queue(maxsize=100_000)
         self.busy = 0  # calls that found no free Redis connection in time (not counted as Redis down)
+        self.writing = False  # this scheduler writes the index (`role`)
 
     def down(self, exc: BaseException) -> None:
         if pool_exhausted(exc):  # busy here, not down there
@@ -60,10 +66,27 @@ class PrefixMirror:
             # Back, or restarted (and empty): every worker republishes what its cache holds.
             was = "restarted" if self.ok else "up"
             self.ok, self.run_id = True, run_id
-            log.info("Redis %s: asking workers to republish their prefix caches", was)
-            await self.bus.publish(subjects.KV_RESYNC, KvResync(reason=f"redis {was}"))
-            self.events.add(ServiceEvent(service="scheduler", instance=self.instance, request_id="",
-                                         kind="kv_resync", ts=time.time(), detail={"reason": f"redis {was}"}))
+            if self.writing:
+                await self.resync(f"redis {was}")
+
+    async def resync(self, reason: str) -> None:
+        log.info("%s: asking workers to republish their prefix caches", reason)
+        await self.bus.publish(subjects.KV_RESYNC, KvResync(reason=reason))
+        self.events.add(ServiceEvent(service="scheduler", instance=self.instance, request_id="",
+                                     kind="kv_resync", ts=time.time(), detail={"reason": reason}))
+
+    async def role(self, writer: bool) -> None:
+        """Take (`writer`) or leave the writer's role. Taking it, first a resync: the index missed the events
+        no one wrote. With Redis down the resync waits for it to be back (`probe`)."""
+        if writer == self.writing:
+            return
+        self.writing = writer
+        self.events.add(ServiceEvent(service="scheduler", instance=self.instance, request_id="",
+                                     kind="kv_writer", ts=time.time(), detail={"writer": writer}))
+        if writer and self.ok:
+            await self.resync("new kv index writer")
+        elif not writer:
+            log.info("another scheduler writes the kv index")
 
     async def probe_loop(self) -> None:
         while True:
@@ -71,8 +94,8 @@ class PrefixMirror:
             await self.probe()
 
     async def on_kv_event(self, ev: KvEvent, _m: Msg) -> None:
-        if not self.ok:
-            return  # lost either way; the resync when Redis is back rebuilds the index
+        if not (self.ok and self.writing):
+            return  # another scheduler writes it; or lost either way, and the resync when Redis is back rebuilds it
         try:
             self.queue.put_nowait(ev)
         except asyncio.QueueFull:
@@ -82,7 +105,7 @@ class PrefixMirror:
         # One writer keeps each worker's stored/removed events in order.
         while True:
             ev = await self.queue.get()
-            while self.ok:
+            while self.ok and self.writing:  # one that left the role drops what it still held
                 try:
                     await self.index.apply(ev)
                     break
@@ -98,11 +121,15 @@ class PrefixMirror:
             return {}
 
     async def drop_worker(self, worker_id: str) -> None:
-        if self.ok:
+        if self.ok and self.writing:
             try:
                 await self.index.drop_worker(worker_id)
             except Exception as exc:
                 self.down(exc)
+
+    def rows(self) -> list[metrics.Row]:
+        return [("hetmesh_scheduler_kv_writer", "1 on the scheduler that writes KV events into the Redis prefix "
+                 "index (one of the replicas), else 0", "gauge", {}, float(self.writing))]
 
     async def close(self) -> None:
         await self.index.close()

@@ -58,7 +58,7 @@ from hetmesh.protocol import (
 from hetmesh.runtime import run_service
 from hetmesh.workqueue import Stored, WorkQueue, msg_id, withdrawals
 
-from .bookings import Peers, sift
+from .bookings import Peers, beat, sift
 from .flowgate import FlowGate
 from .learning import Learning
 from .prefix_mirror import PrefixMirror
@@ -131,6 +131,7 @@ class Scheduler:
         # A restarted scheduler knows no workers yet: gather a round of heartbeats before taking requests,
         # so that gateways keep waiting (no responders) instead of getting "no capacity".
         await asyncio.sleep(self.cfg.mesh.heartbeat_interval_s * 1.5)
+        await self._kv_role()  # the other schedulers' beats heard meanwhile say whether it writes the KV index
         await self.bus.subscribe(subjects.SUBMIT, InferenceRequest, self.on_submit, queue=subjects.SCHEDULER_QUEUE)
         # Its own subject too: a gateway that sent a request here watches this scheduler's beats, and sends it
         # to another scheduler should these stop before the answer came.
@@ -139,7 +140,8 @@ class Scheduler:
         await self.bus.nc.subscribe(subjects.SCHED_STATUS, queue=subjects.SCHEDULER_QUEUE, cb=self.on_status)
         self._tasks = [asyncio.create_task(self._expire_loop()), asyncio.create_task(self.prefix.writer()),
                        asyncio.create_task(self.prefix.probe_loop()), asyncio.create_task(self._demand_loop()),
-                       asyncio.create_task(self._alive_loop())]
+                       asyncio.create_task(beat(self.bus, self.instance, self.cfg.mesh.heartbeat_interval_s,
+                                                lambda: self.reconnects, self._kv_role))]
         self.started = True
         self.http = metrics.serve_from_env(self.metrics.registry, self._ready)
         log.info("scheduler %s up, policy %s", self.instance, self.policy.name)
@@ -160,7 +162,7 @@ class Scheduler:
 
     def _snapshot(self) -> list[metrics.Row]:
         return (metric_rows(self.state, self.cfg.prices, len(self.inflight), self.prefix.queue.qsize())
-                + self.learning.rows() + (self.flow.rows() if self.flow is not None else []))
+                + self.prefix.rows() + self.learning.rows() + (self.flow.rows() if self.flow is not None else []))
 
     async def on_status(self, m: Msg) -> None:
         st = status(self.state, self.instance, self.policy.name, len(self.inflight), time.time(), self.learning.status)
@@ -481,12 +483,8 @@ class Scheduler:
             except Exception:
                 log.exception("publishing demand failed")
 
-    async def _alive_loop(self) -> None:
-        subject = subjects.sched_alive(self.instance)
-        while True:
-            if self.bus.nc.is_connected:
-                await self.bus.nc.publish(subject, str(self.reconnects).encode())
-            await asyncio.sleep(self.cfg.mesh.heartbeat_interval_s)
+    async def _kv_role(self) -> None:  # one scheduler of those beating writes the KV index (bookings.Peers.writer)
+        await self.prefix.role(self.peers.writer(self.instance, time.monotonic()))
 
     async def on_cancel(self, c: Cancel, _m: Msg) -> None:
         if c.worker_id:  # one worker's leftovers of a request that goes on elsewhere
