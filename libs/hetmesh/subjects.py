@@ -163,7 +163,7 @@ TABLE: tuple[SubjectRow, ...] = (
     SubjectRow(f"{PREFIX}.heartbeat.<worker_id>", "workers", "scheduler", "Heartbeat",
                "liveness + load; every 2 s a sample of its engine steps and its requests' first-token gaps (the online fit)"),
     SubjectRow(f"{PREFIX}.kv.events.<worker_id>", "workers", "scheduler (-> Redis index)", "KvEvent", "prefix blocks stored/removed"),
-    SubjectRow(KV_RESYNC, "scheduler", "every worker", "KvResync", "Redis back or restarted: republish caches"),
+    SubjectRow(KV_RESYNC, "scheduler", "every worker", "KvResync", "Redis back or restarted, or a new index writer: republish caches"),
     SubjectRow(KV_TRANSFER, "prefill worker", "kv-transfer (queue group)", "KvTransferRequest (-> KvTransferAccept)", "direct with the KV port in the placement: a notice that opens the record; else request/reply, the accept naming the KV port (direct) or a data subject (relay)"),
     SubjectRow(KV_DONE, "prefill worker", "kv-transfer", "KvTransferDone", "direct: the stream's outcome, for the records"),
     SubjectRow(f"{PREFIX}.kv.data.<transfer_id>", "prefill worker", "kv-transfer", "raw KV bytes", "relay only; chunked; headers Kv-Seq, Kv-Last"),
