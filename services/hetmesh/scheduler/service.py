@@ -7,16 +7,14 @@ then publishes `WorkItem`s to the chosen workers' direct subjects on the JetStre
 stop leaves the view; every request it held gets a `WorkerLost` on its reply subject, so the
 gateway can resubmit it (nothing streamed yet) or end it with an error — never a hang.
 
-Admission: a model's pool takes a bounded number of requests (`pool_full`); past it a submit
-gets 503 + Retry-After. With SLO-aware admission on (cost policy, `admission_margin`), a request the
-cost model predicts over margin x its SLO (hetmesh.placement.admission) gets 429 + Retry-After (the
-predicted excess wait). Redis is optional at run time: while it is unreachable placement runs on
-load alone, and when it is back (or restarted empty) the scheduler asks every worker to
-republish its whole prefix cache (`hetmesh.kv.resync`), which rebuilds the index.
+Admission: a model's pool takes a bounded number of requests (`pool_full`); past it a submit gets 503 +
+Retry-After. With SLO-aware admission on (cost policy, `admission_margin`), a request the cost model predicts
+over margin x its SLO (hetmesh.placement.admission) gets 429 + Retry-After (the predicted excess wait).
 
 This module is the service itself (the cluster view, placement and dispatch); beside it lie reconcile (its
-in-flight books), bookings (which of the other schedulers' placements count here), prefix_mirror (the Redis
-prefix index, optional at run time) and reports (metrics rows, the status answer, the placement span).
+in-flight books), bookings (the other schedulers: their placements, their beats, who writes the KV index),
+prefix_mirror (the Redis prefix index, optional at run time), flowgate (flow control), learning (the online
+fit) and reports (metrics rows, the status answer, the placement span).
 """
 
 from __future__ import annotations
@@ -41,7 +39,6 @@ from hetmesh.protocol import (
     Booked,
     BookedBatch,
     Cancel,
-    DemandReport,
     ErrorInfo,
     FinishedBatch,
     Heartbeat,
@@ -59,6 +56,7 @@ from hetmesh.runtime import run_service
 from hetmesh.workqueue import Stored, WorkQueue, msg_id, withdrawals
 
 from .bookings import Peers, beat, sift
+from .demand import publish_demand
 from .flowgate import FlowGate
 from .learning import Learning
 from .prefix_mirror import PrefixMirror
@@ -138,10 +136,11 @@ class Scheduler:
         await self.bus.subscribe(subjects.sched_submit(self.instance), InferenceRequest, self.on_submit)
         # Last: an answer on the status subject means every subscription above is in place.
         await self.bus.nc.subscribe(subjects.SCHED_STATUS, queue=subjects.SCHEDULER_QUEUE, cb=self.on_status)
-        self._tasks = [asyncio.create_task(self._expire_loop()), asyncio.create_task(self.prefix.writer()),
-                       asyncio.create_task(self.prefix.probe_loop()), asyncio.create_task(self._demand_loop()),
-                       asyncio.create_task(beat(self.bus, self.instance, self.cfg.mesh.heartbeat_interval_s,
-                                                lambda: self.reconnects, self._kv_role))]
+        loops = (self._expire_loop(), self.prefix.writer(), self.prefix.probe_loop(),
+                 publish_demand(self.bus, self.instance, self.demand, self.cfg.planner.interval_s),
+                 beat(self.bus, self.instance, self.cfg.mesh.heartbeat_interval_s, lambda: self.reconnects,
+                      self._kv_role))
+        self._tasks = [asyncio.create_task(c) for c in loops]
         self.started = True
         self.http = metrics.serve_from_env(self.metrics.registry, self._ready)
         log.info("scheduler %s up, policy %s", self.instance, self.policy.name)
@@ -418,9 +417,11 @@ class Scheduler:
             dec, pre_stored = await asyncio.gather(
                 self._send(d.decode_worker, WorkItem(request=req, phase=Phase.DECODE, placement=placement), headers),
                 self._send(d.prefill_worker, pre, headers))
-            if dec.held_before and not pre_stored.ack.duplicate:  # another placement streams this attempt (its
-                self.inflight.forget(rid)  # FULL shares the DECODE's id): these workers hold none of it, and
-                if self.flow is not None:  # this prefill would feed nobody
+            if dec.held_before and not pre_stored.ack.duplicate:
+                # Another placement streams this attempt (a FULL shares the DECODE's id): these workers hold
+                # none of it, and this prefill would feed nobody.
+                self.inflight.forget(rid)
+                if self.flow is not None:
                     self.flow.done(rid)
                 for c in withdrawals(pre):
                     await self.bus.publish(subjects.CANCEL, c, rid)
@@ -472,16 +473,6 @@ class Scheduler:
                     self.flow.done(f.request_id, met)
             elif over is False and f.finish_reason == "prefill_done":  # P/D: the decode side streams on from the first token
                 self.demand.first_token(f.request_id, time.monotonic())
-
-    async def _demand_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.planner.interval_s)
-            try:
-                await self.bus.publish(subjects.DEMAND, DemandReport(
-                    instance=self.instance, window_s=self.demand.window_s, ts=time.time(),
-                    models=self.demand.report(time.monotonic())))
-            except Exception:
-                log.exception("publishing demand failed")
 
     async def _kv_role(self) -> None:  # one scheduler of those beating writes the KV index (bookings.Peers.writer)
         await self.prefix.role(self.peers.writer(self.instance, time.monotonic()))
