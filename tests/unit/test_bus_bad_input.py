@@ -67,6 +67,6 @@ def test_bookings_count_from_schedulers_heard_beating_of_workers_in_view() -> No
              Booked(scheduler="s2", request_id="r3", decode_worker="ghost"),
              Booked(scheduler="stranger", request_id="r4", decode_worker="a"),
              Booked(scheduler="gone", request_id="r5", decode_worker="a")]
-    got = sift(batch, "me", lambda s: peers.known(s, 0.5), {"a", "b"}.__contains__)
+    got = sift(batch, "me", lambda s: peers.alive(s, 0.5), {"a", "b"}.__contains__)
     assert [(d.mode, d.workers) for d in got.booked] == [("aggregated", ("a",)), ("disaggregated", ("a", "b"))]
     assert (got.unknown_scheduler, got.unknown_worker) == (2, 1)

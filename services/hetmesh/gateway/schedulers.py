@@ -25,15 +25,15 @@ from typing import TypeVar
 import nats.errors
 
 from hetmesh import subjects
+from hetmesh.beats import Beats
 
 T = TypeVar("T")
 
 
 class Schedulers:
     def __init__(self, timeout_s: float, check_s: float) -> None:
-        self.timeout_s = timeout_s  # silent this long: gone
         self.check_s = check_s  # how often a waiting submit looks at its scheduler
-        self._seen: dict[str, float] = {}
+        self._beats = Beats(timeout_s)
         self._epoch: dict[str, bytes] = {}  # scheduler -> its count of reconnects, as its beat says
         self._gaps = 0  # this gateway's own reconnects
         self._rng = random.Random()
@@ -41,29 +41,27 @@ class Schedulers:
         self.resent = 0  # submits sent again after a bus gap
 
     def heard(self, instance: str, now: float, epoch: bytes = b"") -> None:
-        self._seen[instance] = now
+        self._beats.heard(instance, now)
         self._epoch[instance] = epoch
 
     def bus_gap(self, now: float) -> None:
         """This gateway reconnected: what it sent or was sent meanwhile may be lost, and the beats it missed
         say nothing about the schedulers."""
         self._gaps += 1
-        for k in self._seen:
-            self._seen[k] = max(self._seen[k], now)
+        self._beats.bus_gap(now)
 
     def _mark(self, target: str | None) -> tuple[int, bytes]:
         return self._gaps, self._epoch.get(target, b"") if target is not None else b""
 
     def alive(self, instance: str, now: float) -> bool:
-        seen = self._seen.get(instance)
-        return seen is not None and now - seen <= self.timeout_s
+        return self._beats.alive(instance, now)
 
     def pick(self, now: float, exclude: set[str]) -> str | None:
-        live = [k for k in self._seen if k not in exclude and self.alive(k, now)]
+        live = [k for k in self._beats.live(now) if k not in exclude]
         return self._rng.choice(live) if live else None
 
     def drop(self, instance: str) -> None:
-        self._seen.pop(instance, None)
+        self._beats.forget(instance)
 
     async def submit(self, send: Callable[[str], Awaitable[T]], connected: Callable[[], bool],
                      on_lost: Callable[[str], None]) -> T:

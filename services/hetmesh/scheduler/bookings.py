@@ -21,32 +21,22 @@ from dataclasses import dataclass, field
 from nats.aio.msg import Msg
 
 from hetmesh import subjects
+from hetmesh.beats import Beats
 from hetmesh.bus import Bus
 from hetmesh.placement import Decision
 from hetmesh.protocol import Booked
 
 
-class Peers:
+class Peers(Beats):
     """The scheduler instances heard beating, and when last."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self._heard: dict[str, float] = {}
-
-    def heard(self, instance: str, now: float) -> None:
-        self._heard[instance] = now
 
     async def on_alive(self, m: Msg) -> None:  # hetmesh.sched.alive.<instance>
         self.heard(m.subject.rsplit(".", 1)[-1], time.monotonic())
 
-    def known(self, instance: str, now: float) -> bool:
-        t = self._heard.get(instance)
-        return t is not None and now - t <= self.timeout_s
-
     def writer(self, me: str, now: float) -> bool:
         """Whether `me` writes the KV index: the smallest instance id among itself and the schedulers heard
         beating within the timeout (one writer at a time; the next one takes over once the writer's beats stop)."""
-        return all(me <= i for i, t in self._heard.items() if now - t <= self.timeout_s)
+        return all(me <= i for i in self.live(now))
 
 
 async def beat(bus: Bus, instance: str, interval_s: float, reconnects: Callable[[], int],

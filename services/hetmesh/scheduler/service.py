@@ -454,7 +454,7 @@ class Scheduler:
         """Other schedulers' placements, counted as its own: on their workers until their next heartbeats, and in
         the policy's bookkeeping (the cost policy's prefill backlog). bookings.py says which count."""
         now = time.monotonic()
-        got = sift(batch, self.instance, lambda s: self.peers.known(s, now), self.state.__contains__)
+        got = sift(batch, self.instance, lambda s: self.peers.alive(s, now), self.state.__contains__)
         book = getattr(self.policy, "booked", None)
         for d in got.booked:
             self.state.assigned(d)

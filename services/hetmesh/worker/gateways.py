@@ -16,6 +16,7 @@ import nats.errors
 from nats.aio.client import Client
 
 from hetmesh import subjects
+from hetmesh.beats import Beats
 
 PROBE_TIMEOUT_S = 0.5
 
@@ -25,7 +26,7 @@ FORGET_S = 600.0  # a dead gateway's name is kept this long, for WorkItems of it
 class GatewayWatch:
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self._seen: dict[str, float] = {}
+        self._beats = Beats(timeout_s)
         self._quiet_until = 0.0  # no verdicts before this: this worker's own bus was away
         self.dead: set[str] = set()  # silent, and their reply subscription gone
 
@@ -36,28 +37,25 @@ class GatewayWatch:
             if await unreachable(nc, g):
                 self.dead.add(g)
             else:
-                self._seen[g] = now
+                self._beats.heard(g, now)
         return self.dead
 
     def heard(self, subject: str, now: float) -> None:
         g = subject.rsplit(".", 1)[-1]
-        self._seen[g] = now
+        self._beats.heard(g, now)
         self.dead.discard(g)  # only cut off from the bus for a while: it is back
 
     def bus_gap(self, now: float) -> None:
         """This worker's bus is away (or just came back): silence until a timeout from now says nothing."""
         self._quiet_until = now + self.timeout_s
-        for g in self._seen:
-            self._seen[g] = max(self._seen[g], now)
+        self._beats.bus_gap(now)
 
     def gone(self, now: float) -> set[str]:
         """Gateways heard once and silent for the timeout since."""
         if now < self._quiet_until:
             return set()
-        for g in [g for g, t in self._seen.items() if now - t > FORGET_S]:
-            del self._seen[g]
-            self.dead.discard(g)
-        return {g for g, t in self._seen.items() if now - t > self.timeout_s}
+        self.dead.difference_update(self._beats.forget_silent(now, FORGET_S))
+        return self._beats.silent(now)
 
     @staticmethod
     def orphans(reply_subjects: Iterable[tuple[str, str]], dead: set[str]) -> list[str]:
