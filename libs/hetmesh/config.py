@@ -21,6 +21,7 @@ from msgspec import Struct, field
 
 from hetmesh.costmodel.model import PARALLEL
 from hetmesh.placement.admission import DEFAULT_HOLD_S, DEFAULT_MARGIN
+from hetmesh.placement.flow import LOOKAHEAD
 from hetmesh.protocol import Role
 
 
@@ -176,6 +177,10 @@ class FlowConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     # room, is active (the room their next arrivals land in). A held request waits until the latest start that
     # meets its TTFT SLO (the SLO less its own prefill), then 429 + Retry-After.
     wait_share: float = 0.5
+    # In a pump, a tenant whose held request the fleet refuses has this many of its next requests (earliest
+    # deadline first) tried before its turn ends: more fills the fleet more fully at overload, each try a
+    # placement's CPU.
+    lookahead: int = LOOKAHEAD
 
 
 class SchedulerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -434,8 +439,8 @@ class ClusterConfig(Struct, kw_only=True, forbid_unknown_fields=True):
 
     def _validate_tenants(self) -> None:
         fl = self.flow
-        if not fl.bands or len(set(fl.bands)) != len(fl.bands) or fl.max_held < 1 or not fl.header:
-            raise ValueError("flow: bands must be non-empty and unique, max_held >= 1, header non-empty")
+        if not fl.bands or len(set(fl.bands)) != len(fl.bands) or fl.max_held < 1 or not fl.header or fl.lookahead < 0:
+            raise ValueError("flow: bands must be non-empty and unique, max_held >= 1, header non-empty, lookahead >= 0")
         names = [t.name for t in self.tenants]
         if len(set(names)) != len(names) or not all(names):
             raise ValueError(f"tenants: names must be non-empty and unique, not {names}")

@@ -13,7 +13,7 @@ from hetmesh.batching import Settings
 from hetmesh.config import ClusterConfig, WorkerGroup
 from hetmesh.costmodel import CostModel, Efficiency, load_efficiencies, server_model
 from hetmesh.placement import Policy, make_policy
-from hetmesh.placement.flow import FlowQueue, Tenant, engine_seconds
+from hetmesh.placement.flow import LOOKAHEAD, FlowQueue, Tenant, engine_seconds
 
 MAX_SIM_KV_BLOCKS = 1 << 22  # cap on the cost model's capacity: the sim cache only holds hashes, but bound it
 
@@ -75,7 +75,8 @@ def policy(cfg: ClusterConfig) -> Policy:
 DEFAULT_TENANT = "default"  # requests that name no tenant
 
 
-def flow_queue(tenants: Sequence[Tenant], max_held: int, retry_floor_s: float, reserve: float = 0.0) -> FlowQueue:
+def flow_queue(tenants: Sequence[Tenant], max_held: int, retry_floor_s: float, reserve: float = 0.0,
+               lookahead: int = LOOKAHEAD) -> FlowQueue:
     """The flow queue the scheduler and the simulator hold requests in: the given tenants, and the `default`
     tenant (weight 1, last band) for requests that name none, unless one of them is called that. `reserve`:
     the share of its SLOs a request leaves free for the tenants it would crowd out (flow.wait_share;
@@ -83,7 +84,7 @@ def flow_queue(tenants: Sequence[Tenant], max_held: int, retry_floor_s: float, r
     ts = list(tenants)
     if all(t.name != DEFAULT_TENANT for t in ts):
         ts.append(Tenant(DEFAULT_TENANT, 1.0, max((t.band for t in ts), default=0)))
-    return FlowQueue(ts, max_held=max_held, retry_floor_s=retry_floor_s, reserve=reserve)
+    return FlowQueue(ts, max_held=max_held, retry_floor_s=retry_floor_s, reserve=reserve, lookahead=lookahead)
 
 
 def tenants(cfg: ClusterConfig) -> list[Tenant]:
@@ -96,7 +97,8 @@ def flow(cfg: ClusterConfig) -> FlowQueue | None:
     """The scheduler's flow queue; None without [[tenants]] (flow control off)."""
     if not cfg.tenants:
         return None
-    return flow_queue(tenants(cfg), cfg.flow.max_held, cfg.scheduler.retry_after_s, cfg.flow.wait_share)
+    return flow_queue(tenants(cfg), cfg.flow.max_held, cfg.scheduler.retry_after_s, cfg.flow.wait_share,
+                      cfg.flow.lookahead)
 
 
 def pricer(cm: CostModel, max_batch: int) -> Callable[[int, int, int], float]:

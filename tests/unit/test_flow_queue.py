@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hetmesh.config import ClusterConfig
 from hetmesh.placement import REFUSED, RequestInfo, WorkerView, make_policy
 from hetmesh.placement.flow import (
     LOOKAHEAD,
@@ -228,7 +230,7 @@ def test_a_head_is_passed_over_for_at_most_its_own_cost() -> None:
 
 def test_lookahead_is_bounded_per_pump() -> None:
     q = FlowQueue([Tenant("a")])
-    for k in range(10):
+    for k in range(LOOKAHEAD + 6):
         q.hold(f"a{k}", "a", 1.0, deadline=float(k), now=0.0)
     assert len(_pump(q, lambda h: False)) == 1 + LOOKAHEAD
     turns = Turns(q, lookahead=0)
@@ -305,3 +307,14 @@ def test_a_request_held_again_keeps_its_deadline() -> None:
     q.take(h, 1.0)  # taken out to be placed, and still refused: the shell works out a deadline again
     q.hold("a0", "a", 1.0, deadline=9.0, now=1.0, again=True)
     assert [(x.key, x.deadline) for x in q.order()] == [("a0", 5.0), ("a1", 6.0)]
+
+
+def test_the_lookahead_is_checked_and_reaches_each_pump() -> None:
+    with pytest.raises(ValueError, match="lookahead"):
+        FlowQueue([Tenant("a")], lookahead=-1)
+    with pytest.raises(ValueError, match="lookahead"):
+        msgspec.convert({"flow": {"lookahead": -1}, "tenants": [{"name": "a"}]}, ClusterConfig).validate()
+    q = FlowQueue([Tenant("a")], lookahead=2)
+    for k in range(6):
+        q.hold(f"a{k}", "a", 1.0, deadline=float(k), now=0.0)
+    assert len(_pump(q, lambda h: False)) == 3  # the head and the next two

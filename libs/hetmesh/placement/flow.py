@@ -149,7 +149,7 @@ def token_cost(uncached: int, output_tokens: int) -> float:
 
 class FlowQueue:
     def __init__(self, tenants: Sequence[Tenant], max_held: int = 1024, retry_floor_s: float = 1.0,
-                 reserve: float = 0.0) -> None:
+                 reserve: float = 0.0, lookahead: int = LOOKAHEAD) -> None:
         if not tenants:
             raise ValueError("flow control needs at least one tenant")
         self.tenants = {t.name: _State(t, t.band, t.weight) for t in tenants}
@@ -162,6 +162,9 @@ class FlowQueue:
         if not 0.0 <= reserve < 1.0:
             raise ValueError(f"flow reserve must be in [0, 1), not {reserve}")
         self.reserve = reserve  # share of its SLOs a request leaves free for those it would crowd out
+        if lookahead < 0:
+            raise ValueError(f"flow lookahead must be >= 0, not {lookahead}")
+        self.lookahead = lookahead  # a pump's tries past a tenant's refused head (`Turns`)
         self._seq = 0
         self._n_held = 0
         self._held_in: dict[int, int] = dict.fromkeys(self.vtime, 0)  # requests held per band
@@ -385,9 +388,9 @@ class Turns:
 
     __slots__ = ("_ahead", "done", "last_band", "lookahead", "over", "q", "tried")
 
-    def __init__(self, q: FlowQueue, lookahead: int = LOOKAHEAD) -> None:
+    def __init__(self, q: FlowQueue, lookahead: int | None = None) -> None:
         self.q = q
-        self.lookahead = lookahead
+        self.lookahead = q.lookahead if lookahead is None else lookahead
         self.done: set[str] = set()  # tenants with a refusal this pump (owed room)
         self.over: set[str] = set()  # tenants whose turn is over
         self.tried: dict[str, set[str]] = {}  # per tenant, the keys refused this pump

@@ -80,3 +80,4 @@ class SimConfig:
     tenants: tuple[Tenant, ...] = ()
     flow_max_held: int = FlowConfig().max_held
     flow_wait_share: float = FlowConfig().wait_share
+    flow_lookahead: int = FlowConfig().lookahead
