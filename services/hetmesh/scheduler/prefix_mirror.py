@@ -9,8 +9,8 @@ this process's pool (many placements at once) degrades alone (a lookup finds not
 event again), with no resync. Kept apart from placement and the cluster view, which only call it.
 
 Of several schedulers, one writes the index (events, a lost worker's entries, the resync when Redis is back):
-the one `role` makes the writer, each beat (bookings.Peers.writer); the others drop the events and only look
-prefixes up. A scheduler that takes the role asks for a resync first, which rebuilds what the events no one
+the one `role` makes the writer, each beat (bookings.Peers.writer); only it subscribes to the events, the
+others only look prefixes up. A scheduler that takes the role asks for a resync first, which rebuilds what the events no one
 wrote (the old writer dead, not yet timed out) would have changed.
 """
 
@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from hetmesh import metrics, subjects
 from hetmesh.bus import Bus, EventBatcher
@@ -45,6 +46,7 @@ class PrefixMirror:
         self.queue: asyncio.Queue[KvEvent] = asyncio.Queue(maxsize=100_000)
         self.busy = 0  # calls that found no free Redis connection in time (not counted as Redis down)
         self.writing = False  # this scheduler writes the index (`role`)
+        self._events: Subscription | None = None  # the workers' KV events, while it writes
 
     def down(self, exc: BaseException) -> None:
         if pool_exhausted(exc):  # busy here, not down there
@@ -81,6 +83,11 @@ class PrefixMirror:
         if writer == self.writing:
             return
         self.writing = writer
+        if writer:  # before the resync: the caches republished come in on it
+            self._events = await self.bus.subscribe(subjects.KV_EVENTS_ALL, KvEvent, self.on_kv_event)
+        elif self._events is not None:
+            await self._events.unsubscribe()
+            self._events = None
         self.events.add(ServiceEvent(service="scheduler", instance=self.instance, request_id="",
                                      kind="kv_writer", ts=time.time(), detail={"writer": writer}))
         if writer and self.ok:

@@ -43,7 +43,6 @@ from hetmesh.protocol import (
     FinishedBatch,
     Heartbeat,
     InferenceRequest,
-    KvEvent,
     Phase,
     Placement,
     ServiceEvent,
@@ -121,7 +120,6 @@ class Scheduler:
         await self.prefix.probe()
         await self.bus.nc.subscribe(subjects.SCHED_ALIVE_ALL, cb=self.peers.on_alive)
         await self.bus.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
-        await self.bus.subscribe(subjects.KV_EVENTS_ALL, KvEvent, self.prefix.on_kv_event)
         await self.bus.subscribe(subjects.FINISHED, FinishedBatch, self.on_finished)
         await self.bus.subscribe(subjects.SCHED_BOOKED, BookedBatch, self.on_booked)
         await self.bus.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
