@@ -1,16 +1,20 @@
 """One scheduler of several writes the workers' KV events into the Redis prefix index: the one with the smallest
-instance id among those beating (bookings.Peers.writer); the others drop the events. Two scheduler processes on
-real nats-server and redis-server: the events land once; the writer killed (SIGKILL), the other takes the role
+instance id among those beating (bookings.Peers.writer); only it subscribes to them. Two scheduler processes on
+real nats-server and redis-server: the events land once, and nats-server (its monitor) shows one subscriber;
+the writer killed (SIGKILL), the other takes the role
 within a heartbeat timeout and asks every worker to republish its prefix cache, which brings back what was
 published while no one wrote."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import pytest
 import redis
 from tests.e2e.conftest import scrape
 from tests.schedproc import scheduler_process
@@ -56,6 +60,14 @@ class Worker:
                                                                 cleared=True, ts=time.time()))
 
 
+def kv_subscribers(monitor_port: int) -> set[str]:
+    """The connections nats-server delivers the workers' KV events to (by connection name)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{monitor_port}/connz?subs=detail", timeout=2) as r:
+        conns = json.load(r)["connections"]
+    return {c.get("name", "") for c in conns for s in c.get("subscriptions_list_detail", [])
+            if s["subject"] == subjects.KV_EVENTS_ALL}
+
+
 def writer_gauge(port: int) -> float | None:
     try:
         return scrape(f"http://127.0.0.1:{port}/metrics").get(("hetmesh_scheduler_kv_writer", ()))
@@ -77,8 +89,12 @@ def zadds(r: redis.Redis) -> int:
     return int(r.info("commandstats").get("cmdstat_zadd", {}).get("calls", 0))
 
 
-async def test_one_scheduler_writes_and_the_other_takes_over_when_it_dies(nats_url: str, tmp_path: Path) -> None:
+@pytest.mark.mesh  # starts its own nats-server and redis-server
+async def test_one_scheduler_writes_and_the_other_takes_over_when_it_dies(tmp_path: Path) -> None:
     srv = servers.start_redis()  # its own: its command counts are the two schedulers' alone
+    monitor = servers.free_port()
+    nats = servers.start_nats(monitor_port=monitor)  # its own: its monitor lists the subscriptions
+    nats_url = nats.url
     r = redis.Redis.from_url(srv.url)
     index = PrefixIndex.from_url(srv.url)
     bus = await Bus.connect(nats_url, "test-kv-writer")
@@ -113,6 +129,7 @@ async def test_one_scheduler_writes_and_the_other_takes_over_when_it_dies(nats_u
                 await until(lambda: indexed(8), 10, "the events never reached the index")
                 await asyncio.sleep(0.3)  # a second writer would have written them by now too
                 assert await asyncio.to_thread(zadds, r) - calls == 8  # each event (one block) written once
+                assert await asyncio.to_thread(kv_subscribers, monitor) == {"scheduler-kvw-a"}
 
                 a.kill()
                 killed, heard = time.monotonic(), len(worker.resyncs)
@@ -125,8 +142,10 @@ async def test_one_scheduler_writes_and_the_other_takes_over_when_it_dies(nats_u
                 await until(lambda: indexed(10), 5, "the resync did not bring back what no one wrote")
                 await worker.store(hashes[10:12])
                 await until(lambda: indexed(12), 5, "new events after the take-over never reached the index")
+                assert await asyncio.to_thread(kv_subscribers, monitor) == {"scheduler-kvw-b"}
     finally:
         await bus.close()
         await index.close()
         r.close()
         srv.stop()
+        nats.stop()
