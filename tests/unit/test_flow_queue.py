@@ -233,7 +233,10 @@ def test_lookahead_is_bounded_per_pump() -> None:
     for k in range(LOOKAHEAD + 6):
         q.hold(f"a{k}", "a", 1.0, deadline=float(k), now=0.0)
     assert len(_pump(q, lambda h: False)) == 1 + LOOKAHEAD
-    turns = Turns(q, lookahead=0)
+    q = FlowQueue([Tenant("a")], lookahead=0)
+    for k in range(LOOKAHEAD + 6):
+        q.hold(f"a{k}", "a", 1.0, deadline=float(k), now=0.0)
+    turns = Turns(q)
     h = turns.next()
     assert h is not None
     turns.refused(h, 0.0)

@@ -388,9 +388,9 @@ class Turns:
 
     __slots__ = ("_ahead", "done", "last_band", "lookahead", "over", "q", "tried")
 
-    def __init__(self, q: FlowQueue, lookahead: int | None = None) -> None:
+    def __init__(self, q: FlowQueue) -> None:
         self.q = q
-        self.lookahead = q.lookahead if lookahead is None else lookahead
+        self.lookahead = q.lookahead
         self.done: set[str] = set()  # tenants with a refusal this pump (owed room)
         self.over: set[str] = set()  # tenants whose turn is over
         self.tried: dict[str, set[str]] = {}  # per tenant, the keys refused this pump

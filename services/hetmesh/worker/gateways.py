@@ -25,7 +25,6 @@ FORGET_S = 600.0  # a dead gateway's name is kept this long, for WorkItems of it
 
 class GatewayWatch:
     def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
         self._beats = Beats(timeout_s)
         self._quiet_until = 0.0  # no verdicts before this: this worker's own bus was away
         self.dead: set[str] = set()  # silent, and their reply subscription gone
@@ -47,7 +46,7 @@ class GatewayWatch:
 
     def bus_gap(self, now: float) -> None:
         """This worker's bus is away (or just came back): silence until a timeout from now says nothing."""
-        self._quiet_until = now + self.timeout_s
+        self._quiet_until = now + self._beats.timeout_s
         self._beats.bus_gap(now)
 
     def gone(self, now: float) -> set[str]:
