@@ -4,7 +4,9 @@ The schedulers beat on `hetmesh.sched.alive.<instance>` (heard by the gateways, 
 one, and by the other schedulers, whose bookings and KV-index writer they decide); the gateways beat on
 `hetmesh.gateway.alive.<instance>` (heard by the workers, which cancel what a dead gateway asked for). One
 instance counts as alive while heard within `timeout_s`. A listener's own bus outage hides every beat, so
-after one (`bus_gap`) each instance's clock starts again. Pure: `now` is passed in; no I/O.
+after one (`bus_gap`) each instance's clock starts again; so does a stall of the listener's own process (a
+GC pause, CPU starvation: `overslept`, `paused`), whose unread beats wait in its socket meanwhile. Pure: `now`
+is passed in; no I/O.
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ class Beats:
         """The listener's bus was away: the beats it missed say nothing about the instances."""
         for k, t in self._last.items():
             self._last[k] = max(t, now)
+
+    def paused(self, seconds: float, now: float) -> None:
+        """The listener's own process did not run for `seconds` up to `now` (`overslept`): that time is not
+        silence (a beat heard since counts as it is)."""
+        for k, t in self._last.items():
+            self._last[k] = min(t + seconds, now)
 
     def alive(self, instance: str, now: float) -> bool:
         t = self._last.get(instance)
@@ -44,3 +52,10 @@ class Beats:
         for k in old:
             del self._last[k]
         return old
+
+
+def overslept(last: float, period_s: float, now: float) -> float:
+    """How long a loop that wakes every `period_s` (last at `last`) was kept from running past its period: 0 when
+    it woke within two periods. Beats heard by the same process waited unread for as long."""
+    late = now - last - period_s
+    return late if late > period_s else 0.0

@@ -28,6 +28,11 @@ from ..clusters import cluster_toml, group, model
 from ..e2e.conftest import EventLog, collect_events, running_mesh
 
 TOK = ByteTokenizer()
+HEARTBEAT_TIMEOUT_S = 1.0
+# llama-3.1-8b at time scale 0.05: a decode token takes ~0.2 s, so a 40-token stream runs ~8 s; losses are seen
+# within a second
+STEADY_MESH = {"time_scale": 0.05, "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+               "stall_timeout_s": 30.0, "max_attempts": 3}
 KV_LANDED_TIMEOUT_S = 8.0
 DRAIN_TIMEOUT_S = 3.0
 CLUSTER = cluster_toml(

@@ -42,13 +42,10 @@ from hetmesh.protocol import (
 
 from ..clusters import cluster_toml, group, model
 from ..e2e.conftest import EventLog, collect_events, running_mesh, scrape
-from .conftest import TOK, expected_text
+from .conftest import HEARTBEAT_TIMEOUT_S, STEADY_MESH, TOK, expected_text
 
-HEARTBEAT_TIMEOUT_S = 1.0
 CLUSTER = cluster_toml(
-    # llama-3.1-8b at 0.05: a decode token takes ~0.2 s, so a 60-token stream runs ~12 s
-    mesh={"time_scale": 0.05, "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
-          "stall_timeout_s": 30.0, "max_attempts": 3},
+    mesh=STEADY_MESH,
     scheduler={"policy": "least_loaded"},
     models=[model("m", spec="llama-3.1-8b", max_context=8192, block_size=16)],
     workers=[group("h100", "m", "nvidia-h100", role="both", count=2)])

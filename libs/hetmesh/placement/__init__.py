@@ -15,7 +15,7 @@ from hetmesh.placement.policies import (
     aggregated,
     make_policy,
 )
-from hetmesh.placement.state import ClusterState, Decision, RequestInfo, WorkerView, pool_full
+from hetmesh.placement.state import ClusterState, Decision, RequestInfo, WorkerView, exclusion, pool_full
 
 __all__ = [
     "POLICIES",
@@ -31,6 +31,7 @@ __all__ = [
     "RoundRobin",
     "WorkerView",
     "aggregated",
+    "exclusion",
     "make_policy",
     "pool_full",
 ]

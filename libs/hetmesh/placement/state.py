@@ -215,6 +215,14 @@ class ClusterState:
             e.seen = max(e.seen, seen)
             e.progress_at = max(e.progress_at, seen)
 
+    def paused(self, seconds: float, now: float) -> None:
+        """The scheduler's own process did not run for `seconds` up to `now` (`hetmesh.beats.overslept`): the
+        heartbeats sent meanwhile still wait unread, so that time is no worker's silence (nor an engine's
+        stillness)."""
+        for e in self._workers.values():
+            e.seen = min(e.seen + seconds, now)
+            e.progress_at = min(e.progress_at + seconds, now)
+
     def expire(self, now: float) -> list[str]:
         """The workers silent past the heartbeat timeout, removed; each one's last heartbeat is remembered, so
         that one sent before it and arriving late does not bring the worker back."""
@@ -307,6 +315,18 @@ def back_in_s(model: str, busy: Iterable[Heartbeat], floor_s: float, cap_s: floa
     [floor_s, cap_s]; floor_s when all of them are leaving the model (nobody knows when one comes)."""
     back = [hb.ready_in_s for hb in busy if hb.moving_model in ("", model)]
     return min(max(min(back), floor_s), cap_s) if back else floor_s
+
+
+def exclusion(model: str, views: Iterable[WorkerView], avoid: Iterable[str], draining: Iterable[str]) -> frozenset[str]:
+    """The workers a placement must not pick: the draining ones, and those a retry avoids (`avoid`: where its
+    earlier attempts failed or were lost) unless that leaves no live worker of `model` at all. A worker lost to a
+    stall of its process or of the bus comes back with its heartbeats: sole worker of its model, it serves the
+    retry rather than a 503."""
+    out = frozenset(draining)
+    avoided = frozenset(avoid)
+    if avoided and any(v.model == model and v.worker_id not in out and v.worker_id not in avoided for v in views):
+        return out | avoided
+    return out
 
 
 def pool_full(model: str, workers: Iterable[WorkerView], queue_factor: float) -> bool:

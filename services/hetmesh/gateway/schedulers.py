@@ -53,6 +53,10 @@ class Schedulers:
     def _mark(self, target: str | None) -> tuple[int, bytes]:
         return self._gaps, self._epoch.get(target, b"") if target is not None else b""
 
+    def paused(self, seconds: float, now: float) -> None:
+        """This gateway's process did not run for `seconds` (`hetmesh.beats.overslept`): no scheduler's silence."""
+        self._beats.paused(seconds, now)
+
     def alive(self, instance: str, now: float) -> bool:
         return self._beats.alive(instance, now)
 

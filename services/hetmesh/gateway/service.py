@@ -27,6 +27,7 @@ from pydantic import ValidationError
 from starlette.responses import Response
 
 from hetmesh import config, metrics, subjects, telemetry, tokenizer
+from hetmesh.beats import overslept
 from hetmesh.bus import Bus, EventBatcher, decode
 from hetmesh.protocol import (
     Cancel,
@@ -197,11 +198,16 @@ class Gateway:
         """Beats for the workers: a gateway silent for a heartbeat timeout is dead, and its requests with it."""
         assert self.bus is not None
         subject = subjects.gateway_alive(self.instance)
+        period, loop = self.cfg.mesh.heartbeat_interval_s, asyncio.get_running_loop()
+        last = loop.time()
         while True:
             if self.bus.nc.is_connected:
                 with contextlib.suppress(nats.errors.Error):
                     await self.bus.nc.publish(subject, b"")
-            await asyncio.sleep(self.cfg.mesh.heartbeat_interval_s)
+            await asyncio.sleep(period)
+            if away := overslept(last, period, now := loop.time()):  # this process did not run: beats wait unread
+                self.schedulers.paused(away, now)
+            last = now
 
     async def _on_heartbeat(self, hb: Heartbeat, _m: Msg) -> None:
         now = time.monotonic()

@@ -30,9 +30,10 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 
 from hetmesh import config, metrics, subjects, telemetry, wiring
+from hetmesh.beats import overslept
 from hetmesh.bus import REQUEST_ID, Batcher, Bus, EventBatcher, encode, headers_for
 from hetmesh.kvindex.index import PrefixIndex
-from hetmesh.placement import REFUSED, ClusterState, Decision, RequestInfo, aggregated, refusals
+from hetmesh.placement import REFUSED, ClusterState, Decision, RequestInfo, aggregated, exclusion, refusals
 from hetmesh.placement.admission import hold_wait_s
 from hetmesh.planner.live import DemandWindow
 from hetmesh.protocol import (
@@ -200,8 +201,14 @@ class Scheduler:
     async def _expire_loop(self) -> None:
         period = max(self.cfg.mesh.heartbeat_interval_s / 2, 0.05)
         was_down = False
+        last = time.monotonic()
         while True:
             await asyncio.sleep(period)
+            now = time.monotonic()
+            if away := overslept(last, period, now):  # this process did not run: the beats wait unread
+                self.state.paused(away, now)
+                self.peers.paused(away, now)
+            last = now
             if not self.bus.nc.is_connected:
                 was_down = True  # no heartbeats can arrive: silence now says nothing about the workers
                 continue
@@ -209,7 +216,6 @@ class Scheduler:
                 was_down = False
                 await self._on_reconnect()
                 continue
-            now = time.monotonic()
             for worker_id in self.state.expire(now):
                 await self.worker_lost(worker_id)
             for worker_id in self.state.wedged(now):
@@ -314,8 +320,7 @@ class Scheduler:
             request_id=req.request_id, model=req.model, prompt_len=len(req.prompt_tokens),
             max_tokens=req.sampling.max_tokens, cached_blocks=cached,
             block_size=self.block_size.get(req.model, 16),
-            exclude=frozenset(req.exclude_workers).union(self.draining) if self.draining else frozenset(
-                req.exclude_workers),
+            exclude=exclusion(req.model, views, req.exclude_workers, self.draining),
             # The policy's clock is the engines' (virtual) time: a sim cluster at time_scale k runs k x wall.
             arrival=req.arrival_ts * self.cfg.mesh.time_scale,
             waited_s=req.waited_s * self.cfg.mesh.time_scale,  # a retry's earlier tries: its TTFT runs from them
@@ -345,7 +350,10 @@ class Scheduler:
             deadline = time.monotonic() + self.cfg.mesh.heartbeat_timeout_s
             while decision is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-                decision = self.policy.place(info, self.state.views())
+                views = self.state.views()  # a worker this retry avoids may be the one back
+                info = msgspec.structs.replace(info, exclude=exclusion(req.model, views, req.exclude_workers,
+                                                                       self.draining))
+                decision = self.policy.place(info, views)
         if no := refusals.no_worker(req.model, decision):
             return self._refuse(req, no)
         assert decision is not None
