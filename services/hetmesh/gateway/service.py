@@ -207,6 +207,9 @@ class Gateway:
             await asyncio.sleep(period)
             if away := overslept(last, period, now := loop.time()):  # this process did not run: beats wait unread
                 self.schedulers.paused(away, now)
+                for workers in self.live.values():  # nor are the workers' heartbeats silence
+                    for w, seen in workers.items():
+                        workers[w] = min(seen + away, time.monotonic())
             last = now
 
     async def _on_heartbeat(self, hb: Heartbeat, _m: Msg) -> None:
