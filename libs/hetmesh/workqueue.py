@@ -54,6 +54,7 @@ MSG_ID = "Nats-Msg-Id"  # JetStream's dedup header
 STREAM_IN_USE = 10058  # JetStream error: the stream exists with another configuration
 # JetStream errors: replicas > 1 on a single server; more replicas than JetStream nodes to place them on
 NOT_CLUSTERED, NO_PEERS = 10074, 10005
+SEQUENCE_NOT_FOUND = 10043  # JetStream error: no message at that sequence (taken and acked, or deleted)
 API_TIMEOUT_S = 2.0  # one JetStream API call or PubAck; retried up to the caller's bound
 ENSURE_WAIT_S = 30.0  # a restarted server may take a moment before JetStream answers
 RECENT_IDS = 65_536  # per worker; redeliveries come within ack_wait_s * max_deliver, far fewer items than this
@@ -186,6 +187,17 @@ class WorkQueue:
                     await self._ensure_stream()
                     raise
         raise AssertionError("unreachable: AsyncRetrying reraises")
+
+    async def withdraw(self, stored: Stored) -> bool:
+        """Take a stored item out of the stream (a withdrawn placement's): True when it was still there. A Cancel
+        stops it on a worker that has it; one down when the Cancel went out would take it once back, were it
+        left in the stream."""
+        try:
+            return bool(await self.js.delete_msg(subjects.WORK_STREAM, stored.ack.seq))
+        except nats.js.errors.APIError as exc:
+            if isinstance(exc, nats.js.errors.NotFoundError) or exc.err_code == SEQUENCE_NOT_FOUND:
+                return False  # taken and acked already: the Cancel's
+            raise
 
     async def _ensure_stream(self) -> None:
         cfg = stream_config(self.wq)

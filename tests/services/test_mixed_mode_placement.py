@@ -32,7 +32,8 @@ from tests.services.test_worker_kv import (
 )
 
 from hetmesh import servers, subjects
-from hetmesh.bus import decode, encode
+from hetmesh.bus import Bus, decode, encode
+from hetmesh.config import WorkQueueConfig
 from hetmesh.engines.sampling import expected_completion
 from hetmesh.kvindex.blocks import block_hashes
 from hetmesh.protocol import (
@@ -46,7 +47,7 @@ from hetmesh.protocol import (
     TokenChunk,
     WorkItem,
 )
-from hetmesh.workqueue import MSG_ID, msg_id
+from hetmesh.workqueue import MSG_ID, WorkQueue, msg_id
 
 BS = 16
 WORKERS = ("agg-0", "pre-0", "dec-0")
@@ -230,3 +231,25 @@ async def test_a_withdrawal_leaves_a_full_of_the_same_request_on_the_same_worker
     ids, text, finish = expected_completion(TOK, req.prompt_tokens, req.sampling)
     assert isinstance(last, TokenChunk) and last.finish_reason == finish and text_of(t, item) == (ids, text)
     assert not events(t, rid, "aborted")
+
+
+async def test_a_withdrawn_item_no_worker_took_yet_leaves_the_stream(nats_url: str) -> None:
+    """A withdrawal also takes the item out of the work queue while it waits there: a worker that is down when its
+    Cancel goes out would take it on its return. One taken and acked already is the Cancel's alone."""
+    bus = await Bus.connect(nats_url, "test-withdraw")
+    try:
+        q = WorkQueue(bus, WorkQueueConfig(storage="memory"))
+        subject = subjects.work_direct("prefill", "nvidia", "nvidia-rubin-cpx", "withdraw-0")
+        q.consumers.append((subject, False))  # its worker is down: nothing subscribed to its deliveries
+        await q.ensure()
+        req = request("withdrawn")
+        item = WorkItem(request=req, phase=Phase.PREFILL, placement=Placement(
+            mode="disaggregated", decode_worker="dec-x", prefill_worker="withdraw-0"))
+        stored = await q.publish(subject, encode(item), {}, msg_id(item))
+        consumer = subjects.work_consumer(subject)
+        assert (await q.js.consumer_info(subjects.WORK_STREAM, consumer)).num_pending == 1
+        assert await q.withdraw(stored)
+        assert (await q.js.consumer_info(subjects.WORK_STREAM, consumer)).num_pending == 0
+        assert not await q.withdraw(stored)  # gone: nothing to take
+    finally:
+        await bus.nc.close()

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 
 import msgspec
+import nats.errors
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
@@ -431,6 +433,8 @@ class Scheduler:
                     self.flow.done(rid)
                 for c in withdrawals(pre):
                     await self.bus.publish(subjects.CANCEL, c, rid)
+                with contextlib.suppress(nats.errors.Error):  # still queued: out of the stream too
+                    await self.queue.withdraw(pre_stored)
         self.placed += 1
         await self._event(rid, "placed", mode=d.mode, prefill_worker=d.prefill_worker,
                           decode_worker=d.decode_worker, cached_tokens=d.expected_cached_tokens,
