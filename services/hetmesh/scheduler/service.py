@@ -36,7 +36,6 @@ from hetmesh.beats import overslept
 from hetmesh.bus import REQUEST_ID, Batcher, Bus, EventBatcher, encode, headers_for
 from hetmesh.kvindex.index import PrefixIndex
 from hetmesh.placement import REFUSED, ClusterState, Decision, RequestInfo, aggregated, exclusion, refusals
-from hetmesh.placement.admission import hold_wait_s
 from hetmesh.planner.live import DemandWindow
 from hetmesh.protocol import (
     Booked,
@@ -60,6 +59,7 @@ from hetmesh.workqueue import Stored, WorkQueue, msg_id, withdrawals
 from .bookings import Peers, beat, sift
 from .demand import publish_demand
 from .flowgate import FlowGate
+from .holding import hold
 from .learning import Learning
 from .prefix_mirror import PrefixMirror
 from .reconcile import InFlight
@@ -287,22 +287,6 @@ class Scheduler:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, reply.error.message))
         await self.bus.respond(m, reply)
 
-    async def _hold(self, info: RequestInfo, decision: Decision) -> Decision | None:
-        """SLO-aware admission's hold: place the refused request again after each `hold_s` the policy allows,
-        its wait counted in its TTFT, for at most the gateway's hold_limit_s (in engine time)."""
-        scale = self.cfg.mesh.time_scale  # the policy's clock is the engines'
-        t0, a0, w0 = time.monotonic(), info.arrival, info.waited_s
-        limit = self.cfg.gateway.hold_limit_s * scale
-        d: Decision | None = decision
-        while d is not None and d.mode == REFUSED and (
-                hold := hold_wait_s(d, (time.monotonic() - t0) * scale, limit)) is not None:
-            self.metrics.held.inc()
-            await asyncio.sleep(hold / scale)
-            held = time.monotonic() - t0
-            info = msgspec.structs.replace(info, arrival=a0 + held * scale, waited_s=w0 + held * scale)
-            d = self.policy.place(info, self.state.views())
-        return d
-
     async def place(self, req: InferenceRequest, headers: dict[str, str] | None = None) -> SubmitReply:
         """Place `req` and dispatch its WorkItems. `headers`: what they carry (default: the request id
         and the current span's trace context).
@@ -342,7 +326,8 @@ class Scheduler:
         else:
             decision = self.policy.place(info, views)
         if self.flow is None and decision is not None and decision.mode == REFUSED and decision.hold_s is not None:
-            decision = await self._hold(info, decision)
+            decision = await hold(info, decision, lambda i: self.policy.place(i, self.state.views()),
+                                  self.cfg.mesh.time_scale, self.cfg.gateway.hold_limit_s, self.metrics.held.inc)
         if no := (refusals.refused(req.model, decision, sc.retry_after_s)
                   or refusals.switching(req.model, decision, self.state.heartbeats(), sc.retry_after_s)):
             return self._refuse(req, no)
