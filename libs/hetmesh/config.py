@@ -176,7 +176,7 @@ class FlowConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     # The share of its TTFT and TPOT SLOs a request leaves free while a higher band, or a tenant of its band owed
     # room, is active (the room their next arrivals land in). A held request waits until the latest start that
     # meets its TTFT SLO (the SLO less its own prefill), then 429 + Retry-After.
-    wait_share: float = 0.5
+    headroom: float = 0.5
     # In a pump, a tenant whose held request the fleet refuses has this many of its next requests (earliest
     # deadline first) tried before its turn ends: more fills the fleet more fully at overload, each try a
     # placement's CPU.
@@ -441,6 +441,8 @@ class ClusterConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         fl = self.flow
         if not fl.bands or len(set(fl.bands)) != len(fl.bands) or fl.max_held < 1 or not fl.header or fl.lookahead < 0:
             raise ValueError("flow: bands must be non-empty and unique, max_held >= 1, header non-empty, lookahead >= 0")
+        if not 0.0 <= fl.headroom < 1.0:
+            raise ValueError(f"flow.headroom must be in [0, 1) (a share of the SLOs), not {fl.headroom}")
         names = [t.name for t in self.tenants]
         if len(set(names)) != len(names) or not all(names):
             raise ValueError(f"tenants: names must be non-empty and unique, not {names}")

@@ -79,7 +79,7 @@ def flow_queue(tenants: Sequence[Tenant], max_held: int, retry_floor_s: float, r
                lookahead: int = LOOKAHEAD) -> FlowQueue:
     """The flow queue the scheduler and the simulator hold requests in: the given tenants, and the `default`
     tenant (weight 1, last band) for requests that name none, unless one of them is called that. `reserve`:
-    the share of its SLOs a request leaves free for the tenants it would crowd out (flow.wait_share;
+    the share of its SLOs a request leaves free for the tenants it would crowd out (flow.headroom;
     `FlowQueue.headroom`)."""
     ts = list(tenants)
     if all(t.name != DEFAULT_TENANT for t in ts):
@@ -97,7 +97,7 @@ def flow(cfg: ClusterConfig) -> FlowQueue | None:
     """The scheduler's flow queue; None without [[tenants]] (flow control off)."""
     if not cfg.tenants:
         return None
-    return flow_queue(tenants(cfg), cfg.flow.max_held, cfg.scheduler.retry_after_s, cfg.flow.wait_share,
+    return flow_queue(tenants(cfg), cfg.flow.max_held, cfg.scheduler.retry_after_s, cfg.flow.headroom,
                       cfg.flow.lookahead)
 
 

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hetmesh import wiring
 from hetmesh.config import ClusterConfig
 from hetmesh.placement import REFUSED, RequestInfo, WorkerView, make_policy
 from hetmesh.placement.flow import (
@@ -321,3 +322,13 @@ def test_the_lookahead_is_checked_and_reaches_each_pump() -> None:
     for k in range(6):
         q.hold(f"a{k}", "a", 1.0, deadline=float(k), now=0.0)
     assert len(_pump(q, lambda h: False)) == 3  # the head and the next two
+
+
+def test_the_headroom_is_a_share_of_the_slos_checked_by_name() -> None:
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match=r"flow\.headroom"):
+            msgspec.convert({"flow": {"headroom": bad}, "tenants": [{"name": "a"}]}, ClusterConfig).validate()
+    cfg = msgspec.convert({"flow": {"headroom": 0.25}, "tenants": [{"name": "a"}]}, ClusterConfig)
+    cfg.validate()
+    q = wiring.flow(cfg)
+    assert q is not None and q.reserve == 0.25

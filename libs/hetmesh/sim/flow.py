@@ -48,7 +48,7 @@ class SimFlow:
     def __init__(self, sim: Simulator, policy: Any) -> None:
         cfg = sim.cfg
         self.sim = sim
-        self.q: FlowQueue = flow_queue(cfg.tenants, cfg.flow_max_held, cfg.retry_floor_s, cfg.flow_wait_share,
+        self.q: FlowQueue = flow_queue(cfg.tenants, cfg.flow_max_held, cfg.retry_floor_s, cfg.flow_headroom,
                                           cfg.flow_lookahead)
         if self.q.reserve > 0:
             sim.policy = _Reserving(policy, self)

@@ -79,5 +79,5 @@ class SimConfig:
     # none: the default tenant); empty: off. Each may hold flow_max_held requests at once.
     tenants: tuple[Tenant, ...] = ()
     flow_max_held: int = FlowConfig().max_held
-    flow_wait_share: float = FlowConfig().wait_share
+    flow_headroom: float = FlowConfig().headroom
     flow_lookahead: int = FlowConfig().lookahead
