@@ -35,6 +35,7 @@ from rich.table import Table
 
 from hetmesh.placement.flow import LOOKAHEAD, Tenant
 from hetmesh.sim import SimConfig, Slo, Trace, pool, simulate, synthetic
+from hetmesh.sim.results import SimResult
 from hetmesh.sim.traces import merge, with_tenants
 
 WORKERS = pool("h100", 4, "nvidia-h100", model="llama-3.1-8b", devices=1, max_batch=64)
@@ -48,8 +49,19 @@ def load(rate: float, duration: float, tenant: str, seed: int, input_mean: int =
 
 
 def run(trace: Trace, tenants: tuple[Tenant, ...], lookahead: int = LOOKAHEAD) -> dict[str, Any]:
-    s, _ = simulate(WORKERS, "cost", trace, SimConfig(tenants=tenants, flow_lookahead=lookahead), SLO)
-    return s
+    s, res = simulate(WORKERS, "cost", trace, SimConfig(tenants=tenants, flow_lookahead=lookahead), SLO)
+    return s | {"served": served(res)}
+
+
+def served(res: SimResult) -> dict[str, float]:
+    """Which requests a run served: how many, how many missed their TTFT SLO (placed too late for it), and the
+    mean prompt and output of those within both SLOs."""
+    out = [r for r in res.records if r.output_len > 0]
+    ok = [r for r in out if r.first_token - r.arrival <= SLO.ttft_s
+          and (r.finish - r.first_token) / max(r.output_len - 1, 1) <= SLO.tpot_s]
+    return {"served": len(out), "ttft_missed": sum(r.first_token - r.arrival > SLO.ttft_s for r in out),
+            "within_slo": len(ok), "mean_prompt_within_slo": round(sum(r.input_len for r in ok) / max(len(ok), 1)),
+            "mean_output_within_slo": round(sum(r.output_len for r in ok) / max(len(ok), 1))}
 
 
 
@@ -122,6 +134,8 @@ def cases(cap: float, d: float, k: int, lookahead: int = LOOKAHEAD) -> list[dict
                             # how many requests met their SLOs: which ones, not how many, is what differs
                             "within SLO": {k: round(v["goodput_req_s"] * v["duration_s"])
                                            for k, v in (("flow", fair), ("no flow", unfair))},
+                            # which requests: EDF gives the most urgent (the longest prompts) the first go
+                            "served": {k: v["served"] for k, v in (("flow", fair), ("no flow", unfair))},
                             # the scheduler's CPU in the refusal path: each a placement's
                             "policy calls per request": {k: round(v["policy_calls"] / len(equal), 1)
                                                          for k, v in (("flow", fair), ("no flow", unfair))}}})
