@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from starlette.responses import Response
 
 from hetmesh import config, metrics, subjects, telemetry, tokenizer
-from hetmesh.beats import overslept
+from hetmesh.beats import Beats, overslept
 from hetmesh.bus import Bus, EventBatcher, decode
 from hetmesh.protocol import (
     Cancel,
@@ -94,7 +94,8 @@ class Gateway:
                 self.caps[m.name] = dataclasses.replace(self.caps[m.name], tool_parser=True,
                                                         keeps_specials=p.keeps_specials)
         self.inboxes: dict[str, Inbox] = {}
-        self.live: dict[str, dict[str, float]] = {m.name: {} for m in cfg.models}  # model -> worker -> seen
+        # model -> the workers heard serving it (a heartbeat timeout of silence: gone)
+        self.live: dict[str, Beats] = {m.name: Beats(cfg.mesh.heartbeat_timeout_s) for m in cfg.models}
         self.tracer = telemetry.setup("gateway", self.instance)
         # Spans cost tens of microseconds each; without an exporter nobody sees them.
         self.tracing = telemetry.enabled()
@@ -208,8 +209,7 @@ class Gateway:
             if away := overslept(last, period, now := loop.time()):  # this process did not run: beats wait unread
                 self.schedulers.paused(away, now)
                 for workers in self.live.values():  # nor are the workers' heartbeats silence
-                    for w, seen in workers.items():
-                        workers[w] = min(seen + away, time.monotonic())
+                    workers.paused(away, time.monotonic())
             last = now
 
     async def _on_heartbeat(self, hb: Heartbeat, _m: Msg) -> None:
@@ -218,9 +218,9 @@ class Gateway:
         # one that moved away counts for its old model no more.
         for model, workers in self.live.items():
             if model == hb.model or model == hb.moving_model:
-                workers[hb.worker_id] = now
-            elif workers:
-                workers.pop(hb.worker_id, None)
+                workers.heard(hb.worker_id, now)
+            else:
+                workers.forget(hb.worker_id)
 
     async def scheduler_status(self) -> SchedulerStatus | None:
         """The scheduler's own view, or None when no scheduler answers (not subscribed yet, or down)."""
@@ -252,12 +252,11 @@ class Gateway:
 
     def live_workers(self, model: str) -> int:
         workers = self.live.get(model)
-        if not workers:
+        if workers is None:
             return 0
-        cutoff = time.monotonic() - self.cfg.mesh.heartbeat_timeout_s
-        for wid in [w for w, seen in workers.items() if seen < cutoff]:
-            del workers[wid]
-        return len(workers)
+        now = time.monotonic()
+        workers.forget_silent(now, workers.timeout_s)
+        return len(workers.live(now))
 
     def event(self, rid: str, kind: str, **detail: str | int | float | bool | None) -> None:
         """Queue a ServiceEvent; the batcher publishes them, so the request path pays no task or await."""
