@@ -17,7 +17,7 @@ import os
 import platform
 from pathlib import Path
 
-from flow_control import SLO, WORKERS, capacity, load
+from flow_control import SLO, WORKERS, capacity, load, within_slo
 from rich.console import Console
 from rich.table import Table
 
@@ -32,13 +32,10 @@ def good_tokens(res: SimResult, cutoff: float) -> tuple[float, int]:
     seconds from the run's start; tokens at an even pace between the first and the last)."""
     tokens, n = 0.0, 0
     for r in res.records:
-        if r.output_len <= 0 or r.first_token > res.start + cutoff:
-            continue
-        tpot = (r.finish - r.first_token) / max(r.output_len - 1, 1)
-        if r.first_token - r.arrival > SLO.ttft_s or tpot > SLO.tpot_s:
+        if r.output_len <= 0 or r.first_token > res.start + cutoff or not within_slo(r):
             continue
         left = res.start + cutoff - r.first_token
-        tokens += r.output_len if r.finish <= res.start + cutoff else 1 + left / max(tpot, 1e-9)
+        tokens += r.output_len if r.finish <= res.start + cutoff else 1 + left / max(r.tpot, 1e-9)
         n += 1
     return tokens, n
 
