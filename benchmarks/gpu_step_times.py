@@ -67,6 +67,41 @@ def predictions(s: Shapes) -> dict:
             "decode_s": {str(b): cm.decode_step_time(b, b * s.context) for b in s.batches}}
 
 
+def fit(results: dict) -> dict:
+    """The cost model's factors refitted (hetmesh.costmodel.calibrate, least squares on relative error) on
+    the measured steps (decode: its CUDA-graph times, as engines run decode): does the roofline's shape
+    fit the real chip once its levels are learned? Also each shape left out of the fit in turn."""
+    sys.path.insert(0, str(ROOT / "libs"))
+    import numpy as np
+    from hetmesh.costmodel.calibrate import Sample, calibrate, relative_errors
+    from hetmesh.costmodel.catalog import accelerator, model_spec
+    from hetmesh.costmodel.model import CostModel
+
+    ctx = results["model_shape"]["context"]
+    samples = [Sample.prefill(r["tokens"], r["measured_s"]) for r in results["prefill"]]
+    samples += [Sample.decode(r["batch"], ctx, r["graph_s"]) for r in results["decode"] if r.get("graph_s")]
+    names = [f"prefill {r['tokens']}" for r in results["prefill"]]
+    names += [f"decode {r['batch']}x{ctx}" for r in results["decode"] if r.get("graph_s")]
+
+    def model(eff=None) -> CostModel:
+        kw = {"efficiency": eff} if eff is not None else {}
+        return CostModel(accelerator(ACCEL), model_spec(MODEL), devices=1, **kw)
+
+    prior_err = relative_errors(model(), samples)
+    eff = calibrate(model(), samples, fit_per_seq=True)
+    fitted_err = relative_errors(model(eff), samples)
+    held_out = []
+    for i in range(len(samples)):
+        rest = samples[:i] + samples[i + 1:]
+        held_out.append(float(relative_errors(model(calibrate(model(), rest, fit_per_seq=True)), [samples[i]])[0]))
+    return {"efficiency": asdict(eff),
+            "shapes": [{"shape": n, "prior_error": float(a), "fitted_error": float(b), "held_out_error": c}
+                       for n, a, b, c in zip(names, prior_err, fitted_err, held_out, strict=True)],
+            "median_abs_error": {"prior": float(np.median(np.abs(prior_err))),
+                                 "fitted": float(np.median(np.abs(fitted_err))),
+                                 "held_out": float(np.median(np.abs(held_out)))}}
+
+
 def load_prior(path: Path) -> dict:
     """Predictions computed here when hetmesh imports, else the committed prior file, else none."""
     try:
@@ -283,7 +318,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "gpu_step_times.json")
     ap.add_argument("--tiny", action="store_true", help="2 layers, hidden 256, small shapes (CPU check)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--fit", action="store_true",
+                    help="refit the cost model's factors on --out's measurements (here, with hetmesh) and add them")
     a = ap.parse_args()
+    if a.fit:
+        r = json.loads(a.out.read_text())
+        r["fit"] = fit(r)
+        a.out.write_text(json.dumps(r, indent=2) + "\n")
+        print(json.dumps(r["fit"], indent=2), flush=True)
+        return
     if a.predict_only:
         a.prior.parent.mkdir(parents=True, exist_ok=True)
         a.prior.write_text(json.dumps(predictions(FULL), indent=2) + "\n")
