@@ -73,6 +73,7 @@ def fit(results: dict) -> dict:
     fit the real chip once its levels are learned? Also each shape left out of the fit in turn."""
     sys.path.insert(0, str(ROOT / "libs"))
     import numpy as np
+
     from hetmesh.costmodel.calibrate import Sample, calibrate, relative_errors
     from hetmesh.costmodel.catalog import accelerator, model_spec
     from hetmesh.costmodel.model import CostModel
