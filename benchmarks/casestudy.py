@@ -160,8 +160,9 @@ CASE_WORKLOAD = Workload(clients_per_server=8)  # twice the seed's load: where s
 
 
 def rubin_servers(layout: str, model: str = "llama-3.1-70b") -> list[WorkerSpec]:
-    """Rubin VR200 : Rubin CPX servers at 1:2 (2 + 4 servers of 8)."""
-    kw: dict[str, Any] = {"model": model, "devices": 8, "max_batch": MAX_BATCH}
+    """Rubin VR200 : Rubin CPX servers at 1:2 (2 + 4 servers of 8), at the same step budget and prefill order."""
+    kw: dict[str, Any] = {"model": model, "devices": 8, "max_batch": MAX_BATCH, "step_tokens": STEP_TOKENS,
+                          "prefill_order": PREFILL_ORDER}
     if layout in ("load_balanced", "flexible"):
         return pool("vr200", 2, "nvidia-rubin-vr200", **kw) + pool("cpx", 4, "nvidia-rubin-cpx", **kw)
     if layout == "disaggregated":
