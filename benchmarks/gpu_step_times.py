@@ -13,12 +13,14 @@ Times are CUDA-event medians after warm-ups. Two modes, since the GPU host may l
 
     .venv/bin/python benchmarks/gpu_step_times.py --predict-only    # here: writes results/gpu_step_times_prior.json
     PYTHONPATH=libs python3 benchmarks/gpu_step_times.py            # GPU host, repo root: measures
+    .venv/bin/python benchmarks/gpu_step_times.py --fit             # here: refits the factors on --out's steps
 
 The measuring mode needs only torch; it computes the prior itself when hetmesh imports, else reads the prior
 file. It writes --out (results/gpu_step_times.json): per shape the predicted and measured seconds and
 measured / predicted, plus the GPU name and the torch and CUDA versions, and prints a table. `--tiny` runs a
 2-layer, 256-wide model on small shapes (on the CPU when there is no GPU; CUDA graphs need a GPU) to check the
-script end to end; its shapes have no prior.
+script end to end; its shapes have no prior. `--fit` adds to --out the cost model's factors refitted on the
+measured steps (hetmesh.costmodel.calibrate) with each shape's error before and after, and with it left out.
 """
 
 from __future__ import annotations
