@@ -50,10 +50,12 @@ class Shapes:
     prompts: tuple[int, ...]
     batches: tuple[int, ...]
     context: int
+    mixed: tuple[tuple[int, int], ...]  # (prefill chunk, decodes) in one step, as continuous batching runs them
 
 
-FULL = Shapes(4096, 32, 32, 8, 128, 14336, 128256, (512, 2048, 8192), (1, 8, 32, 64, 128), 1024)
-TINY = Shapes(256, 2, 4, 2, 64, 512, 1024, (64, 128), (1, 4), 64)
+FULL = Shapes(4096, 32, 32, 8, 128, 14336, 128256, (512, 2048, 8192), (1, 8, 32, 64, 128), 1024,
+              ((512, 32), (512, 64), (2048, 32), (2048, 64)))
+TINY = Shapes(256, 2, 4, 2, 64, 512, 1024, (64, 128), (1, 4), 64, ((64, 4),))
 
 
 def predictions(s: Shapes) -> dict:
@@ -66,7 +68,8 @@ def predictions(s: Shapes) -> dict:
     return {"model": MODEL, "accelerator": ACCEL, "devices": 1, "efficiency": asdict(cm.eff),
             "decode_context": s.context,
             "prefill_s": {str(n): cm.prefill_time(n, 0) for n in s.prompts},
-            "decode_s": {str(b): cm.decode_step_time(b, b * s.context) for b in s.batches}}
+            "decode_s": {str(b): cm.decode_step_time(b, b * s.context) for b in s.batches},
+            "mixed_s": {f"{c}+{b}": cm.step_time([(c, 0)], [s.context] * b) for c, b in s.mixed}}
 
 
 def fit(results: dict) -> dict:
@@ -85,6 +88,9 @@ def fit(results: dict) -> dict:
     samples += [Sample.decode(r["batch"], ctx, r["graph_s"]) for r in results["decode"] if r.get("graph_s")]
     names = [f"prefill {r['tokens']}" for r in results["prefill"]]
     names += [f"decode {r['batch']}x{ctx}" for r in results["decode"] if r.get("graph_s")]
+    mixed = [r for r in results.get("mixed", []) if r.get("graph_s")]
+    samples += [Sample(((r["chunk"], 0),), (ctx,) * r["batch"], r["graph_s"]) for r in mixed]
+    names += [f"mixed {r['chunk']}+{r['batch']}x{ctx}" for r in mixed]
 
     def model(eff=None) -> CostModel:
         kw = {"efficiency": eff} if eff is not None else {}
@@ -199,6 +205,34 @@ def decode_step(W: dict, s: Shapes, ids, caches):
     return (F.rms_norm(x, (s.hidden,), W["norm"], 1e-5) @ W["lm_head"].T).argmax(-1)
 
 
+def mixed_step(W: dict, s: Shapes, chunk, ids, caches):
+    """One step of a prompt chunk (1, C) and B decodes (ids (B,), caches as decode_step's), their tokens through
+    the GEMMs together (continuous batching), attention apart: causal over the chunk, the decodes over their
+    caches; greedy next tokens of the chunk's last position and of each decode."""
+    import torch
+    import torch.nn.functional as F
+
+    C, B, hd, g = chunk.shape[1], ids.shape[0], s.head_dim, s.heads // s.kv_heads
+    cp, sp = W["cos"][:C], W["sin"][:C]
+    cd, sd = W["cos"][s.context - 1:s.context], W["sin"][s.context - 1:s.context]
+    x = torch.cat((W["embed"][chunk[0]], W["embed"][ids]))
+    for lw, (kc, vc) in zip(W["layers"], caches, strict=True):
+        h = F.rms_norm(x, (s.hidden,), lw["ln1"], 1e-5)
+        q, k, v = (h @ lw["qkv"].T).split([s.heads * hd, s.kv_heads * hd, s.kv_heads * hd], dim=-1)
+        qp = rope(q[:C].view(C, s.heads, hd).transpose(0, 1), cp, sp)
+        kp = rope(k[:C].view(C, s.kv_heads, hd).transpose(0, 1), cp, sp).repeat_interleave(g, dim=0)
+        vp = v[:C].view(C, s.kv_heads, hd).transpose(0, 1).repeat_interleave(g, dim=0)
+        ap = F.scaled_dot_product_attention(qp[None], kp[None], vp[None], is_causal=True)[0]
+        qd = rope(q[C:].view(B, s.heads, 1, hd), cd, sd).view(B, s.kv_heads, g, hd)
+        kc[:, :, -1] = rope(k[C:].view(B, s.kv_heads, 1, hd), cd, sd)[:, :, 0]
+        vc[:, :, -1] = v[C:].view(B, s.kv_heads, hd)
+        ad = F.scaled_dot_product_attention(qd, kc, vc)
+        x = x + torch.cat((ap.transpose(0, 1).reshape(C, -1), ad.reshape(B, -1))) @ lw["o"].T
+        x = x + mlp(F.rms_norm(x, (s.hidden,), lw["ln2"], 1e-5), lw)
+    last = F.rms_norm(x[C - 1:], (s.hidden,), W["norm"], 1e-5)
+    return (last @ W["lm_head"].T).argmax(-1)
+
+
 def timed(fn, device, warmup: int, repeats: int, iters: int) -> float:
     """Median seconds of one call over `repeats` runs of `iters` calls each, after `warmup` calls."""
     import time
@@ -273,10 +307,21 @@ def measure(s: Shapes, reps: int) -> dict:
             dec[b] = (eager, graph)
             gtxt = f"{graph * 1e3:9.3f} ms" if graph is not None else "  (no GPU)"
             print(f"decode batch {b:>4} x {s.context}: eager {eager * 1e3:9.3f} ms, graph {gtxt}", flush=True)
+        mix = {}
+        for c, b in s.mixed:
+            caches = [(k[:b], v[:b]) for k, v in full]
+            chunk = torch.randint(0, s.vocab, (1, c), device=device)
+            ids = torch.randint(0, s.vocab, (b,), device=device)
+            step = partial(mixed_step, W, s, chunk, ids, caches)
+            eager = timed(step, device, 2, reps, 3)
+            graph = timed(graph_of(step, device), device, 2, reps, 5) if device.type == "cuda" else None
+            mix[c, b] = (eager, graph)
+            gtxt = f"{graph * 1e3:9.3f} ms" if graph is not None else "  (no GPU)"
+            print(f"mixed {c:>5} + {b:>4} x {s.context}: eager {eager * 1e3:9.3f} ms, graph {gtxt}", flush=True)
     cuda = device.type == "cuda"
     machine = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                "cuda": torch.version.cuda, "dtype": str(dtype).removeprefix("torch.")}
-    return {"machine": machine, "prefill": pf, "decode": dec}
+    return {"machine": machine, "prefill": pf, "decode": dec, "mixed": mix}
 
 
 def ratio(measured: float | None, predicted: float | None) -> float | None:
@@ -293,9 +338,13 @@ def report(s: Shapes, m: dict, prior: dict) -> dict:
     decode_rows = [{"batch": b, "context": s.context, "predicted_s": pd.get(str(b)), "eager_s": e, "graph_s": g,
                     "ratio_eager": ratio(e, pd.get(str(b))), "ratio_graph": ratio(g, pd.get(str(b)))}
                    for b, (e, g) in m["decode"].items()]
+    pm = prior.get("mixed_s", {}) if pd else {}
+    mixed_rows = [{"chunk": c, "batch": b, "context": s.context, "predicted_s": pm.get(f"{c}+{b}"), "eager_s": e,
+                   "graph_s": g, "ratio_eager": ratio(e, pm.get(f"{c}+{b}")), "ratio_graph": ratio(g, pm.get(f"{c}+{b}"))}
+                  for (c, b), (e, g) in m["mixed"].items()]
     return {"machine": m["machine"], "model_shape": asdict(s),
             "prior": {k: prior.get(k) for k in ("model", "accelerator", "devices", "efficiency")},
-            "prefill": prefill_rows, "decode": decode_rows}
+            "prefill": prefill_rows, "decode": decode_rows, "mixed": mixed_rows}
 
 
 def table(r: dict) -> str:
@@ -310,6 +359,10 @@ def table(r: dict) -> str:
     for d in r["decode"]:
         lines.append(f"{'decode ' + str(d['batch']) + 'x' + str(d['context']):<22}{f(d['predicted_s'])}"
                      f"{f(d['eager_s'])}{f(d['graph_s'])}{f(d['ratio_eager'], 1, '{:11.2f}')}"
+                     f"{f(d['ratio_graph'], 1, '{:11.2f}')}")
+    for d in r.get("mixed", []):
+        lines.append(f"{'mixed ' + str(d['chunk']) + '+' + str(d['batch']) + 'x' + str(d['context']):<22}"
+                     f"{f(d['predicted_s'])}{f(d['eager_s'])}{f(d['graph_s'])}{f(d['ratio_eager'], 1, '{:11.2f}')}"
                      f"{f(d['ratio_graph'], 1, '{:11.2f}')}")
     return "\n".join(lines)
 
