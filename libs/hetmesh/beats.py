@@ -17,6 +17,10 @@ class Beats:
         self.timeout_s = timeout_s  # silent this long: gone
         self._last: dict[str, float] = {}
 
+    def __len__(self) -> int:
+        """The instances held: heard, and neither forgotten nor dropped by `forget_silent` since."""
+        return len(self._last)
+
     def heard(self, instance: str, now: float) -> None:
         self._last[instance] = now
 

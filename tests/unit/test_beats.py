@@ -32,10 +32,12 @@ def test_a_bus_gap_restarts_every_clock_and_old_silence_is_forgotten() -> None:
     b.bus_gap(5.0)  # the listener was away: the beats it missed prove nothing
     assert b.alive("s1", 5.5) and not b.alive("s1", 6.5)
     b.heard("s2", 6.0)
-    assert b.forget_silent(100.0, 50.0) == ["s1", "s2"] and b.silent(100.0) == set()
+    assert b.forget_silent(100.0, 50.0) == ["s1", "s2"] and b.silent(100.0) == set() and len(b) == 0
     b.heard("s3", 0.0)
+    b.heard("s4", 0.0)
+    assert len(b) == 2
     b.forget("s3")
-    assert not b.alive("s3", 0.0)
+    assert not b.alive("s3", 0.0) and len(b) == 1
 
 
 def test_a_listener_that_did_not_run_counts_none_of_that_time_as_silence() -> None:

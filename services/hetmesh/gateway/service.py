@@ -254,9 +254,8 @@ class Gateway:
         workers = self.live.get(model)
         if workers is None:
             return 0
-        now = time.monotonic()
-        workers.forget_silent(now, workers.timeout_s)
-        return len(workers.live(now))
+        workers.forget_silent(time.monotonic(), workers.timeout_s)  # what is left was heard within the timeout
+        return len(workers)
 
     def event(self, rid: str, kind: str, **detail: str | int | float | bool | None) -> None:
         """Queue a ServiceEvent; the batcher publishes them, so the request path pays no task or await."""
