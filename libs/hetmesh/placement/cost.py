@@ -375,6 +375,24 @@ class CostPolicy:
         p = decision.prefill_worker or decision.decode_worker
         self._book(b, self._slot(p), self._slot(decision.decode_worker), b.placed_at)
 
+    def withdrawn(self, decision: Decision, now: float) -> None:
+        """A placement taken back before its prefill started (a replica's, when another replica's booking heard
+        late took its room): its prefill leaves the worker's backlog, queue and share. What it charged the
+        guarded decodes stays (they are priced no worse for it)."""
+        b = decision.booking
+        slot = self._slots.get(decision.prefill_worker or decision.decode_worker or "")
+        if b is None or slot is None:
+            return
+        self._busy_until[slot] = max(float(self._busy_until[slot]) - b.prefill_s, now)
+        starts = self._starts[slot]
+        if starts and starts[-1] > now:  # one prefill fewer waiting: the queue's tail leaves
+            starts.pop()
+        self._first_start[slot] = starts[0] if starts else math.inf
+        self._queued[slot] = len(starts)
+        decay = np.exp(-max(float(self._last[slot]) - b.placed_at, 0.0) / self._taus)  # as it stands at _last
+        self._acc[:, slot] = np.maximum(self._acc[:, slot] - b.prefill_s * decay, 0.0)
+        self._placed[slot] = max(float(self._placed[slot]) - float(decay[0]), 0.0)
+
     def _refusal(self, req: RequestInfo, pr: Priced, prefills: np.ndarray, p: int, over: float, ttft: float,
                  tpot: float, margin: float) -> Decision | None:
         """Admission's rule for a placement over `margin` (prefill worker p; its predictions): None if the idle

@@ -30,6 +30,7 @@ class Gated:
         self.learner = predictor.learner  # the admission prices with what the predictor learned
         self.observe = predictor.observe
         self.booked = predictor.booked  # another scheduler's placement: into the predictor's backlog too
+        self.withdrawn = predictor.withdrawn  # a placement taken back: out of it
         # an inner policy that learns from observed latencies still hears of first tokens and completions
         self.request_first_token = getattr(inner, "request_first_token", None)
         self.request_done = getattr(inner, "request_done", None)

@@ -4,7 +4,11 @@ Live schedulers share nothing but the bus (docs/architecture.md, several gateway
 every worker's heartbeats (one per `heartbeat_s`) and Finished records (batched, `finished_s` late) into its own
 `ClusterState`, and adds what it placed itself since a worker's last heartbeat on top; another replica's
 placements it sees only in the worker's next heartbeat. Each replica runs its own policy object, so a policy's
-own bookkeeping (the cost policy's prefill backlog) holds that replica's placements only. A gateway sends each
+own bookkeeping (the cost policy's prefill backlog) holds that replica's placements only. Sharing bookings
+(`share_s`) and withdrawing (`withdraw`: not in the live scheduler yet), a replica that hears another's placement on a worker it has placed on since without knowing of it
+(the later of the two, by placement order) takes its own back if its prefill has not started and its policy,
+booking the other's first, no longer admits it there: the engine drops it, the other replicas un-book it, and the
+replica places it again (the first placement wins, as the work queue arbitrates a duplicate). A gateway sends each
 request, and each client retry, to a replica picked at random; a request a replica refuses and holds stays on
 that replica, which places it again (the scheduler's hold loop). The worker's engine is the
 arbiter: its batching core admits nothing past its batch or its KV blocks, the rest waits in its queue.
@@ -16,12 +20,14 @@ did not see when they placed, and checks after every step that no worker holds m
 from __future__ import annotations
 
 import random
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from msgspec.structs import replace
 
+from hetmesh.batching.data import State
 from hetmesh.config import MeshConfig
 from hetmesh.placement import REFUSED, Decision, Policy, RequestInfo, WorkerView
 from hetmesh.sim import policy_for
@@ -46,13 +52,15 @@ class Overbooking:
     pool_full_missed: int = 0  # admitted while the pool held more than pool_full allows (its view said less)
     peak_pool_load: float = 0.0  # the most the pool held, over what pool_full lets it hold
     over_limit: int = 0  # steps in which a worker ran past its max_batch or KV blocks (must stay 0)
+    rechecked: int = 0  # own placements re-judged on hearing an earlier placement on the same worker
+    withdrawn: int = 0  # ... that admission no longer took there: taken back and placed again
     per_replica: list[int] = field(default_factory=list)  # placements each replica made
 
 
 class _Replica:
     """One scheduler's books: the heartbeats every replica shares, plus its own placements since each."""
 
-    __slots__ = ("assigned", "dirty", "policy", "unheard", "views")
+    __slots__ = ("assigned", "dirty", "policy", "recent", "unheard", "views")
 
     def __init__(self, policy: Policy, views: list[WorkerView]) -> None:
         self.policy = policy
@@ -60,6 +68,8 @@ class _Replica:
         self.assigned = [0] * len(views)  # placed on each worker since its last heartbeat
         self.dirty: set[int] = set()
         self.unheard = [0] * len(views)  # other replicas' placements on each worker on their way here
+        self.recent: deque[tuple[int, float, RequestInfo, Decision]] = deque()  # own placements the others
+        # may not have heard of yet: (placement number, time, request, decision)
 
 
 class ReplicaSimulator(Simulator):
@@ -68,13 +78,15 @@ class ReplicaSimulator(Simulator):
 
     def __init__(self, workers: Sequence[WorkerSpec], replicas: Sequence[Policy], config: SimConfig | None = None,
                  heartbeat_s: float = MeshConfig().heartbeat_interval_s, finished_s: float = FINISHED_S,
-                 seed: int = 0, queue_factor: float = 4.0, share_s: float | None = None) -> None:
+                 seed: int = 0, queue_factor: float = 4.0, share_s: float | None = None,
+                 withdraw: bool = False) -> None:
         self._reps: list[Policy] = list(replicas)
         super().__init__(workers, _Router(self), config)
         self.heartbeat_s = heartbeat_s
         self.finished_s = finished_s
         self.queue_factor = queue_factor
         self.share_s = share_s
+        self.withdraw = withdraw
         self._rng = random.Random(seed)
         self.overbooking = Overbooking(per_replica=[0] * len(self._reps))
         self._books: list[_Replica] = []
@@ -84,6 +96,7 @@ class ReplicaSimulator(Simulator):
         self._beats = 0  # heartbeat events pending
         self._refused_by: dict[str, int] = {}  # request id -> the replica that refused it last
         self._held = False  # the request being placed comes back from a hold
+        self._order = 0  # placements so far, over every replica: which of two came first
 
     # ---- the replicas' views ----
     def _start(self) -> None:
@@ -115,9 +128,10 @@ class ReplicaSimulator(Simulator):
             for b in self._books:
                 b.dirty.add(i)
 
-    def _heard_booking(self, b: _Replica, d: Decision) -> None:
+    def _heard_booking(self, b: _Replica, d: Decision, order: int) -> None:
         """Another replica's placement, heard on the bus: counted on its workers until their next heartbeat,
-        and booked in this replica's policy (its prefill backlog)."""
+        and booked in this replica's policy (its prefill backlog); then this replica's own placements on those
+        workers made since, without knowing of it, are judged again."""
         for wid in d.workers:
             i = self._index[wid]
             b.assigned[i] += 1
@@ -126,6 +140,58 @@ class ReplicaSimulator(Simulator):
         booked = getattr(b.policy, "booked", None)
         if booked is not None:
             booked(d)
+            self._recheck(b, d, order)
+
+    def _recheck(self, b: _Replica, d: Decision, order: int) -> None:
+        """b's placements after d (by order) on one of d's workers whose prefill has not started: each is
+        un-booked and judged by b's admission as if placed now; one it refuses there is withdrawn."""
+        withdrawn, assess = getattr(b.policy, "withdrawn", None), getattr(b.policy, "assess", None)
+        if not self.withdraw or withdrawn is None or assess is None or self.flow is not None:
+            return
+        while b.recent and b.recent[0][1] < self.now - 2 * (self.share_s or 0.0):
+            b.recent.popleft()
+        theirs = set(d.workers)
+        for n, _, info, q in list(b.recent):
+            req = self.reqs.get(int(info.request_id))
+            if n <= order or theirs.isdisjoint(q.workers) or req is None or req.decision is not q:
+                continue
+            seq = req.pw.core.seqs.get(req.rid) if req.pw is not None else None
+            if seq is None or seq.state != State.WAITING:
+                continue  # under way: the engine is the arbiter
+            self.overbooking.rechecked += 1
+            withdrawn(q, self.now)
+            self._count(b, q, -1)
+            again = replace(info, arrival=self.now, waited_s=self.now - req.arrival)
+            if assess(again, self.view_of(b), q).mode != REFUSED:
+                self._count(b, q, 1)  # stays, booked behind d
+                continue
+            self.overbooking.withdrawn += 1
+            self._withdraw(b, req, q)
+
+    def _count(self, b: _Replica, d: Decision, k: int) -> None:
+        for wid in d.workers:
+            i = self._index[wid]
+            b.assigned[i] = max(b.assigned[i] + k, 0)
+            b.dirty.add(i)
+
+    def _withdraw(self, b: _Replica, req: Any, q: Decision) -> None:
+        """Take q back: out of its engine's queue, un-booked by every other replica once they hear it, and
+        placed again by b."""
+        pw, dw = req.pw, req.dw
+        pw.core.abort(req.rid)
+        if pw is not dw:
+            dw.inbound -= 1
+        self._stale.add(pw)
+        for other in self._books:
+            if other is not b:
+                self.call_at(self.now + (self.share_s or 0.0), lambda o=other: self._heard_withdrawal(o, q))
+        self._refused_by[str(req.rid)] = self._books.index(b)
+        req.decision = None
+        self._arrive(req, self._block_tokens, held=True)
+
+    def _heard_withdrawal(self, b: _Replica, q: Decision) -> None:
+        self._count(b, q, -1)
+        b.policy.withdrawn(q, self.now)  # type: ignore[attr-defined]
 
     def view_of(self, b: _Replica) -> list[WorkerView]:
         """The replica's views, as its ClusterState builds them (only workers that moved get a new one)."""
@@ -166,11 +232,13 @@ class ReplicaSimulator(Simulator):
             b.assigned[i] += 1
             b.dirty.add(i)
         if self.share_s is not None:
+            self._order += 1
+            b.recent.append((self._order, self.now, info, d))
             for other in self._books:
                 if other is not b:
                     for wid in d.workers:
                         other.unheard[idx[wid]] += 1
-                    self.call_at(self.now + self.share_s, lambda o=other: self._heard_booking(o, d))
+                    self.call_at(self.now + self.share_s, lambda o=other, n=self._order: self._heard_booking(o, d, n))
         cap = sum(w.max_batch for w in truth if w.model == info.model) * (1.0 + self.queue_factor)
         held = sum(w.load for w in truth if w.model == info.model)
         ob.peak_pool_load = max(ob.peak_pool_load, held / cap)
@@ -234,12 +302,15 @@ class _Router:
 
 def simulate_replicas(workers: Sequence[WorkerSpec], policy: str, replicas: int, trace: Trace,
                       config: SimConfig | None = None, slo: Slo = Slo(), seed: int = 0,
-                      share_s: float | None = None, queue_factor: float = 4.0, **policy_kwargs: Any) -> tuple[dict[str, Any], SimResult, Overbooking]:
+                      share_s: float | None = None, queue_factor: float = 4.0, withdraw: bool = False,
+                      **policy_kwargs: Any) -> tuple[dict[str, Any], SimResult, Overbooking]:
     """`simulate` with `replicas` schedulers, each its own `policy` object, placing on its own view (share_s: each
-    placement heard by the other replicas this late; None: not shared)."""
+    placement heard by the other replicas this late; None: not shared; withdraw: a placement an earlier one heard
+    late left no room for is taken back and placed again)."""
     if policy == "cost" and config is not None and config.efficiencies:
         policy_kwargs.setdefault("efficiencies", config.efficiencies)
     reps = [policy_for(policy, workers, slo, **policy_kwargs) for _ in range(replicas)]
-    sim = ReplicaSimulator(workers, reps, config, seed=seed, queue_factor=queue_factor, share_s=share_s)
+    sim = ReplicaSimulator(workers, reps, config, seed=seed, queue_factor=queue_factor, share_s=share_s,
+                           withdraw=withdraw)
     res = sim.run(trace)
     return summarize(res, slo), res, sim.overbooking
