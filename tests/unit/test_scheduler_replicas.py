@@ -116,9 +116,9 @@ def _arbitrated(share_s: float, withdraw: bool = True) -> ReplicaSimulator:
     return sim
 
 
-def test_a_replica_takes_back_a_placement_an_earlier_booking_heard_late_left_no_room_for() -> None:
-    # admission on, bookings heard 50 ms late: placements on a worker another replica filled first are judged
-    # again when its booking arrives; those admission no longer takes there are placed again
+def test_a_replica_takes_back_a_placement_an_earlier_booking_heard_late_would_have_changed() -> None:
+    # admission on, bookings heard 50 ms late: placements on a worker another replica filled first are placed
+    # again when its booking arrives; those that then go elsewhere or are refused leave their engine's queue
     ob = _arbitrated(0.05).overbooking
     assert ob.rechecked > 0 and 0 < ob.withdrawn <= ob.rechecked
     assert ob.over_limit == 0

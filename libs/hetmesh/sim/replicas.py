@@ -6,9 +6,10 @@ every worker's heartbeats (one per `heartbeat_s`) and Finished records (batched,
 placements it sees only in the worker's next heartbeat. Each replica runs its own policy object, so a policy's
 own bookkeeping (the cost policy's prefill backlog) holds that replica's placements only. Sharing bookings
 (`share_s`) and withdrawing (`withdraw`: not in the live scheduler yet), a replica that hears another's placement on a worker it has placed on since without knowing of it
-(the later of the two, by placement order) takes its own back if its prefill has not started and its policy,
-booking the other's first, no longer admits it there: the engine drops it, the other replicas un-book it, and the
-replica places it again (the first placement wins, as the work queue arbitrates a duplicate). A gateway sends each
+(the later of the two, by placement order) un-books its own if its prefill has not started and places it again,
+knowing of the other's: where its policy now picks other workers or refuses it, the engine drops it, the other
+replicas un-book it, and the replica places it anew (the first placement wins, as the work queue arbitrates a
+duplicate). A gateway sends each
 request, and each client retry, to a replica picked at random; a request a replica refuses and holds stays on
 that replica, which places it again (the scheduler's hold loop). The worker's engine is the
 arbiter: its batching core admits nothing past its batch or its KV blocks, the rest waits in its queue.
@@ -52,8 +53,8 @@ class Overbooking:
     pool_full_missed: int = 0  # admitted while the pool held more than pool_full allows (its view said less)
     peak_pool_load: float = 0.0  # the most the pool held, over what pool_full lets it hold
     over_limit: int = 0  # steps in which a worker ran past its max_batch or KV blocks (must stay 0)
-    rechecked: int = 0  # own placements re-judged on hearing an earlier placement on the same worker
-    withdrawn: int = 0  # ... that admission no longer took there: taken back and placed again
+    rechecked: int = 0  # own placements placed again on hearing an earlier placement on the same worker
+    withdrawn: int = 0  # ... that went elsewhere or were refused then: taken out of their engine's queue
     per_replica: list[int] = field(default_factory=list)  # placements each replica made
 
 
@@ -97,6 +98,7 @@ class ReplicaSimulator(Simulator):
         self._refused_by: dict[str, int] = {}  # request id -> the replica that refused it last
         self._held = False  # the request being placed comes back from a hold
         self._order = 0  # placements so far, over every replica: which of two came first
+        self._moved: set[int] = set()  # requests withdrawn once
 
     # ---- the replicas' views ----
     def _start(self) -> None:
@@ -144,27 +146,31 @@ class ReplicaSimulator(Simulator):
 
     def _recheck(self, b: _Replica, d: Decision, order: int) -> None:
         """b's placements after d (by order) on one of d's workers whose prefill has not started: each is
-        un-booked and judged by b's admission as if placed now; one it refuses there is withdrawn."""
-        withdrawn, assess = getattr(b.policy, "withdrawn", None), getattr(b.policy, "assess", None)
-        if not self.withdraw or withdrawn is None or assess is None or self.flow is not None:
+        un-booked and placed again by b's policy, now knowing of d; one it would place elsewhere or refuse is
+        withdrawn."""
+        withdrawn = getattr(b.policy, "withdrawn", None)
+        if not self.withdraw or withdrawn is None or self.flow is not None:
             return
         while b.recent and b.recent[0][1] < self.now - 2 * (self.share_s or 0.0):
             b.recent.popleft()
         theirs = set(d.workers)
         for n, _, info, q in list(b.recent):
             req = self.reqs.get(int(info.request_id))
-            if n <= order or theirs.isdisjoint(q.workers) or req is None or req.decision is not q:
-                continue
+            if (n <= order or theirs.isdisjoint(q.workers) or req is None or req.decision is not q
+                    or req.rid in self._moved):
+                continue  # once moved, a request stays where it lands: withdrawals must not chase each other
             seq = req.pw.core.seqs.get(req.rid) if req.pw is not None else None
             if seq is None or seq.state != State.WAITING:
                 continue  # under way: the engine is the arbiter
             self.overbooking.rechecked += 1
             withdrawn(q, self.now)
             self._count(b, q, -1)
-            again = replace(info, arrival=self.now, waited_s=self.now - req.arrival)
-            if assess(again, self.view_of(b), q).mode != REFUSED:
-                self._count(b, q, 1)  # stays, booked behind d
-                continue
+            again = b.policy.place(replace(info, arrival=self.now, waited_s=self.now - req.arrival), self.view_of(b))
+            if again is not None and again.mode != REFUSED:
+                if again.workers == q.workers:
+                    self._count(b, q, 1)  # the same choice knowing d: it stays, booked behind d
+                    continue
+                withdrawn(again, self.now)  # the simulator's own path places it below
             self.overbooking.withdrawn += 1
             self._withdraw(b, req, q)
 
@@ -177,6 +183,7 @@ class ReplicaSimulator(Simulator):
     def _withdraw(self, b: _Replica, req: Any, q: Decision) -> None:
         """Take q back: out of its engine's queue, un-booked by every other replica once they hear it, and
         placed again by b."""
+        self._moved.add(req.rid)
         pw, dw = req.pw, req.dw
         pw.core.abort(req.rid)
         if pw is not dw:
