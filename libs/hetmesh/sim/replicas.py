@@ -5,13 +5,13 @@ every worker's heartbeats (one per `heartbeat_s`) and Finished records (batched,
 `ClusterState`, and adds what it placed itself since a worker's last heartbeat on top; another replica's
 placements it sees only in the worker's next heartbeat. Each replica runs its own policy object, so a policy's
 own bookkeeping (the cost policy's prefill backlog) holds that replica's placements only. Sharing bookings
-(`share_s`) and withdrawing (`withdraw`: not in the live scheduler yet), a replica that hears another's placement on a worker it has placed on since without knowing of it
-(the later of the two, by placement order) un-books its own if its prefill has not started and places it again,
-knowing of the other's: where its policy now picks other workers or refuses it, the engine drops it, the other
-replicas un-book it, and the replica places it anew (the first placement wins, as the work queue arbitrates a
-duplicate). A gateway sends each
-request, and each client retry, to a replica picked at random; a request a replica refuses and holds stays on
-that replica, which places it again (the scheduler's hold loop). The worker's engine is the
+(`share_s`) and withdrawing (`withdraw`: not in the live scheduler yet), a replica that hears another's
+placement on a worker it has placed on since without knowing of it (the later of the two, by placement order)
+un-books its own if its prefill has not started and places it again, knowing of the other's: where its policy
+now picks other workers or refuses it, the engine drops it, the other replicas un-book it, and the replica
+places it anew, once per request (the first placement wins, as the work queue arbitrates a duplicate). A
+gateway sends each request, and each client retry, to a replica picked at random; a request a replica refuses
+and holds stays on that replica, which places it again (the scheduler's hold loop). The worker's engine is the
 arbiter: its batching core admits nothing past its batch or its KV blocks, the rest waits in its queue.
 
 `ReplicaSimulator` is the Simulator with that in front of the workers; its `overbooking` says what the replicas
