@@ -33,7 +33,7 @@ class MeshConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     time_scale: float = 1.0  # simulated engines run this many times faster than real time
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 2.0
-    stall_timeout_s: float = 60.0  # gateway: no message for this long: a stream with tokens migrates, else a 504
+    stall_timeout_s: float = 60.0  # gateway: no message for this long: a stream migrates or starts over, else a 504
     # scheduler: a worker that runs requests but has not taken or made a token for this long while its heartbeats
     # go on is wedged: its requests migrate (first tokens too) and it gets no more until it moves; 0: off;
     # unset: a third of stall_timeout_s (20 s). Keep it above the longest engine step.

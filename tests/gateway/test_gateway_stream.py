@@ -186,11 +186,14 @@ def test_lost_on_every_attempt_is_502(gateway: GatewayProc) -> None:
     assert r.status_code == 502 and r.json()["error"]["code"] == "migration_limit"
 
 
-def test_stall_ends_with_error_and_cancel(gateway: GatewayProc, peer: FakePeer) -> None:
+def test_a_silent_request_starts_over_then_ends_with_error_and_cancel(gateway: GatewayProc, peer: FakePeer) -> None:
+    # No token and no `Working` for the stall timeout: it starts over (nothing reached the client) until
+    # mesh.max_attempts, then the 504 and a Cancel
     r = httpx.post(gateway.url + "/v1/completions", json={"model": "tiny", "prompt": "silent", "max_tokens": 5},
                    timeout=20)
     assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
     rid = [s for s in peer.submits if bytes(s.prompt_tokens) == b"silent"][-1].request_id
+    assert [(s.attempt, s.continued) for s in submits_of(peer, rid)] == [(0, 0), (1, 0)]
     c = peer.wait_for("cancels", lambda c: c.request_id == rid)
     assert isinstance(c, Cancel) and c.reason == "stalled"
 

@@ -305,11 +305,16 @@ def test_abort_is_an_error_unless_we_cancelled() -> None:
 
 
 # --- clocks -------------------------------------------------------------------------------------
-def test_stall_timeout_ends_the_request_and_cancels_it() -> None:
+def test_stall_timeout_starts_a_silent_request_over_then_ends_it_and_cancels_it() -> None:
+    # Nothing at all for the stall timeout (no token, no `Working`): the request or its stream was lost on the
+    # way, nothing reached the client, so it starts over away from its placement; silent again, the 504.
     s = ReplyStream(max_attempts=2, stall_timeout_s=5.0, now=100.0)
     s.progress(100.0)
     assert clocks(s, 104.0) == [POLL_CLIENT, Wait(104.0 + DISCONNECT_POLL_S)]
-    out = clocks(s, 105.0)
+    assert clocks(s, 105.0)[-1] == Retry(1, None, (), "stalled", exclude_placed=True)
+    assert s.restarts == 1 and not s.cancelled
+    s.progress(105.1)  # placed again
+    out = clocks(s, 110.1)
     act = out[-1]
     assert isinstance(act, Fail) and act.cancel == "stalled"
     assert (act.error.code, act.error.status) == ("timeout", 504)
@@ -348,8 +353,8 @@ def test_progress_restarts_the_stall_clock() -> None:
     s.progress(0.0)
     s.progress(4.0)  # e.g. a message arrived
     acts = clocks(s, 8.9)
-    assert not any(isinstance(a, Fail) for a in acts)
-    assert isinstance(clocks(s, 9.0)[-1], Fail)
+    assert not any(isinstance(a, Fail | Retry) for a in acts)
+    assert isinstance(clocks(s, 9.0)[-1], Retry)  # stalled: it starts over
 
 
 def test_chunks_back_to_back_still_poll_the_client_every_interval() -> None:

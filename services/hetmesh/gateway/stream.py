@@ -234,11 +234,13 @@ class ReplyStream:
         if self.poll_due(now):
             return POLL_CLIENT
         if now >= self.stall_at:
-            if self.reasm.next_index and self.can_retry():
+            if self.can_retry():
                 # Tokens flowed, then none for the stall timeout: a decode step takes far less, so its worker
-                # has stopped (an engine wedged under a live heartbeat, or a loss no scheduler saw). The stream
-                # moves on elsewhere; the old attempt's reply subject is dead, so a late chunk from it is no news.
-                # (Before the first token a working worker says so every quarter of the timeout: `Working`.)
+                # has stopped (an engine wedged under a live heartbeat, or a loss no scheduler saw). Or none came
+                # and no worker said it works (one that holds it says `Working` every quarter of the timeout):
+                # its WorkItem or its whole stream went down with a bus node. The stream moves on elsewhere, or
+                # starts over (nothing reached the client); the old attempt's reply subject is dead, so a late
+                # chunk from it is no news.
                 return self._retry(None, "stalled", exclude_placed=True)
             # A worker may still be generating for nobody: it gets a Cancel, and its abort is no news.
             self.cancelled = True
