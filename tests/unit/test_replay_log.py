@@ -32,3 +32,21 @@ def test_bounds_evict_whole_streams_oldest_first(adds: list[tuple[str, int]]) ->
         assert log.bytes <= 1000 and len(log.streams) <= 4
         assert log.bytes == sum(len(d) for chunks in log.streams.values() for _, _, d in chunks)
         assert list(log.streams) == order  # what is left is the newest streams, in the order they began
+
+
+def test_recent_gives_every_chunk_of_the_streams_added_to_since() -> None:
+    # After the worker's own reconnect it sends again the streams it published on lately, whole: a short one may
+    # have gone down entirely with its connection, and no gateway asks for a stream it never heard of
+    log = ReplayLog()
+    log.add("resp.old", 0, 2, b"old 0-1", now=1.0)
+    log.add("resp.new", 0, 1, b"new 0", now=2.0)
+    log.add("resp.old2", 0, 1, b"old2 0", now=3.0)
+    log.add("resp.new", 1, 1, b"new finish", now=10.0)
+    log.add("resp.late", 0, 1, b"late 0", now=11.0)
+    assert log.recent(9.0) == [("resp.new", b"new 0"), ("resp.new", b"new finish"), ("resp.late", b"late 0")]
+    assert log.recent(12.0) == []
+    assert len(log.recent(0.0)) == 5
+    small = ReplayLog(max_streams=1)
+    small.add("resp.a", 0, 1, b"a", now=1.0)
+    small.add("resp.b", 0, 1, b"b", now=2.0)  # resp.a evicted, and forgotten as recent too
+    assert small.recent(0.0) == [("resp.b", b"b")] and small.touched == {"resp.b": 2.0}

@@ -72,13 +72,19 @@ class Outbox:
         # encoding plus trace-context injection would cost more CPU than the message itself.
         data = _enc.encode(msg)
         if type(msg) is TokenChunk:  # kept, to be sent again if the stream gets a hole (resend)
-            self.replay.add(subject, msg.index, len(msg.token_ids), data)
+            self.replay.add(subject, msg.index, len(msg.token_ids), data, time.monotonic())
         await self.bus.nc.publish(subject, data)
 
     async def resend(self, r: Resume) -> None:
         """A gateway lost part of a stream (a bus gap): publish what this worker sent on it again."""
         for data in self.replay.since(r.reply_subject, r.from_index):
             await self.bus.nc.publish(r.reply_subject, data)
+
+    async def resend_recent(self, since: float) -> None:
+        """This worker's connection went down: publish again the streams it published on since `since` (monotonic),
+        whose last chunks may have gone down with it; each gateway's reassembler drops what it already has."""
+        for subject, data in self.replay.recent(since):
+            await self.bus.nc.publish(subject, data)
 
     async def error(self, item: WorkItem, message: str, *, retryable: bool, status: int = 500,
                     code: str | None = None, etype: str = "server_error") -> None:

@@ -63,6 +63,7 @@ from .transfer import KvShipper
 log = logging.getLogger("hetmesh.worker")
 
 SUPERSEDE_WAIT_S = 5.0  # how long a newer attempt waits for the old one to let go of the request id
+RESEND_S = 5.0  # after its own reconnect, the streams published on this recently are sent again (a killed node)
 
 
 class Worker:
@@ -114,8 +115,9 @@ class Worker:
         self.kv = KvBus(self.bus, self.worker_id, self.book, self.inbox, self.out, lambda: self.engine,
                         lambda: self.group.model)
 
-        async def gap() -> None:  # the gateways' beats it missed meanwhile say nothing
-            self.gateways.bus_gap(time.monotonic())
+        async def gap() -> None:  # the gateways' beats it missed meanwhile say nothing; its last chunks may be lost
+            self.gateways.bus_gap(now := time.monotonic())
+            await self.out.resend_recent(now - RESEND_S)
 
         self.bus.on_reconnect.append(gap)
         self._wire_engine()
