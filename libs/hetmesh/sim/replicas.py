@@ -240,7 +240,8 @@ class ReplicaSimulator(Simulator):
             b.dirty.add(i)
         if self.share_s is not None:
             self._order += 1
-            b.recent.append((self._order, self.now, info, d))
+            if self.withdraw:  # only a withdrawal reads them (`_recheck`, which also drops the old ones)
+                b.recent.append((self._order, self.now, info, d))
             for other in self._books:
                 if other is not b:
                     for wid in d.workers:
