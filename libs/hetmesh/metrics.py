@@ -95,6 +95,12 @@ class SchedulerMetrics:
         self.rejected.labels("no_capacity")  # exported at 0 from the start: dashboards and alerts see it
         self.held = Counter("hetmesh_scheduler_held", "Placements held by SLO-aware admission and tried again",
                             registry=r)
+        # Own placements judged again on hearing another scheduler's earlier booking on their workers
+        # (hetmesh.placement.withdrawal): kept (the same choice knowing of it) or withdrawn (placed anew)
+        self.rechecked = Counter("hetmesh_scheduler_rechecked", "Own placements judged again on an earlier "
+                                 "booking heard late, by outcome", ["outcome"], registry=r)
+        for outcome in ("kept", "withdrawn"):
+            self.rechecked.labels(outcome)
         self.placement_seconds = Histogram("hetmesh_scheduler_placement_duration_seconds",
                                            "Prefix lookup, policy and dispatch of one request",
                                            buckets=LATENCY_BUCKETS, registry=r)

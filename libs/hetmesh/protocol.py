@@ -81,6 +81,9 @@ class InferenceRequest(Struct, kw_only=True):
     # Seconds its client already waited on earlier tries that the mesh refused (a retry of a 429 / 503): its TTFT
     # runs from its first send, and admission judges it so (hetmesh.gateway.retries).
     waited_s: float = 0.0
+    # Placed again after a scheduler withdrew an earlier placement of it (hetmesh.placement.withdrawal): this
+    # placement stays where it lands, so withdrawals never chase each other.
+    moved: bool = False
 
 
 class Placement(Struct, frozen=True, kw_only=True):
@@ -273,6 +276,10 @@ class Booked(Struct, kw_only=True):
     decode_worker: str
     prefill_worker: str | None = None
     booking: Booking | None = None  # Decision.booking
+    # When it was placed (the placing scheduler's wall clock): with `scheduler`, the order every scheduler
+    # agrees on for two placements on one worker (hetmesh.placement.withdrawal)
+    placed_at: float = 0.0
+    withdrawn: bool = False  # taken back: un-book it (its request is placed again, maybe by another scheduler)
 
 
 BookedBatch = list[Booked]

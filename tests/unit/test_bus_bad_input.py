@@ -66,7 +66,9 @@ def test_bookings_count_from_schedulers_heard_beating_of_workers_in_view() -> No
              Booked(scheduler="s2", request_id="r2", decode_worker="b", prefill_worker="a"),
              Booked(scheduler="s2", request_id="r3", decode_worker="ghost"),
              Booked(scheduler="stranger", request_id="r4", decode_worker="a"),
-             Booked(scheduler="gone", request_id="r5", decode_worker="a")]
+             Booked(scheduler="gone", request_id="r5", decode_worker="a"),
+             Booked(scheduler="s2", request_id="r1", decode_worker="a", placed_at=0.25, withdrawn=True)]
     got = sift(batch, "me", lambda s: peers.alive(s, 0.5), {"a", "b"}.__contains__)
-    assert [(d.mode, d.workers) for d in got.booked] == [("aggregated", ("a",)), ("disaggregated", ("a", "b"))]
+    assert [(d.mode, d.workers) for _, d in got.booked] == [("aggregated", ("a",)), ("disaggregated", ("a", "b"))]
+    assert [d.workers for d in got.withdrawn] == [("a",)]  # taken back by s2: un-booked, not booked
     assert (got.unknown_scheduler, got.unknown_worker) == (2, 1)

@@ -96,6 +96,11 @@ class Engine(Protocol):
         """Stop computing the request now; its stream ends with finish_reason "abort". False if unknown."""
         ...
 
+    def started(self, request_id: str) -> bool:
+        """Whether the engine has begun computing the request (a withdrawn placement is dropped only before);
+        False when it does not hold it."""
+        ...
+
     def stats(self) -> EngineStats: ...
 
     def step_log(self) -> list[StepSample]:

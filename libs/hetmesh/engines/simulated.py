@@ -200,6 +200,10 @@ class SimEngine:
         self._emit(lv, None, "", "abort", True)
         return True
 
+    def started(self, request_id: str) -> bool:
+        lv = self._live.get(request_id)
+        return lv is not None and (lv.seq.state != State.WAITING or lv.seq.admitted_at >= 0)  # preempted: started
+
     def stats(self) -> EngineStats:
         c = self.core
         st = c.stats

@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 
 class _Track:
-    __slots__ = ("collector", "first", "index", "kv_path", "prompt_tokens", "req")
+    __slots__ = ("collector", "first", "index", "kv_path", "prompt_tokens", "req", "started")
 
     def __init__(self, req: EngineRequest, collector: Any, kv_path: str | None) -> None:
         self.req = req
@@ -62,6 +62,7 @@ class _Track:
         self.first = req.continued + len(req.first_token_ids)
         self.index = self.first  # position of the next token in the whole completion
         self.prompt_tokens = len(req.prompt_tokens) - req.continued
+        self.started = False  # an output came back from the engine
 
 
 class VllmEngine:
@@ -198,6 +199,7 @@ class VllmEngine:
             while True:
                 try:
                     out = await t.collector.get()
+                    t.started = True
                 except Exception:  # the engine died or refused the request
                     log.exception("vllm request %s failed", request_id)
                     self._forget(t)
@@ -251,6 +253,12 @@ class VllmEngine:
         prompt = t.prompt_tokens + t.first  # what the engine was given
         self.prompt_tokens_cached += min(cached, prompt)
         self.prompt_tokens_computed += max(0, prompt - cached)
+
+    def started(self, request_id: str) -> bool:
+        # vLLM says nothing of a request before its first output: one whose prefill is under way (not its first
+        # chunk done) counts as not started, so a withdrawal can cost that much of its prefill, never its tokens.
+        t = self._tracks.get(request_id)
+        return t is not None and t.started
 
     async def abort(self, request_id: str) -> bool:
         if request_id not in self._tracks or self.llm is None:

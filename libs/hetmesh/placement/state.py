@@ -195,6 +195,18 @@ class ClusterState:
                 e.assigned_since += 1
                 self._changed(w)
 
+    def withdrawn(self, decision: Decision) -> None:
+        """A placement taken back (hetmesh.placement.withdrawal): it leaves its workers' counts, as placed since
+        their last heartbeats or, where a heartbeat came after it, as if it had finished."""
+        for w in decision.workers:
+            e = self._workers.get(w)
+            if e is not None:
+                if e.assigned_since > 0:
+                    e.assigned_since -= 1
+                else:
+                    e.finished_since += 1
+                self._changed(w)
+
     def finished(self, worker_id: str, ts: float) -> None:
         """A request left the worker at `ts` (worker clock): it stops counting before the next heartbeat,
         so a closed loop's next request is not steered away from the worker that just freed a slot.

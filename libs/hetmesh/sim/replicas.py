@@ -5,8 +5,8 @@ every worker's heartbeats (one per `heartbeat_s`) and Finished records (batched,
 `ClusterState`, and adds what it placed itself since a worker's last heartbeat on top; another replica's
 placements it sees only in the worker's next heartbeat. Each replica runs its own policy object, so a policy's
 own bookkeeping (the cost policy's prefill backlog) holds that replica's placements only. Sharing bookings
-(`share_s`) and withdrawing (`withdraw`: not in the live scheduler yet), a replica that hears another's
-placement on a worker it has placed on since without knowing of it (the later of the two, by placement order)
+(`share_s`) and withdrawing (`withdraw`, as the live scheduler does: hetmesh.placement.withdrawal), a replica
+that hears another's placement on a worker it has placed on since without knowing of it (the later of the two)
 un-books its own if its prefill has not started and places it again, knowing of the other's: where its policy
 now picks other workers or refuses it, the engine drops it, the other replicas un-book it, and the replica
 places it anew, once per request (the first placement wins, as the work queue arbitrates a duplicate). A
@@ -21,7 +21,6 @@ did not see when they placed, and checks after every step that no worker holds m
 from __future__ import annotations
 
 import random
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +30,7 @@ from msgspec.structs import replace
 from hetmesh.batching.data import State
 from hetmesh.config import MeshConfig
 from hetmesh.placement import REFUSED, Decision, Policy, RequestInfo, WorkerView
+from hetmesh.placement.withdrawal import Placed, Recent, reconsider
 from hetmesh.sim import policy_for
 from hetmesh.sim.cluster import Simulator
 from hetmesh.sim.metrics import Slo, summarize
@@ -63,14 +63,13 @@ class _Replica:
 
     __slots__ = ("assigned", "dirty", "policy", "recent", "unheard", "views")
 
-    def __init__(self, policy: Policy, views: list[WorkerView]) -> None:
+    def __init__(self, policy: Policy, views: list[WorkerView], horizon_s: float) -> None:
         self.policy = policy
         self.views = list(views)
         self.assigned = [0] * len(views)  # placed on each worker since its last heartbeat
         self.dirty: set[int] = set()
         self.unheard = [0] * len(views)  # other replicas' placements on each worker on their way here
-        self.recent: deque[tuple[int, float, RequestInfo, Decision]] = deque()  # own placements the others
-        # may not have heard of yet: (placement number, time, request, decision)
+        self.recent: Recent[Any] = Recent(horizon_s)  # own placements the others may not have heard of yet
 
 
 class ReplicaSimulator(Simulator):
@@ -105,7 +104,7 @@ class ReplicaSimulator(Simulator):
         """The workers' first heartbeats at the first placement, then one per heartbeat_s each, out of phase."""
         truth = self._views()
         self._hb, self._hb_t, self._fin = list(truth), [self.now] * len(truth), [0] * len(truth)
-        self._books = [_Replica(p, truth) for p in self._reps]
+        self._books = [_Replica(p, truth, 2 * (self.share_s or 0.0)) for p in self._reps]
         for i in range(len(truth)):
             self._beat_at(i, self.now + self._rng.uniform(0.0, self.heartbeat_s))
 
@@ -147,31 +146,29 @@ class ReplicaSimulator(Simulator):
     def _recheck(self, b: _Replica, d: Decision, order: int) -> None:
         """b's placements after d (by order) on one of d's workers whose prefill has not started: each is
         un-booked and placed again by b's policy, now knowing of d; one it would place elsewhere or refuse is
-        withdrawn."""
-        withdrawn = getattr(b.policy, "withdrawn", None)
-        if not self.withdraw or withdrawn is None or self.flow is not None:
+        withdrawn (hetmesh.placement.withdrawal)."""
+        if not self.withdraw or getattr(b.policy, "withdrawn", None) is None or self.flow is not None:
             return
-        while b.recent and b.recent[0][1] < self.now - 2 * (self.share_s or 0.0):
-            b.recent.popleft()
-        theirs = set(d.workers)
-        for n, _, info, q in list(b.recent):
-            req = self.reqs.get(int(info.request_id))
-            if (n <= order or theirs.isdisjoint(q.workers) or req is None or req.decision is not q
-                    or req.rid in self._moved):
+        for p in b.recent.behind((float(order), ""), d.workers, self.now):
+            q = p.decision
+            req = self.reqs.get(int(p.info.request_id))
+            if req is None or req.decision is not q or req.rid in self._moved:
                 continue  # once moved, a request stays where it lands: withdrawals must not chase each other
             seq = req.pw.core.seqs.get(req.rid) if req.pw is not None else None
             if seq is None or seq.state != State.WAITING:
                 continue  # under way: the engine is the arbiter
             self.overbooking.rechecked += 1
-            withdrawn(q, self.now)
-            self._count(b, q, -1)
-            again = b.policy.place(replace(info, arrival=self.now, waited_s=self.now - req.arrival), self.view_of(b))
-            if again is not None and again.mode != REFUSED:
-                if again.workers == q.workers:
-                    self._count(b, q, 1)  # the same choice knowing d: it stays, booked behind d
-                    continue
-                withdrawn(again, self.now)  # the simulator's own path places it below
+
+            def views(b: _Replica = b, q: Decision = q) -> list[WorkerView]:
+                self._count(b, q, -1)
+                return self.view_of(b)
+
+            info = replace(p.info, arrival=self.now, waited_s=self.now - req.arrival)
+            if reconsider(b.policy, info, q, views, self.now) is not None:  # type: ignore[arg-type]
+                self._count(b, q, 1)  # the same choice knowing d: it stays, booked behind d
+                continue
             self.overbooking.withdrawn += 1
+            b.recent.drop(p)
             self._withdraw(b, req, q)
 
     def _count(self, b: _Replica, d: Decision, k: int) -> None:
@@ -241,7 +238,7 @@ class ReplicaSimulator(Simulator):
         if self.share_s is not None:
             self._order += 1
             if self.withdraw:  # only a withdrawal reads them (`_recheck`, which also drops the old ones)
-                b.recent.append((self._order, self.now, info, d))
+                b.recent.add(Placed((float(self._order), ""), self.now, info, d, None))
             for other in self._books:
                 if other is not b:
                     for wid in d.workers:

@@ -193,6 +193,7 @@ class Call:
         self.box.items.clear()  # the old attempt's leftovers
         req = self.req
         req.attempt = act.attempt
+        req.moved = req.moved or act.reason == "withdrawn"
         lost = act.lost_worker
         gone = [lost]
         if act.exclude_placed and self.placement is not None:

@@ -9,7 +9,8 @@ unit-testable without a mesh, like core.py's rules about bodies and bytes.
 A retry (the worker lost, drained, or a retryable error) never starts over: the next attempt goes on
 after the tokens in order so far (`Retry.generated`, a migration when there are any), and the one
 Reassembler numbers its chunks on from there, so the client sees one stream. Restarts with no token
-are bounded by `max_attempts`, migrations by `migration_limit`; a bus gap's retries use up neither.
+are bounded by `max_attempts`, migrations by `migration_limit`; a bus gap's retries use up neither, nor does
+one placement its scheduler withdrew before any token (hetmesh.placement.withdrawal: once per request).
 
 The driver's loop, per `pull` (call.Call.pull is the one real driver):
 
@@ -115,7 +116,7 @@ class ReplyStream:
 
     __slots__ = ("attempt", "cancelled", "delivered", "failure", "gap_retries", "max_attempts", "migration_limit",
                  "migrations", "poll_client_at", "ready", "reasm", "restarts", "resume_at", "resume_every", "resumes",
-                 "stall_at", "stall_s", "tokens")
+                 "stall_at", "stall_s", "tokens", "withdrawn")
 
     def __init__(self, max_attempts: int, stall_timeout_s: float, now: float, migration_limit: int = 3) -> None:
         self.max_attempts = max_attempts
@@ -127,6 +128,7 @@ class ReplyStream:
         self.ready: list[TokenChunk] = []  # deliverable, not yet handed out
         self.attempt = 0
         self.gap_retries = 0  # attempts started because the bus reconnected (they use up nothing)
+        self.withdrawn = False  # an attempt's placement was withdrawn by its scheduler (uses up nothing, once)
         self.restarts = 0  # attempts started with no token yet (bounded by max_attempts)
         self.migrations = 0  # attempts that went on after some tokens (bounded by migration_limit)
         self.delivered = False  # some token reached the client: no more retries
@@ -195,6 +197,11 @@ class ReplyStream:
             self.gap_retries += 1
             return self._retry(None, "bus_gap", counted=False)
         assert type(msg) is WorkerLost or type(msg) is RequestError  # a retryable error
+        if type(msg) is RequestError and msg.error.code == "withdrawn" and not self.withdrawn and not self.tokens:
+            # Its scheduler took the placement back before the engine started it: placed anew (`moved`, so it
+            # stays where it lands then); a withdrawn migration counts as one.
+            self.withdrawn = True
+            return self._retry(None, "withdrawn", counted=False)
         if not self.can_retry():
             return self._end(self._lost_info(msg))
         if type(msg) is WorkerLost:

@@ -24,6 +24,7 @@ from hetmesh import subjects
 from hetmesh.beats import Beats
 from hetmesh.bus import Bus
 from hetmesh.placement import Decision
+from hetmesh.placement.withdrawal import Key
 from hetmesh.protocol import Booked
 
 
@@ -53,7 +54,9 @@ async def beat(bus: Bus, instance: str, interval_s: float, reconnects: Callable[
 
 @dataclass
 class Sifted:
-    booked: list[Decision] = field(default_factory=list)  # to count on their workers and book in the policy
+    booked: list[tuple[Key, Decision]] = field(default_factory=list)  # to count on their workers and book in the
+    # policy, each with its order (hetmesh.placement.withdrawal)
+    withdrawn: list[Decision] = field(default_factory=list)  # taken back by their scheduler: to un-book
     unknown_scheduler: int = 0  # from a scheduler not heard beating
     unknown_worker: int = 0  # naming a worker this view has lost (or not heard yet)
 
@@ -74,5 +77,8 @@ def sift(batch: Iterable[Booked], me: str, known_scheduler: Callable[[str], bool
         if not all(known_worker(w) for w in d.workers):
             out.unknown_worker += 1
             continue
-        out.booked.append(d)
+        if b.withdrawn:
+            out.withdrawn.append(d)
+        else:
+            out.booked.append(((b.placed_at, b.scheduler), d))
     return out

@@ -11,10 +11,10 @@ from typing import Any
 
 from opentelemetry import trace
 
-from hetmesh import metrics
+from hetmesh import metrics, wiring
 from hetmesh.costmodel.economics import device_usd_per_hour
 from hetmesh.placement import ClusterState, Decision, RequestInfo, WorkerView
-from hetmesh.protocol import SchedulerStatus, WorkerStatus
+from hetmesh.protocol import InferenceRequest, SchedulerStatus, SubmitReply, WorkerStatus
 
 
 def metric_rows(state: ClusterState, prices: Mapping[str, float], in_flight: int,
@@ -89,3 +89,16 @@ def placement_attributes(span: trace.Span, policy: str, info: RequestInfo, d: De
         span.set_attribute("hetmesh.predicted_ttft_s", d.predicted_ttft_s)
     if d.predicted_tpot_s is not None:
         span.set_attribute("hetmesh.predicted_tpot_s", d.predicted_tpot_s)
+
+
+def schedule_attributes(span: trace.Span, req: InferenceRequest, reply: SubmitReply | None = None) -> None:
+    """The submit's span: the request before it is placed; with `reply`, where it went or why not."""
+    if reply is None:
+        span.set_attribute("hetmesh.request_id", req.request_id)
+        span.set_attribute("hetmesh.attempt", req.attempt)
+        span.set_attribute("hetmesh.tenant", req.tenant or wiring.DEFAULT_TENANT)
+    elif reply.placement is not None:
+        span.set_attribute("hetmesh.mode", reply.placement.mode)
+        span.set_attribute("hetmesh.decode_worker", reply.placement.decode_worker)
+    elif reply.error is not None:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, reply.error.message))

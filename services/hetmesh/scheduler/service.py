@@ -12,9 +12,9 @@ Retry-After. With SLO-aware admission on (cost policy, `admission_margin`), a re
 over margin x its SLO (hetmesh.placement.admission) gets 429 + Retry-After (the predicted excess wait).
 
 This module is the service itself (the cluster view, placement and dispatch); beside it lie reconcile (its
-in-flight books), bookings (the other schedulers: their placements, their beats, who writes the KV index),
-prefix_mirror (the Redis prefix index, optional at run time), flowgate (flow control), learning (the online
-fit) and reports (metrics rows, the status answer, the placement span).
+in-flight books), bookings and withdraw (the other schedulers: their placements, their beats, who writes the
+KV index; own placements their bookings move), prefix_mirror (the Redis prefix index), flowgate (flow
+control), learning (the online fit) and reports (metrics rows, the status answer, the placement span).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import uuid
 import msgspec
 import nats.errors
 from nats.aio.msg import Msg
-from opentelemetry import trace
 
 from hetmesh import config, metrics, subjects, telemetry, wiring
 from hetmesh.beats import overslept
@@ -63,7 +62,8 @@ from .holding import hold
 from .learning import Learning
 from .prefix_mirror import PrefixMirror
 from .reconcile import InFlight
-from .reports import metric_rows, placement_attributes, status
+from .reports import metric_rows, placement_attributes, schedule_attributes, status
+from .withdraw import Withdrawals
 
 log = logging.getLogger("hetmesh.scheduler")
 BOOKING_BATCH_S = 0.0  # its placements go out to the other schedulers this soon
@@ -83,6 +83,9 @@ class Scheduler:
         q = wiring.flow(cfg)
         place = lambda i: self.policy.place(i, self.state.views())  # noqa: E731
         self.flow = FlowGate(cfg, q, place, self.state) if q is not None else None  # (an empty queue is falsy)
+        # its placements that another scheduler's earlier booking, heard late, may move (withdraw.py)
+        self.withdrawals = Withdrawals(self.policy, self.state, instance, cfg.mesh.heartbeat_interval_s,
+                                       cfg.mesh.time_scale, enabled=self.flow is None)
         self.learning = Learning(self.policy, cfg.mesh.time_scale)  # each worker's speed from its engine's steps
         self.uses_prefix = sc.policy in PREFIX_POLICIES
         self.block_size = {m.name: m.block_size for m in cfg.models}
@@ -276,15 +279,9 @@ class Scheduler:
             return
         ctx = telemetry.extract(m.headers)
         with self.tracer.start_as_current_span("schedule", context=ctx) as span:
-            span.set_attribute("hetmesh.request_id", req.request_id)
-            span.set_attribute("hetmesh.attempt", req.attempt)
-            span.set_attribute("hetmesh.tenant", req.tenant or wiring.DEFAULT_TENANT)
+            schedule_attributes(span, req)
             reply = await self.place(req)
-            if reply.placement is not None:
-                span.set_attribute("hetmesh.mode", reply.placement.mode)
-                span.set_attribute("hetmesh.decode_worker", reply.placement.decode_worker)
-            elif reply.error is not None:
-                span.set_status(trace.Status(trace.StatusCode.ERROR, reply.error.message))
+            schedule_attributes(span, req, reply)
         await self.bus.respond(m, reply)
 
     async def place(self, req: InferenceRequest, headers: dict[str, str] | None = None) -> SubmitReply:
@@ -361,7 +358,7 @@ class Scheduler:
                               predicted_ttft_s=decision.predicted_ttft_s, predicted_tpot_s=decision.predicted_tpot_s,
                               decode_kv_endpoint=kv_endpoint)
         try:
-            await self._dispatch(req, decision, placement, headers, booked)
+            await self._dispatch(req, info, decision, placement, headers, booked)
         except Exception as exc:  # the work queue did not store it within publish_timeout_s (bus away, stream full)
             log.warning("request %s: work queue refused its WorkItem: %r", req.request_id, exc)
             self.inflight.forget(req.request_id)
@@ -390,15 +387,18 @@ class Scheduler:
             self.refused += 1
         if no.counted:
             self.metrics.rejected.labels(no.reason).inc()
-            self._demand_refused(req)
+            if req.attempt == 0:  # a retry's arrival was counted with its first attempt
+                self.demand.refused(req.model, time.monotonic(), len(req.prompt_tokens), req.sampling.max_tokens)
         return SubmitReply(request_id=req.request_id, error=no.error)
 
-    async def _dispatch(self, req: InferenceRequest, d: Decision, placement: Placement,
+    async def _dispatch(self, req: InferenceRequest, info: RequestInfo, d: Decision, placement: Placement,
                         headers: dict[str, str] | None, booked: bool = False) -> None:
         if not booked:
             self.state.assigned(d)
+        now = time.time()
         self.bookings.add(Booked(scheduler=self.instance, request_id=req.request_id, decode_worker=d.decode_worker,
-                                 prefill_worker=d.prefill_worker, booking=d.booking))
+                                 prefill_worker=d.prefill_worker, booking=d.booking, placed_at=now))
+        self.withdrawals.placed(req, info, d, now)
         self.inflight.record(req.request_id, req.reply_subject, set(d.workers), time.monotonic())
         rid = req.request_id
         if d.prefill_worker is None:
@@ -428,10 +428,6 @@ class Scheduler:
     async def on_turned_away(self, msg: TurnedAway, _m: Msg) -> None:
         self.demand.refused(msg.model, time.monotonic(), msg.prompt_tokens, msg.max_tokens)
 
-    def _demand_refused(self, req: InferenceRequest) -> None:
-        if req.attempt == 0:  # a retry's arrival was counted with its first attempt
-            self.demand.refused(req.model, time.monotonic(), len(req.prompt_tokens), req.sampling.max_tokens)
-
     async def _send(self, worker_id: str, item: WorkItem, headers: dict[str, str] | None) -> Stored:
         hb = self.state.heartbeat(worker_id)
         assert hb is not None, "policies only pick workers from the view"
@@ -447,19 +443,25 @@ class Scheduler:
     # --- bookkeeping --------------------------------------------------------------------
     async def on_booked(self, batch: BookedBatch, _m: Msg) -> None:
         """Other schedulers' placements, counted as its own: on their workers until their next heartbeats, and in
-        the policy's bookkeeping (the cost policy's prefill backlog). bookings.py says which count."""
+        the policy's bookkeeping (the cost policy's prefill backlog); bookings.py says which count. Its own
+        placements they move are taken back (withdraw.py)."""
         now = time.monotonic()
         got = sift(batch, self.instance, lambda s: self.peers.alive(s, now), self.state.__contains__)
-        book = getattr(self.policy, "booked", None)
-        for d in got.booked:
-            self.state.assigned(d)
-            if book is not None:
-                book(d)
+        kept, taken = self.withdrawals.count(got.booked, got.withdrawn, time.time())
+        self.metrics.rechecked.labels("kept").inc(kept)
+        for t in taken:  # each placed anew as its next attempt, maybe by another scheduler
+            self.metrics.rechecked.labels("withdrawn").inc()
+            self.inflight.forget(t.request_id)
+            self.bookings.add(t.booked)
+            await self.bus.publish(subjects.CANCEL, t.cancel, t.request_id)
+            await self._event(t.request_id, "withdrawn", worker_id=t.cancel.worker_id, attempt=t.cancel.attempt)
         self.metrics.bad_input.labels("unknown_scheduler").inc(got.unknown_scheduler)
         self.metrics.bad_input.labels("unknown_worker").inc(got.unknown_worker)
 
     async def on_finished(self, batch: FinishedBatch, _m: Msg) -> None:
         for f in batch:
+            if f.finish_reason == "withdrawn":  # un-booked and out of the in-flight books already (on_booked)
+                continue
             self.state.finished(f.worker_id, f.ts)
             over = self.inflight.finished(f.worker_id, f.request_id)
             if over:

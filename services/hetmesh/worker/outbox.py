@@ -4,12 +4,15 @@ records to the scheduler, ServiceEvents to whoever listens."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
+from typing import Any
 
 import msgspec
 
 from hetmesh import subjects
 from hetmesh.bus import Batcher, Bus, EventBatcher
-from hetmesh.engines.base import EngineOutput
+from hetmesh.engines.base import EngineOutput, EngineStats
+from hetmesh.placement.state import progress
 from hetmesh.protocol import (
     ErrorInfo,
     Finished,
@@ -18,10 +21,12 @@ from hetmesh.protocol import (
     ServiceEvent,
     TokenChunk,
     Usage,
+    Working,
     WorkItem,
 )
 
 from .replay import ReplayLog
+from .requests import Request
 
 _enc = msgspec.json.Encoder()
 
@@ -93,3 +98,17 @@ class Outbox:
             request_id=rid, error=ErrorInfo(message=message, type=etype, code=code, status=status),
             retryable=retryable))
         self.event(rid, "error", phase=item.phase.value, message=message, retryable=retryable)
+
+    async def working(self, held: Iterable[Request[Any]], s: EngineStats,
+                      last: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+        """Tell the gateway of each request `held` with no token from this worker yet that it is not stalled,
+        if the engine moved since the last time (or runs nothing: the request waits for its KV or a slot). A
+        wedged engine sends none, and the gateway's stall timeout ends its requests. `s`: the stats the
+        heartbeat just sent; `last`: the counters at the last round. Returns the counters now."""
+        counters = progress(s)
+        if counters != last or s.running == 0:
+            for r in held:
+                subject = r.item.request.reply_subject
+                if not (r.cancelled or r.superseded) and subject not in self.replay:
+                    await self.send(subject, Working(request_id=r.request_id, worker_id=self.worker_id))
+        return counters

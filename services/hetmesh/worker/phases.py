@@ -11,9 +11,9 @@ from typing import Any
 
 from opentelemetry import trace
 
-from hetmesh import kvstream, metrics, telemetry
+from hetmesh import kvstream, metrics, subjects, telemetry
 from hetmesh.engines.base import Engine, EngineError, EngineOutput, EngineRequest
-from hetmesh.protocol import KvLanded, Phase, WorkItem
+from hetmesh.protocol import Cancel, KvLanded, Phase, WorkItem
 
 from .kv import KvInbox
 from .outbox import Outbox
@@ -75,19 +75,45 @@ class Phases:
         if r.superseded:
             self.out.event(rid, "superseded", phase=item.phase.value, attempt=r.attempt)
             return
+        if r.withdrawn and item.phase != Phase.DECODE:
+            await self.withdrawn(item)
+            return
         # Retryable even with tokens out: the gateway goes on from its last token on another worker (migration).
         if out.finish_reason == "error":
             await self.out.error(item, f"engine on {self.worker_id} failed", retryable=True)
             self.out.finished(rid, "error", out.completion_tokens)
             return
         if r.cancelled:
-            self.out.event(rid, "aborted", phase=item.phase.value, completion_tokens=out.completion_tokens)
-        else:  # aborted by shutdown (a drain that ran out of time), not by the client
-            await self.out.error(item, f"worker {self.worker_id} shut down", retryable=True, status=503,
-                                 code="worker_draining")
-            self.out.event(rid, "handed_over", phase=item.phase.value, completion_tokens=out.completion_tokens,
-                           streamed=streamed)
+            self._aborted(r, completion_tokens=out.completion_tokens)
+            return
+        # aborted by shutdown (a drain that ran out of time), not by the client
+        await self.out.error(item, f"worker {self.worker_id} shut down", retryable=True, status=503,
+                             code="worker_draining")
+        self.out.event(rid, "handed_over", phase=item.phase.value, completion_tokens=out.completion_tokens,
+                       streamed=streamed)
         self.out.finished(rid, "abort", out.completion_tokens)
+
+    def _aborted(self, r: Request[Run], **detail: int | bool) -> None:
+        """Cancelled: the client went away, or (a DECODE half) its placement was withdrawn, which the scheduler
+        un-counted already (Finished "withdrawn")."""
+        kind, reason = ("withdrawn", "withdrawn") if r.withdrawn else ("aborted", "abort")
+        self.out.event(r.request_id, kind, phase=r.item.phase.value, **detail)
+        self.out.finished(r.request_id, reason, int(detail.get("completion_tokens", 0)))
+
+    async def withdrawn(self, item: WorkItem) -> None:
+        """Its scheduler took the placement back before the engine started it (hetmesh.placement.withdrawal):
+        the DECODE half of a P/D placement goes on its worker, and the gateway places the request anew (a
+        retryable error that uses up none of its attempts)."""
+        req, p = item.request, item.placement
+        rid = req.request_id
+        if item.phase == Phase.PREFILL:
+            await self.out.bus.publish(subjects.CANCEL, Cancel(request_id=rid, reason="withdrawn",
+                                                               worker_id=p.decode_worker, phase=Phase.DECODE,
+                                                               attempt=req.attempt), rid)
+        await self.out.error(item, f"its placement on {self.worker_id} was withdrawn by its scheduler", retryable=True,
+                             status=503, code="withdrawn")
+        self.out.event(rid, "withdrawn", phase=item.phase.value, attempt=req.attempt)
+        self.out.finished(rid, "withdrawn", 0)
 
     # ------------------------------------------------------------------ FULL and PREFILL
     async def serve_compute(self, r: Request[Run]) -> None:
@@ -161,8 +187,7 @@ class Phases:
                 return
             if not r.cancelled:
                 raise
-            self.out.event(rid, "aborted", phase="decode", completion_tokens=0, waiting_for_kv=True)
-            self.out.finished(rid, "abort", 0)
+            self._aborted(r, completion_tokens=0, waiting_for_kv=True)
             return
         except EngineError as exc:  # shutdown while waiting: another worker takes it over
             await self.out.error(item, str(exc), retryable=True, status=503, code="worker_draining")
@@ -181,8 +206,7 @@ class Phases:
         if r.cancelled:  # cancelled as the KV landed: the sink (vLLM: its spool file) goes, not into the engine
             if claim.sink is not None:
                 claim.sink.discard()
-            self.out.event(rid, "aborted", phase="decode", completion_tokens=0)
-            self.out.finished(rid, "abort", 0)
+            self._aborted(r, completion_tokens=0)
             return
         if claim.sink is not None:
             claim.sink.commit()  # the engine takes the streamed KV as it lies
@@ -194,8 +218,7 @@ class Phases:
         elif claim.data is not None:
             self.engine.put_kv(rid, claim.data)
         if r.cancelled:  # cancelled between landing and submit
-            self.out.event(rid, "aborted", phase="decode", completion_tokens=0)
-            self.out.finished(rid, "abort", 0)
+            self._aborted(r, completion_tokens=0)
             return
         self.out.event(rid, "kv_landed", phase="decode", transfer_id=landed.transfer_id, src=landed.src_worker,
                        nbytes=landed.nbytes, bytes_received=claim.received, chunks=landed.chunks,

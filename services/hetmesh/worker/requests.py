@@ -8,6 +8,7 @@ what this says.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Generic, TypeVar
@@ -30,6 +31,7 @@ class Verdict(StrEnum):
     SUPERSEDE = "supersede"  # an older attempt is being served: drop that one first, then ask again
     MISROUTED = "misrouted"  # for a model this worker does not serve
     CANCELLED = "cancelled"  # its Cancel came first
+    WITHDRAWN = "withdrawn"  # its scheduler's withdrawal came first: the gateway places it anew
 
 
 class Stop(StrEnum):
@@ -51,6 +53,7 @@ class Request(Generic[H]):
     waiting_for_kv: bool = False  # a DECODE item whose KV has not landed yet
     shipping: bool = False  # a PREFILL item whose engine part is over, shipping its KV
     cancelled: bool = False  # the client went away: end quietly (event "aborted")
+    withdrawn: bool = False  # taken back by its scheduler before the engine started it: placed anew
     superseded: bool = False  # a newer attempt takes the id over: end without a word
 
     @property
@@ -74,6 +77,7 @@ class RequestBook(Generic[H]):
         self._early_landed: dict[str, tuple[KvLanded, float]] = {}
         self._early_cancels: dict[str, float] = {}
         self._early_withdrawn: dict[tuple[str, int, Phase], float] = {}  # one item's Cancel (Cancel.phase)
+        self._early_taken: dict[tuple[str, int, Phase], float] = {}  # one item's withdrawal (`withdraw`)
         self._cancelled: dict[str, float] = {}  # every cancelled id, for a while: KV for them is refused/dropped
         # Kept as a count: the metrics thread reads it while the event loop changes the requests.
         self.kv_waiting = 0
@@ -101,9 +105,11 @@ class RequestBook(Generic[H]):
             return Verdict.SUPERSEDE if item.request.attempt > held.attempt else Verdict.DUPLICATE
         if item.request.model != self.model:
             return Verdict.MISROUTED
-        if self._early_cancels.pop(rid, None) is not None or self._early_withdrawn.pop(
-                (rid, item.request.attempt, item.phase), None) is not None:
+        key = (rid, item.request.attempt, item.phase)
+        if self._early_cancels.pop(rid, None) is not None or self._early_withdrawn.pop(key, None) is not None:
             return Verdict.CANCELLED
+        if self._early_taken.pop(key, None) is not None:
+            return Verdict.WITHDRAWN
         return Verdict.ACCEPT
 
     def accept(self, item: WorkItem, now: float, handle: H) -> tuple[Request[H], KvLanded | None]:
@@ -150,6 +156,19 @@ class RequestBook(Generic[H]):
             return Stop.NONE
         r.cancelled = True
         return _how(r)
+
+    def withdraw(self, request_id: str, phase: Phase, attempt: int, now: float, started: Callable[[str], bool]) -> Stop:
+        """Its scheduler takes back the FULL or PREFILL item of this attempt (hetmesh.placement.withdrawal):
+        held here and not `started` by the engine, it is to be aborted there and end as withdrawn (ENGINE);
+        started (or shipping), it goes on (NONE). Not held yet, the withdrawal waits for it (`Verdict.WITHDRAWN`)."""
+        if not self._holds(request_id, phase, attempt):
+            _put(self._early_taken, (request_id, attempt, phase), now, self.early_max)
+            return Stop.NONE
+        r = self._live[request_id]
+        if r.shipping or r.cancelled or r.superseded or started(request_id):
+            return Stop.NONE
+        r.withdrawn = r.cancelled = True
+        return Stop.ENGINE
 
     def _holds(self, request_id: str, phase: Phase, attempt: int) -> bool:
         r = self._live.get(request_id)
@@ -202,6 +221,8 @@ class RequestBook(Generic[H]):
             del self._early_cancels[rid]
         for key in [k for k, ts in self._early_withdrawn.items() if now - ts > self.stale_s]:
             del self._early_withdrawn[key]
+        for key in [k for k, ts in self._early_taken.items() if now - ts > self.stale_s]:
+            del self._early_taken[key]
         for rid in [r for r, ts in self._cancelled.items() if now - ts > self.stale_s]:
             del self._cancelled[rid]
 

@@ -33,7 +33,6 @@ from hetmesh.bus import Bus, decode
 from hetmesh.costmodel import learn
 from hetmesh.costmodel.model import CostModel
 from hetmesh.engines.base import Engine, EngineError, EngineStats
-from hetmesh.placement.state import progress
 from hetmesh.protocol import (
     Cancel,
     Heartbeat,
@@ -43,7 +42,6 @@ from hetmesh.protocol import (
     Resume,
     Role,
     WorkerCommand,
-    Working,
     WorkItem,
 )
 from hetmesh.runtime import run_service
@@ -325,6 +323,9 @@ class Worker:
             self.out.event(rid, "aborted", phase=item.phase.value, completion_tokens=0, before_start=True)
             self.out.finished(rid, "abort", 0)
             return
+        if verdict == Verdict.WITHDRAWN:  # its scheduler took it back before it came: placed anew
+            await self.phases.withdrawn(item)
+            return
         ctx = telemetry.extract(m.headers) if self.tracing else Context()
         run = Run()
         if item.phase == Phase.DECODE:
@@ -392,12 +393,18 @@ class Worker:
         """Every worker sees every Cancel: whatever phase the request is in here, all of it goes now (the
         engine's blocks, a KV stream going out or coming in, KV that landed and its sink or spool file). One
         for another worker (Cancel.worker_id) is not for this one; one naming a phase (Cancel.phase) stops
-        only that item of the request (RequestBook.cancel)."""
+        only that item of the request (RequestBook.cancel); a withdrawal of a FULL or PREFILL item is this
+        worker's to arbitrate (RequestBook.withdraw: dropped only if the engine has not started it)."""
         if c.worker_id and c.worker_id != self.worker_id:
             return
         rid = c.request_id
         r = self.book.get(rid)
-        how = self.book.cancel(rid, time.time(), c.phase, c.attempt)
+        if c.reason == "withdrawn" and c.phase in (Phase.FULL, Phase.PREFILL):  # this worker is the arbiter
+            how = self.book.withdraw(rid, c.phase, c.attempt, time.time(), self.engine.started)
+        else:
+            how = self.book.cancel(rid, time.time(), c.phase, c.attempt)
+            if r is not None and c.reason == "withdrawn" and r.item.phase == c.phase and r.attempt == c.attempt:
+                r.withdrawn = True  # the DECODE half of a withdrawn P/D placement
         if r is not None:
             await self._stop(rid, how, r.handle)
         if self.book.was_cancelled(rid):
@@ -458,22 +465,9 @@ class Worker:
                 await self._drop_orphans()
                 beats += 1
                 if beats % every == 0:
-                    last = await self._still_working(stats, last)
+                    last = await self.out.working(self.book.live(), stats, last)
             except Exception:
                 log.exception("heartbeat failed")
-
-    async def _still_working(self, s: EngineStats, last: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
-        """Tell the gateway of each request held here with no token from this worker yet that it is not
-        stalled, if the engine moved since the last time (or runs nothing: the request waits for its KV or a
-        slot). A wedged engine sends none, and the gateway's stall timeout ends its requests. `s`: the stats the
-        heartbeat just sent; `last`: the counters at the last round. Returns the counters now."""
-        counters = progress(s)
-        if counters != last or s.running == 0:
-            for r in self.book.live():
-                subject = r.item.request.reply_subject
-                if not (r.cancelled or r.superseded) and subject not in self.replay:
-                    await self.out.send(subject, Working(request_id=r.request_id, worker_id=self.worker_id))
-        return counters
 
     def _sweep(self) -> None:
         now = time.time()
