@@ -62,7 +62,8 @@ def test_recent_finds_own_placements_after_an_earlier_key_on_a_shared_worker() -
     assert [p.tag for p in r.behind((10.5, "s0"), ("a", "b"), 10.7)] == ["y", "z"]  # ties: the scheduler id orders
     assert [p.tag for p in r.behind((10.5, "s2"), ("a",), 10.7)] == []
     assert [p.tag for p in r.behind((9.0, "s2"), ("a",), 11.2)] == ["y"]  # x is past the horizon: forgotten
-    assert len(r) == 2
+    r.drop(r.behind((9.0, "s2"), ("a",), 11.2)[0])
+    assert [p.tag for p in r.behind((9.0, "s2"), ("a", "b"), 11.2)] == ["z"]
 
 
 def test_reconsider_keeps_a_placement_that_knowing_the_other_would_not_change() -> None:
@@ -112,7 +113,7 @@ def test_the_scheduler_takes_back_the_later_placement_with_a_cancel_and_a_withdr
     # a later booking (by the order) moves nothing; off (flow control on), nothing is recorded
     off = Withdrawals(pol, state, "s2", horizon_s=1.0, time_scale=1.0, enabled=False)
     off.placed(_req("x"), info, mine, now)
-    assert len(off.recent) == 0
+    assert off.recent.behind((0.0, ""), ("a", "b"), now) == []
 
 
 def _item(phase: Phase, attempt: int = 0) -> WorkItem:

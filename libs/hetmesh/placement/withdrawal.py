@@ -44,30 +44,43 @@ class Placed(Generic[T]):
 
 
 class Recent(Generic[T]):
-    """A replica's own placements of the last `horizon_s`: a booking heard later than that comes after the
-    workers' next heartbeats, which count both placements anyway."""
+    """A replica's own placements of the last `horizon_s`, by worker: a booking heard later than that comes after
+    the workers' next heartbeats, which count both placements anyway."""
 
     def __init__(self, horizon_s: float) -> None:
         self.horizon_s = horizon_s
-        self._q: deque[Placed[T]] = deque()
-
-    def __len__(self) -> int:
-        return len(self._q)
+        self._by_worker: dict[str, deque[Placed[T]]] = {}
 
     def add(self, p: Placed[T]) -> None:
-        self._q.append(p)
+        for w in p.decision.workers:
+            q = self._by_worker.setdefault(w, deque())
+            self._prune(q, p.at)
+            q.append(p)
+
+    def _prune(self, q: deque[Placed[T]], now: float) -> None:
+        while q and q[0].at < now - self.horizon_s:
+            q.popleft()
 
     def drop(self, p: Placed[T]) -> None:
         """Withdrawn: it cannot be withdrawn again."""
-        self._q.remove(p)
+        for w in p.decision.workers:
+            q = self._by_worker.get(w)
+            if q is not None and p in q:
+                q.remove(p)
 
     def behind(self, key: Key, workers: Iterable[str], now: float) -> list[Placed[T]]:
-        """Own placements after `key` on one of `workers`, oldest first (those past the horizon forgotten)."""
-        q = self._q
-        while q and q[0].at < now - self.horizon_s:
-            q.popleft()
-        theirs = set(workers)
-        return [p for p in q if p.key > key and not theirs.isdisjoint(p.decision.workers)]
+        """Own placements after `key` on one of `workers`, in placement order (those past the horizon
+        forgotten)."""
+        out: dict[int, Placed[T]] = {}
+        for w in workers:
+            q = self._by_worker.get(w)
+            if not q:
+                continue
+            self._prune(q, now)
+            for p in q:
+                if p.key > key:
+                    out[id(p)] = p
+        return sorted(out.values(), key=lambda p: p.key) if len(out) > 1 else list(out.values())
 
 
 def reconsider(policy: Withdrawing, info: RequestInfo, q: Decision, views: Callable[[], Sequence[WorkerView]],
