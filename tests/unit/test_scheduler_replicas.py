@@ -121,6 +121,7 @@ def test_a_replica_takes_back_a_placement_an_earlier_booking_heard_late_would_ha
     # again when its booking arrives; those that then go elsewhere or are refused leave their engine's queue
     ob = _arbitrated(0.05).overbooking
     assert ob.rechecked > 0 and 0 < ob.withdrawn <= ob.rechecked
+    assert ob.withdrawal_refused < ob.withdrawn  # most reach their worker before its engine starts them
     assert ob.over_limit == 0
     # heard at once, no placement is ever made without knowing of an earlier one
     assert _arbitrated(0.0).overbooking.rechecked == 0

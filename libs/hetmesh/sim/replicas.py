@@ -7,9 +7,10 @@ placements it sees only in the worker's next heartbeat. Each replica runs its ow
 own bookkeeping (the cost policy's prefill backlog) holds that replica's placements only. Sharing bookings
 (`share_s`) and withdrawing (`withdraw`, as the live scheduler does: hetmesh.placement.withdrawal), a replica
 that hears another's placement on a worker it has placed on since without knowing of it (the later of the two)
-un-books its own if its prefill has not started and places it again, knowing of the other's: where its policy
-now picks other workers or refuses it, the engine drops it, the other replicas un-book it, and the replica
-places it anew, once per request (the first placement wins, as the work queue arbitrates a duplicate). A
+un-books its own and places it again, knowing of the other's: where its policy now picks other workers or
+refuses it, the other replicas un-book it a bus hop later, its worker drops it then if its engine has not
+started it (else it goes on), and two hops after that (the worker's error to the gateway, the gateway's submit)
+a replica the gateway picks places it anew, once per request. A
 gateway sends each request, and each client retry, to a replica picked at random; a request a replica refuses
 and holds stays on that replica, which places it again (the scheduler's hold loop). The worker's engine is the
 arbiter: its batching core admits nothing past its batch or its KV blocks, the rest waits in its queue.
@@ -54,7 +55,8 @@ class Overbooking:
     peak_pool_load: float = 0.0  # the most the pool held, over what pool_full lets it hold
     over_limit: int = 0  # steps in which a worker ran past its max_batch or KV blocks (must stay 0)
     rechecked: int = 0  # own placements placed again on hearing an earlier placement on the same worker
-    withdrawn: int = 0  # ... that went elsewhere or were refused then: taken out of their engine's queue
+    withdrawn: int = 0  # ... that went elsewhere or were refused then: taken back (a Cancel to their worker)
+    withdrawal_refused: int = 0  # ... whose engine had started them by the time the Cancel came: they went on
     per_replica: list[int] = field(default_factory=list)  # placements each replica made
 
 
@@ -154,9 +156,6 @@ class ReplicaSimulator(Simulator):
             req = self.reqs.get(int(p.info.request_id))
             if req is None or req.decision is not q or req.rid in self._moved:
                 continue  # once moved, a request stays where it lands: withdrawals must not chase each other
-            seq = req.pw.core.seqs.get(req.rid) if req.pw is not None else None
-            if seq is None or seq.state != State.WAITING:
-                continue  # under way: the engine is the arbiter
             self.overbooking.rechecked += 1
 
             def views(b: _Replica = b, q: Decision = q) -> list[WorkerView]:
@@ -178,20 +177,30 @@ class ReplicaSimulator(Simulator):
             b.dirty.add(i)
 
     def _withdraw(self, b: _Replica, req: Any, q: Decision) -> None:
-        """Take q back: out of its engine's queue, un-booked by every other replica once they hear it, and
-        placed again by b."""
+        """Take q back as the live mesh does: un-booked by every other replica once they hear it; a Cancel that
+        reaches its worker a bus hop later, which drops it only if its engine has not started it; then the
+        worker's error to the gateway and the gateway's submit of its next attempt to a replica it picks (two
+        more hops)."""
         self._moved.add(req.rid)
+        hop = self.share_s or 0.0
+        for other in self._books:
+            if other is not b:
+                self.call_at(self.now + hop, lambda o=other: self._heard_withdrawal(o, q))
+        self.call_at(self.now + hop, lambda: self._arbitrate(req, q))
+
+    def _arbitrate(self, req: Any, q: Decision) -> None:
+        """The worker's side of a withdrawal: drop the item only if its engine has not started it."""
         pw, dw = req.pw, req.dw
+        seq = pw.core.seqs.get(req.rid) if pw is not None and req.decision is q else None
+        if seq is None or seq.state != State.WAITING or seq.admitted_at >= 0:
+            self.overbooking.withdrawal_refused += 1  # under way (or over): it goes on where it is
+            return
         pw.core.abort(req.rid)
         if pw is not dw:
             dw.inbound -= 1
         self._stale.add(pw)
-        for other in self._books:
-            if other is not b:
-                self.call_at(self.now + (self.share_s or 0.0), lambda o=other: self._heard_withdrawal(o, q))
-        self._refused_by[str(req.rid)] = self._books.index(b)
         req.decision = None
-        self._arrive(req, self._block_tokens, held=True)
+        self.call_at(self.now + 2 * (self.share_s or 0.0), lambda: self._arrive(req, self._block_tokens, held=True))
 
     def _heard_withdrawal(self, b: _Replica, q: Decision) -> None:
         self._count(b, q, -1)
