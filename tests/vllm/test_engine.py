@@ -241,3 +241,26 @@ async def test_completion_after_a_prompt_ending_mid_character(engines: tuple[Vll
     ids = [t for o in outs for t in o.token_ids]
     assert len(ids) == MAX_TOKENS
     assert "".join(o.text for o in outs) == stepped_text(tok, prompt, ids)
+
+
+async def test_step_log_adds_up(engines: tuple[VllmEngine, VllmEngine], prompts: list[list[int]]) -> None:
+    """Each engine step as a StepSample from vLLM's per-iteration details (what the online fit learns from)."""
+    a, _ = engines
+    await asyncio.sleep(0.2)  # the output handler records a step right after handing its outputs out
+    a.step_log()  # the earlier tests' steps
+    lens = [5, 9, 12]
+    reqs = [_req(f"steps-{i}", p, max_tokens=k) for i, (p, k) in enumerate(zip(prompts, lens, strict=True))]
+    got = await asyncio.gather(*(_run(a, r) for r in reqs))
+    assert [len(ids) for ids, _ in got] == lens
+    await asyncio.sleep(0.2)
+    steps = a.step_log()
+    assert steps and all(s.seconds > 0 for s in steps)
+    # Every token but each request's first comes from a decode step; every prompt token was prefilled or cached
+    # (the earlier tests left these prompts' blocks in the prefix cache).
+    assert sum(s.n_decode for s in steps) == sum(lens) - len(lens)
+    assert sum(s.prefill_tokens + s.prefill_cached for s in steps) == sum(len(p) for p in prompts)
+    assert sum(s.prefill_seqs for s in steps) >= len(prompts)
+    # Each decode step reads the whole context so far: prompt + tokens before the one it computes.
+    want = sum(len(p) + j for p, k in zip(prompts, lens, strict=True) for j in range(1, k))
+    assert sum(s.decode_context for s in steps) == want
+    assert a.step_log() == []  # drained
