@@ -245,6 +245,7 @@ class Finished(Struct, kw_only=True):
     finish_reason: str
     completion_tokens: int = 0
     ts: float = 0.0  # the worker's clock, comparable with its Heartbeat.ts
+    attempt: int = 0  # set where finish_reason is "withdrawn": which attempt's placement went
 
 
 # Per-request records nobody waits on travel batched: one JSON array per few ms per service.

@@ -22,6 +22,7 @@ from hetmesh.protocol import (
     SamplingParams,
     WorkItem,
 )
+from hetmesh.scheduler.reconcile import InFlight
 from hetmesh.scheduler.withdraw import Withdrawals
 from hetmesh.worker.requests import RequestBook, Stop, Verdict
 
@@ -149,3 +150,13 @@ def test_the_gateway_places_a_withdrawn_request_anew_without_using_up_an_attempt
     assert s.restarts == 0 and s.can_retry() is False  # one attempt allowed, none used
     # once per request: a second withdrawal is a retryable error like any (here: no attempt left)
     assert isinstance(s.receive(_withdrawn_error()), Fail)
+
+
+def test_a_withdrawn_items_finished_ends_only_the_attempt_it_was_placed_for() -> None:
+    books = InFlight(idle_grace_s=4.0)
+    books.record("r", "reply.r", {"cpx-0", "vr-0"}, 0.0, attempt=0)
+    books.record("r", "reply.r", {"cpx-1", "vr-0"}, 0.1, attempt=1)  # placed anew before the Finished came
+    books.withdrawn("vr-0", "r", 0)  # attempt 0's decode half: attempt 1's record keeps its decode worker
+    assert books.requests["r"].workers == {"cpx-1", "vr-0"}
+    books.withdrawn("vr-0", "r", 1)
+    assert books.requests["r"].workers == {"cpx-1"}

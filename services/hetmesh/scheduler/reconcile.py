@@ -46,12 +46,13 @@ class IdleWatch:
 
 
 class _Held:
-    __slots__ = ("reply_subject", "sent", "workers")
+    __slots__ = ("attempt", "reply_subject", "sent", "workers")
 
-    def __init__(self, reply_subject: str, workers: set[str], sent: float) -> None:
+    def __init__(self, reply_subject: str, workers: set[str], sent: float, attempt: int) -> None:
         self.reply_subject = reply_subject
         self.workers = workers
         self.sent = sent
+        self.attempt = attempt
 
 
 class InFlight:
@@ -69,11 +70,11 @@ class InFlight:
     def __len__(self) -> int:
         return len(self.requests)
 
-    def record(self, rid: str, reply_subject: str, workers: set[str], now: float) -> None:
+    def record(self, rid: str, reply_subject: str, workers: set[str], now: float, attempt: int = 0) -> None:
         """A new attempt replaces the last one: its workers no longer hold the request (were one of them lost
         or back as a new run, it must not send this attempt a WorkerLost)."""
         self.forget(rid)
-        self.requests[rid] = _Held(reply_subject, workers, now)
+        self.requests[rid] = _Held(reply_subject, workers, now, attempt)
         for w in workers:
             self.by_worker[w].add(rid)
 
@@ -113,6 +114,13 @@ class InFlight:
             return False
         del self.requests[rid]
         return True
+
+    def withdrawn(self, worker_id: str, rid: str, attempt: int) -> None:
+        """`worker_id` dropped its item of `attempt` (a withdrawn placement): out of the books if that attempt is
+        still the one held (a newer attempt placed meanwhile, here, keeps its own workers)."""
+        held = self.requests.get(rid)
+        if held is not None and held.attempt == attempt:
+            self.finished(worker_id, rid)
 
     def reconcile(self) -> tuple[int, list[str]]:
         """Forget what the workers' heartbeats say they no longer hold (their Finished lost on the bus):

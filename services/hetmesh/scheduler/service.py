@@ -399,7 +399,7 @@ class Scheduler:
         self.bookings.add(Booked(scheduler=self.instance, request_id=req.request_id, decode_worker=d.decode_worker,
                                  prefill_worker=d.prefill_worker, booking=d.booking, placed_at=now))
         self.withdrawals.placed(req, info, d, now)
-        self.inflight.record(req.request_id, req.reply_subject, set(d.workers), time.monotonic())
+        self.inflight.record(req.request_id, req.reply_subject, set(d.workers), time.monotonic(), req.attempt)
         rid = req.request_id
         if d.prefill_worker is None:
             await self._send(d.decode_worker, WorkItem(request=req, phase=Phase.FULL, placement=placement), headers)
@@ -451,7 +451,6 @@ class Scheduler:
         self.metrics.rechecked.labels("kept").inc(kept)
         for t in taken:  # each placed anew as its next attempt, maybe by another scheduler
             self.metrics.rechecked.labels("withdrawn").inc()
-            self.inflight.forget(t.request_id)
             self.bookings.add(t.booked)
             await self.bus.publish(subjects.CANCEL, t.cancel, t.request_id)
             await self._event(t.request_id, "withdrawn", worker_id=t.cancel.worker_id, attempt=t.cancel.attempt)
@@ -460,7 +459,8 @@ class Scheduler:
 
     async def on_finished(self, batch: FinishedBatch, _m: Msg) -> None:
         for f in batch:
-            if f.finish_reason == "withdrawn":  # un-booked and out of the in-flight books already (on_booked)
+            if f.finish_reason == "withdrawn":  # un-booked already (on_booked); its next attempt is placed anew
+                self.inflight.withdrawn(f.worker_id, f.request_id, f.attempt)
                 continue
             self.state.finished(f.worker_id, f.ts)
             over = self.inflight.finished(f.worker_id, f.request_id)

@@ -51,9 +51,9 @@ class Outbox:
         self.events.add(ServiceEvent(service="worker", instance=self.worker_id, request_id=request_id, kind=kind,
                                      ts=time.time(), detail=detail))
 
-    def finished(self, request_id: str, reason: str, completion_tokens: int) -> None:
+    def finished(self, request_id: str, reason: str, completion_tokens: int, attempt: int = 0) -> None:
         self.finished_out.add(Finished(request_id=request_id, worker_id=self.worker_id, finish_reason=reason,
-                                       ts=time.time(), completion_tokens=completion_tokens))
+                                       ts=time.time(), completion_tokens=completion_tokens, attempt=attempt))
 
     def chunk(self, request_id: str, out: EngineOutput, cached_tokens: int) -> TokenChunk:
         """An engine output as a TokenChunk; the last one carries the request's usage."""

@@ -98,7 +98,7 @@ class Phases:
         un-counted already (Finished "withdrawn")."""
         kind, reason = ("withdrawn", "withdrawn") if r.withdrawn else ("aborted", "abort")
         self.out.event(r.request_id, kind, phase=r.item.phase.value, **detail)
-        self.out.finished(r.request_id, reason, int(detail.get("completion_tokens", 0)))
+        self.out.finished(r.request_id, reason, int(detail.get("completion_tokens", 0)), r.attempt)
 
     async def withdrawn(self, item: WorkItem) -> None:
         """Its scheduler took the placement back before the engine started it (hetmesh.placement.withdrawal):
@@ -113,7 +113,7 @@ class Phases:
         await self.out.error(item, f"its placement on {self.worker_id} was withdrawn by its scheduler", retryable=True,
                              status=503, code="withdrawn")
         self.out.event(rid, "withdrawn", phase=item.phase.value, attempt=req.attempt)
-        self.out.finished(rid, "withdrawn", 0)
+        self.out.finished(rid, "withdrawn", 0, req.attempt)
 
     # ------------------------------------------------------------------ FULL and PREFILL
     async def serve_compute(self, r: Request[Run]) -> None:
