@@ -136,6 +136,14 @@ def test_the_worker_drops_a_withdrawn_item_only_before_its_engine_started_it() -
                     placement=Placement(mode="disaggregated", decode_worker="d", prefill_worker="w"))
     assert book.verdict(item) == Verdict.WITHDRAWN
     assert book.verdict(item) == Verdict.ACCEPT
+    # the DECODE half, cancelled by its prefill worker: held, it ends as withdrawn; not yet here, when it comes
+    book.accept(WorkItem(request=_req("d"), phase=Phase.DECODE, placement=item.placement), 0.0, None)
+    assert book.cancel("d", 1.0, Phase.DECODE, 0, withdrawn=True) == Stop.KV_WAIT
+    held = book.get("d")
+    assert held is not None and held.withdrawn and held.cancelled
+    half = WorkItem(request=_req("e"), phase=Phase.DECODE, placement=item.placement)
+    book.cancel("e", 1.0, Phase.DECODE, 0, withdrawn=True)
+    assert book.was_cancelled("e") and book.verdict(half) == Verdict.WITHDRAWN
 
 
 def _withdrawn_error() -> RequestError:

@@ -106,6 +106,10 @@ class Phases:
         retryable error that uses up none of its attempts)."""
         req, p = item.request, item.placement
         rid = req.request_id
+        if item.phase == Phase.DECODE:  # the DECODE half, its Cancel come first: the prefill worker told the gateway
+            self.out.event(rid, "withdrawn", phase=item.phase.value, attempt=req.attempt, before_start=True)
+            self.out.finished(rid, "withdrawn", 0, req.attempt)
+            return
         if item.phase == Phase.PREFILL:
             await self.out.bus.publish(subjects.CANCEL, Cancel(request_id=rid, reason="withdrawn",
                                                                worker_id=p.decode_worker, phase=Phase.DECODE,

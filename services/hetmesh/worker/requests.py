@@ -142,11 +142,14 @@ class RequestBook(Generic[H]):
         r.superseded = True
         return _how(r)
 
-    def cancel(self, request_id: str, now: float, phase: Phase | None = None, attempt: int = 0) -> Stop:
+    def cancel(self, request_id: str, now: float, phase: Phase | None = None, attempt: int = 0,
+               withdrawn: bool = False) -> Stop:
         """Cancel what is held of the request; with `phase`, only its item of that phase and attempt (another
-        item of the request held here goes on, and the Cancel is remembered for that item alone)."""
+        item of the request held here goes on, and the Cancel is remembered for that item alone). `withdrawn`:
+        the DECODE half of a placement its scheduler withdrew (its prefill worker told the gateway): it ends as
+        withdrawn, here or when it comes (`Verdict.WITHDRAWN`)."""
         if phase is not None and not self._holds(request_id, phase, attempt):
-            return self._withdraw_unheld(request_id, phase, attempt, now)
+            return self._withdraw_unheld(request_id, phase, attempt, now, withdrawn)
         _put(self._cancelled, request_id, now, self.early_max)
         self._early_landed.pop(request_id, None)
         r = self._live.get(request_id)
@@ -155,6 +158,7 @@ class RequestBook(Generic[H]):
             _put(self._early_cancels, request_id, now, self.early_max)
             return Stop.NONE
         r.cancelled = True
+        r.withdrawn = withdrawn
         return _how(r)
 
     def withdraw(self, request_id: str, phase: Phase, attempt: int, now: float, started: Callable[[str], bool]) -> Stop:
@@ -174,11 +178,12 @@ class RequestBook(Generic[H]):
         r = self._live.get(request_id)
         return r is not None and r.item.phase == phase and r.attempt == attempt
 
-    def _withdraw_unheld(self, request_id: str, phase: Phase, attempt: int, now: float) -> Stop:
+    def _withdraw_unheld(self, request_id: str, phase: Phase, attempt: int, now: float, withdrawn: bool) -> Stop:
         """An item's Cancel that beat it here (or whose item never comes: a duplicate the stream dropped). For
         a DECODE, KV for the request that lands or streams in meanwhile is dropped (refused), unless a DECODE
         of the request held here waits for its own."""
-        _put(self._early_withdrawn, (request_id, attempt, phase), now, self.early_max)
+        _put(self._early_taken if withdrawn else self._early_withdrawn, (request_id, attempt, phase), now,
+             self.early_max)
         held = self._live.get(request_id)
         if phase == Phase.DECODE and (held is None or held.item.phase != Phase.DECODE):
             _put(self._cancelled, request_id, now, self.early_max)

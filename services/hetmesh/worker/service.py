@@ -401,10 +401,8 @@ class Worker:
         r = self.book.get(rid)
         if c.reason == "withdrawn" and c.phase in (Phase.FULL, Phase.PREFILL):  # this worker is the arbiter
             how = self.book.withdraw(rid, c.phase, c.attempt, time.time(), self.engine.started)
-        else:
-            how = self.book.cancel(rid, time.time(), c.phase, c.attempt)
-            if r is not None and c.reason == "withdrawn" and r.item.phase == c.phase and r.attempt == c.attempt:
-                r.withdrawn = True  # the DECODE half of a withdrawn P/D placement
+        else:  # (a withdrawn P/D placement's DECODE half ends as withdrawn)
+            how = self.book.cancel(rid, time.time(), c.phase, c.attempt, withdrawn=c.reason == "withdrawn")
         if r is not None:
             await self._stop(rid, how, r.handle)
         if self.book.was_cancelled(rid):
