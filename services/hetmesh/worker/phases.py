@@ -102,11 +102,11 @@ class Phases:
 
     async def withdrawn(self, item: WorkItem) -> None:
         """Its scheduler took the placement back before the engine started it (hetmesh.placement.withdrawal):
-        the DECODE half of a P/D placement goes on its worker, and the gateway places the request anew (a
-        retryable error that uses up none of its attempts)."""
+        the DECODE half of a P/D placement is cancelled on its worker, and the gateway places the request anew
+        (a retryable error that uses up none of its attempts)."""
         req, p = item.request, item.placement
         rid = req.request_id
-        if item.phase == Phase.DECODE:  # the DECODE half, its Cancel come first: the prefill worker told the gateway
+        if item.phase == Phase.DECODE:  # the DECODE half, whose Cancel came first: its prefill worker told the gateway
             self.out.event(rid, "withdrawn", phase=item.phase.value, attempt=req.attempt, before_start=True)
             self.out.finished(rid, "withdrawn", 0, req.attempt)
             return
