@@ -32,9 +32,9 @@ class Withdrawing(Protocol):
     def withdrawn(self, decision: Decision, now: float) -> None: ...
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Placed(Generic[T]):
-    """One of this replica's placements that may still be withdrawn."""
+    """One of this replica's placements that may still be withdrawn (itself, by identity: `Recent.drop`)."""
 
     key: Key
     at: float  # the caller's clock when placed
