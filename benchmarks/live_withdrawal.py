@@ -24,8 +24,6 @@ import os
 import platform
 import random
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +31,7 @@ from typing import Any
 import httpx
 import nats
 import openai
+from mesh_replicas import start
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
@@ -40,8 +39,6 @@ from rich.table import Table
 from hetmesh import subjects
 from hetmesh.bus import decode_events
 from hetmesh.engines.sampling import expected_completion
-from hetmesh.launcher import Mesh
-from hetmesh.launcher.mesh import temp_log_dir
 from hetmesh.protocol import SamplingParams
 from hetmesh.tokenizer import ByteTokenizer
 
@@ -78,22 +75,9 @@ def samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
             for fam in text_string_to_metric_families(r.text) for s in fam.samples}
 
 
-def start(schedulers: int) -> Mesh:
-    d = Path(tempfile.mkdtemp(prefix="hetmesh-withdrawal-"))
-    (d / "cluster.toml").write_text(CLUSTER)
-    mesh = Mesh(d / "cluster.toml", gateway_port=0, log_dir=temp_log_dir(), die_with_parent=True)
-    mesh.start()
-    for i in range(1, schedulers):
-        mesh.add(f"scheduler-{i}", [sys.executable, "-m", "hetmesh.scheduler", "--cluster", str(mesh.cluster_path),
-                                    "--instance", f"sched-{i}"])
-        mesh.spawn(f"scheduler-{i}")
-    return mesh
-
-
 async def run(schedulers: int, bursts: int, burst: int, seed: int) -> dict[str, Any]:
-    mesh = start(schedulers)
+    mesh, _, _ = start(schedulers, 1, "cost", CLUSTER)  # every scheduler ready and heard beating
     try:
-        await asyncio.sleep(3.0)  # the added schedulers' first heartbeats and beats
         nc = await nats.connect(mesh.nats_url)
         seen = {"gateway_restarts": 0, "dropped": 0, "decode_halves": 0}
 

@@ -118,10 +118,12 @@ def ready(urls: list[str], timeout_s: float = 30) -> None:
     time.sleep(2.0)
 
 
-def start(schedulers: int, gateways: int, policy: str) -> tuple[Mesh, list[tuple[str, int]], dict[str, str]]:
-    """The mesh, its gateways' (host, port) and its schedulers' service names -> instance ids."""
+def start(schedulers: int, gateways: int, policy: str,
+          cluster: str | None = None) -> tuple[Mesh, list[tuple[str, int]], dict[str, str]]:
+    """The mesh (`cluster`: its cluster file's text; default two tiny-sim workers and `policy`), its gateways'
+    (host, port) and its schedulers' service names -> instance ids."""
     d = Path(tempfile.mkdtemp(prefix="hetmesh-replicas-"))
-    (d / "cluster.toml").write_text(CLUSTER.format(workers=2, policy=policy))
+    (d / "cluster.toml").write_text(cluster if cluster is not None else CLUSTER.format(workers=2, policy=policy))
     mesh = Mesh(d / "cluster.toml", gateway_port=0, log_dir=temp_log_dir(), die_with_parent=True)
     mesh.start()
     cluster = ["--cluster", str(mesh.cluster_path)]
