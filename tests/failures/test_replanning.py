@@ -266,6 +266,11 @@ async def until(pred: Callable[[], bool], timeout_s: float) -> None:
             await asyncio.sleep(0.1)
 
 
+def log_tail(mesh: Mesh, name: str, lines: int = 40) -> str:
+    path = mesh.services[name].log_path
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path else "(no log file)"
+
+
 def planner(mesh: Mesh, name: str, *extra: str) -> None:
     mesh.add(name, [sys.executable, "-m", "hetmesh.planner_service", "--cluster", str(mesh.cluster_path), "--instance",
                     name, "--mode", "act", *extra])
@@ -308,7 +313,11 @@ async def test_two_planners_one_acts_and_garbage_does_not_kill_it(mesh: Mesh, bu
         # The leader dies without letting go: the other takes the lease once it ages out.
         mesh.kill(leader)
         other = "planner-b" if leader == "planner-a" else "planner-a"
-        await until(lambda: any(p.planner == other for p in proposals), 30)
+        try:  # the lease ages out (4 s), the other takes it at its next try and plans: about 10 s here
+            await until(lambda: any(p.planner == other for p in proposals), 60)
+        except TimeoutError:
+            raise AssertionError(f"{other} proposed nothing after {leader} died; its log ends:\n"
+                                 + log_tail(mesh, other)) from None
 
         # Garbage on its subject: not JSON, the wrong shape, and a well-formed report of nonsense.
         await bus.publish(subjects.DEMAND, b"\xff\x00 not json")

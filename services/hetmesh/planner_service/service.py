@@ -192,6 +192,7 @@ class PlannerService:
                 self._event("plan_failed", error=repr(exc)[:300])
 
     async def plan_once(self) -> PlanProposal | None:
+        began = time.monotonic()
         self.rounds.append(self.current_demand())
         demand = forecast(list(self.rounds), self.cfg.planner.forecast)
         reply = await self.bus.nc.request(subjects.SCHED_STATUS, b"", timeout=STATUS_TIMEOUT_S)
@@ -209,6 +210,7 @@ class PlannerService:
             moves = [m for p in plans.values() for m in commands(p)]
             sent: list[str] = []
             if not await self.lease.refresh():  # the lease may have gone while the plan ran: say and do nothing
+                log.info("planner %s lost the lease while planning; nothing proposed", self.instance)
                 return None
             if self.mode == "act" and moves:
                 moving = sum(bool(w.moving_to) for w in workers)
@@ -239,6 +241,8 @@ class PlannerService:
             span.set_attribute("hetmesh.sent", len(sent))
         await self.bus.publish(subjects.PLAN, proposal)
         await self.latest.put("latest", encode(proposal))
+        log.info("planned in %.2fs: %s, %d moves, %d sent", time.monotonic() - began, proposal.chosen or "no demand",
+                 len(moves), len(sent))
         self._event("proposal", mode=self.mode, chosen=proposal.chosen, moves=len(moves), sent=",".join(sent),
                     predicted_goodput_tok_s=round(pred, 3), current_goodput_tok_s=round(cur, 3))
         for p in plans.values():
