@@ -25,19 +25,18 @@ import string
 import tempfile
 import time
 import tomllib
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from casestudy import Workload
 from loadgen import SSEClient, cpu_seconds, percentile
-from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
 from hetmesh import config
 from hetmesh.launcher import Mesh
+from hetmesh.metrics import scrape
 from hetmesh.sim import SimConfig, Slo, simulate, workers_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,13 +152,11 @@ def _modes(m: dict[str, int]) -> str:
 
 def placement_modes(url: str) -> dict[str, int]:
     """The scheduler's placements by kind (aggregated / disaggregated), from its /metrics."""
-    with urllib.request.urlopen(url, timeout=5) as r:
-        text = r.read().decode()
     out: dict[str, int] = {}
-    for fam in text_string_to_metric_families(text):
-        for smp in fam.samples:
-            if smp.name == "hetmesh_scheduler_placements_total":
-                out[smp.labels["mode"]] = out.get(smp.labels["mode"], 0) + int(smp.value)
+    for (name, labels), v in scrape(url).items():
+        if name == "hetmesh_scheduler_placements_total":
+            mode = dict(labels)["mode"]
+            out[mode] = out.get(mode, 0) + int(v)
     return out
 
 

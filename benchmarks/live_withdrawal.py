@@ -28,17 +28,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import nats
 import openai
 from mesh_replicas import start
-from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
 from hetmesh import subjects
 from hetmesh.bus import decode_events
 from hetmesh.engines.sampling import expected_completion
+from hetmesh.metrics import scrape
 from hetmesh.protocol import SamplingParams
 from hetmesh.tokenizer import ByteTokenizer
 
@@ -67,12 +66,6 @@ count = 3
 max_batch = 2
 """
 MAX_TOKENS = 8
-
-
-def samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    r = httpx.get(url, timeout=5)
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(r.text) for s in fam.samples}
 
 
 async def run(schedulers: int, bursts: int, burst: int, seed: int) -> dict[str, Any]:
@@ -117,7 +110,7 @@ async def run(schedulers: int, bursts: int, burst: int, seed: int) -> dict[str, 
         rechecked = {"kept": 0.0, "withdrawn": 0.0}
         for name, url in urls.items():
             if name.startswith("scheduler"):
-                s = await asyncio.to_thread(samples, url)
+                s = await asyncio.to_thread(scrape, url)
                 for k in rechecked:
                     rechecked[k] += s.get(("hetmesh_scheduler_rechecked_total", (("outcome", k),)), 0.0)
         await asyncio.sleep(1.0)  # the last events' batch

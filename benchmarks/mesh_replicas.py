@@ -49,13 +49,13 @@ import msgspec
 import nats
 from loadgen import Result, SSEClient, cpu_seconds, cpu_ticks, open_loop, percentile, steal_fraction
 from mesh_overhead import CLUSTER, PATH, body, machine
-from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
 from hetmesh import servers, subjects
 from hetmesh.launcher import Mesh
 from hetmesh.launcher.mesh import temp_log_dir
+from hetmesh.metrics import scrape, total
 from hetmesh.protocol import Booked, Finished, KvEvent
 
 IDLE_S = 3.0
@@ -95,10 +95,7 @@ def code() -> dict[str, str]:
 
 
 def placements(url: str) -> float:
-    with urllib.request.urlopen(url, timeout=5) as r:
-        text = r.read().decode()
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == "hetmesh_scheduler_placements_total")
+    return total(scrape(url), "hetmesh_scheduler_placements_total")
 
 
 def ready(urls: list[str], timeout_s: float = 30) -> None:

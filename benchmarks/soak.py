@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import random
-import re
 import signal
 import tempfile
 import time
@@ -48,6 +47,7 @@ from hetmesh import servers, subjects
 from hetmesh.bus import decode_events
 from hetmesh.engines.sampling import expected_completion
 from hetmesh.launcher import Mesh
+from hetmesh.metrics import scrape
 from hetmesh.protocol import SamplingParams
 from hetmesh.tokenizer import ByteTokenizer
 
@@ -270,9 +270,7 @@ def pct(xs: list[float], q: float) -> float | None:
 
 
 def in_flight(mesh: Mesh) -> float:
-    with urllib.request.urlopen(f"{mesh.url}/metrics", timeout=5) as r:
-        m = re.search(rb"^hetmesh_gateway_requests_in_flight (\S+)$", r.read(), re.M)
-    return float(m.group(1)) if m else float("nan")
+    return scrape(f"{mesh.url}/metrics").get(("hetmesh_gateway_requests_in_flight", ()), float("nan"))
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import threading
+import urllib.request
 from collections.abc import Callable, Iterable, Iterator
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -29,6 +30,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 log = logging.getLogger("hetmesh.metrics")
@@ -226,3 +228,23 @@ def serve_from_env(registry: CollectorRegistry, ready: Callable[[], dict[str, ob
         return None
     log.info("metrics on :%d/metrics", server.port)
     return server
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(url: str, timeout_s: float = 5.0) -> Samples:
+    """A /metrics endpoint's samples, keyed by (name, sorted labels): how benchmarks, tests and tools read a
+    running service. A page that is not Prometheus text is an error."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        if r.headers.get_content_type() != "text/plain":
+            raise ValueError(f"{url}: not Prometheus text ({r.headers.get_content_type()})")
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))

@@ -12,11 +12,9 @@ import contextlib
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import httpx
 import nats
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from hetmesh import subjects
 from hetmesh.bus import decode_events
@@ -115,13 +113,3 @@ async def events(mesh: Mesh) -> AsyncIterator[EventLog]:
     async for log in collect_events(mesh.nats_url):
         yield log
 
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def scrape(url: str) -> Samples:
-    """One Prometheus endpoint's samples, keyed by (name, sorted labels)."""
-    r = httpx.get(url, timeout=5)
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(r.text) for s in fam.samples}

@@ -15,9 +15,10 @@ import openai
 import pytest
 
 from hetmesh.launcher import Mesh
+from hetmesh.metrics import scrape
 
 from ..clusters import cluster_toml, group, model
-from .conftest import collect_events, running_mesh, scrape
+from .conftest import collect_events, running_mesh
 
 CLUSTER = cluster_toml(
     mesh={"time_scale": 1.0, "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0},

@@ -14,8 +14,7 @@ import pytest
 
 from hetmesh.costmodel import accelerator
 from hetmesh.launcher import Mesh
-
-from .conftest import Samples, scrape
+from hetmesh.metrics import Samples, scrape
 
 ROOT = Path(__file__).resolve().parents[2]
 

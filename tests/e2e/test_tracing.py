@@ -25,9 +25,9 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from hetmesh import servers
 from hetmesh.launcher import Mesh
+from hetmesh.metrics import scrape
 
 from ..clusters import cluster_toml, group, model
-from .conftest import scrape
 
 pytestmark = pytest.mark.mesh  # every test here runs processes (a mesh, or Python with an environment to probe)
 

@@ -31,6 +31,7 @@ from hetmesh.bus import decode, encode
 from hetmesh.gateway.schedulers import Schedulers
 from hetmesh.kvindex.blocks import block_hashes
 from hetmesh.launcher import Mesh
+from hetmesh.metrics import scrape
 from hetmesh.protocol import (
     Heartbeat,
     InferenceRequest,
@@ -41,7 +42,7 @@ from hetmesh.protocol import (
 )
 
 from ..clusters import cluster_toml, group, model
-from ..e2e.conftest import EventLog, collect_events, running_mesh, scrape
+from ..e2e.conftest import EventLog, collect_events, running_mesh
 from .conftest import HEARTBEAT_TIMEOUT_S, STEADY_MESH, TOK, expected_text
 
 CLUSTER = cluster_toml(

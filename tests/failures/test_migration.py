@@ -23,10 +23,11 @@ import pytest
 from hetmesh import subjects
 from hetmesh.bus import decode, encode
 from hetmesh.launcher import Mesh
+from hetmesh.metrics import scrape, total
 from hetmesh.protocol import Heartbeat, InferenceRequest, Phase, Placement, SchedulerStatus, WorkItem
 from hetmesh.workqueue import MSG_ID
 
-from ..e2e.conftest import EventLog, scrape
+from ..e2e.conftest import EventLog
 from .conftest import DRAIN_TIMEOUT_S, TOK, Sse, complete, expected_text, first_placed, respawn, stream
 
 # ~0.2 s a decode token at the mesh's time scale: a kill after 3 chunks lands mid-decode
@@ -392,7 +393,7 @@ async def workers_hold_nothing(mesh: Mesh) -> None:
 
 
 def _gauge(url: str, name: str) -> float:
-    return sum(v for (n, _), v in scrape(url).items() if n == name)
+    return total(scrape(url), name)
 
 
 async def hang_up_when(mesh: Mesh, model: str, prompt: str, n: int, when: int) -> Sse:
