@@ -25,10 +25,11 @@ import pytest
 from hetmesh import subjects
 from hetmesh.bus import decode, encode
 from hetmesh.launcher import Mesh
+from hetmesh.metrics import scrape
 from hetmesh.protocol import Booked, BookedBatch, Booking
 
 from ..clusters import cluster_toml, group, model
-from ..e2e.conftest import EventLog, collect_events, running_mesh, scrape
+from ..e2e.conftest import EventLog, collect_events, running_mesh
 from .conftest import expected_text
 
 PEER = "sched-peer"

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import redis
-from tests.e2e.conftest import scrape
 from tests.schedproc import scheduler_process
 from tests.services.test_scheduler import CLUSTER
 
@@ -24,6 +23,7 @@ from hetmesh import servers, subjects
 from hetmesh.bus import Bus
 from hetmesh.kvindex.blocks import block_hashes
 from hetmesh.kvindex.index import PrefixIndex
+from hetmesh.metrics import scrape
 from hetmesh.protocol import KvEvent, KvResync
 from hetmesh.scheduler.bookings import Peers
 

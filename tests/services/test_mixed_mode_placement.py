@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Iterator
 import nats
 import pytest
 from tests.clusters import cluster_toml, group, model
-from tests.e2e.conftest import scrape
 from tests.services.test_worker_kv import (
     KV_SECRET,
     MODEL,
@@ -36,6 +35,7 @@ from hetmesh.bus import Bus, decode, encode
 from hetmesh.config import WorkQueueConfig
 from hetmesh.engines.sampling import expected_completion
 from hetmesh.kvindex.blocks import block_hashes
+from hetmesh.metrics import scrape
 from hetmesh.protocol import (
     Cancel,
     Heartbeat,
