@@ -8,7 +8,10 @@ schedulers place within the bookings' delay of each other. Per run: requests ser
 against the sim engine's own definition, errors, end-to-end latency, and from the schedulers' metrics how many
 of their own placements they judged again on an earlier booking heard late (`rechecked`) and took back
 (`withdrawn`); from the services' events, the items their workers dropped (the rest their engines had started:
-refused, they went on), the P/D placements' DECODE halves ended with them, and the gateway's restarts. What it shows is the path working on its
+refused, they went on), the P/D placements' DECODE halves ended with them, and the gateway's restarts; and how late
+each scheduler handled the other's bookings (`hetmesh_scheduler_booking_lag_seconds`: from the placement to its
+handling, the window in which two schedulers place on views that miss each other: the simulator's --share-s).
+What it shows is the path working on its
 own collisions (no staging) with nothing lost, not a goodput figure: the simulator measures that
 (benchmarks/scheduler_replicas.py).
 
@@ -37,7 +40,7 @@ from rich.table import Table
 from hetmesh import subjects
 from hetmesh.bus import decode_events
 from hetmesh.engines.sampling import expected_completion
-from hetmesh.metrics import scrape
+from hetmesh.metrics import histogram_quantile, scrape, total
 from hetmesh.protocol import SamplingParams
 from hetmesh.tokenizer import ByteTokenizer
 
@@ -66,6 +69,7 @@ count = 3
 max_batch = 2
 """
 MAX_TOKENS = 8
+LAG = "hetmesh_scheduler_booking_lag_seconds"
 
 
 async def run(schedulers: int, bursts: int, burst: int, seed: int) -> dict[str, Any]:
@@ -108,11 +112,15 @@ async def run(schedulers: int, bursts: int, burst: int, seed: int) -> dict[str, 
         wall = time.perf_counter() - t0
         urls = mesh.metrics_urls()
         rechecked = {"kept": 0.0, "withdrawn": 0.0}
-        for name, url in urls.items():
-            if name.startswith("scheduler"):
-                s = await asyncio.to_thread(scrape, url)
-                for k in rechecked:
-                    rechecked[k] += s.get(("hetmesh_scheduler_rechecked_total", (("outcome", k),)), 0.0)
+        scraped = [await asyncio.to_thread(scrape, url) for name, url in urls.items() if name.startswith("scheduler")]
+        for s in scraped:
+            for k in rechecked:
+                rechecked[k] += s.get(("hetmesh_scheduler_rechecked_total", (("outcome", k),)), 0.0)
+        # how late the schedulers heard each other's bookings (placement to handling it): the window for collisions
+        heard = sum(total(s, f"{LAG}_count") for s in scraped)
+        lag = {"mean_ms": sum(total(s, f"{LAG}_sum") for s in scraped) / heard * 1e3 if heard else None}
+        lag |= {f"p{round(q * 100)}_ms": None if (v := histogram_quantile(q, scraped, LAG)) is None else v * 1e3
+                for q in (0.5, 0.9, 0.99)}
         await asyncio.sleep(1.0)  # the last events' batch
         await nc.close()
         return {"schedulers": schedulers, "requests": bursts * burst, "served": len(lat), "errors": errors,
@@ -120,7 +128,8 @@ async def run(schedulers: int, bursts: int, burst: int, seed: int) -> dict[str, 
                 "latency_p90_s": statistics.quantiles(lat, n=10)[-1] if len(lat) > 1 else None,
                 "rechecked_kept": rechecked["kept"], "withdrawn": rechecked["withdrawn"],
                 "dropped_by_worker": seen["dropped"], "refused_by_worker": rechecked["withdrawn"] - seen["dropped"],
-                "decode_halves_ended": seen["decode_halves"], "gateway_withdrawn_restarts": seen["gateway_restarts"]}
+                "decode_halves_ended": seen["decode_halves"], "gateway_withdrawn_restarts": seen["gateway_restarts"],
+                "bookings_heard": heard, "booking_lag": lag}
     finally:
         mesh.stop()
 
@@ -137,13 +146,14 @@ def main() -> int:
     t = Table(title=f"Withdrawals on the live mesh ({a.bursts} bursts of {a.burst}, 3 H100 sim workers, max_batch 2)")
     for c in ("schedulers", "served / sent", "errors", "wrong text", "p50 s", "p90 s", "rechecked: kept",
               "withdrawn", "dropped by their worker", "refused (started)", "P/D decode halves ended",
-              "gateway restarts (withdrawn)"):
+              "gateway restarts (withdrawn)", "booking lag mean / p50 / p90 / p99 ms"):
         t.add_column(c, justify="right")
     for r in rows:
         t.add_row(str(r["schedulers"]), f"{r['served']} / {r['requests']}", str(r["errors"]), str(r["wrong_text"]),
                   f"{r['latency_p50_s']:.2f}", f"{r['latency_p90_s']:.2f}", f"{r['rechecked_kept']:.0f}",
                   f"{r['withdrawn']:.0f}", str(r["dropped_by_worker"]), f"{r['refused_by_worker']:.0f}",
-                  str(r["decode_halves_ended"]), str(r["gateway_withdrawn_restarts"]))
+                  str(r["decode_halves_ended"]), str(r["gateway_withdrawn_restarts"]),
+                  " / ".join("-" if v is None else f"{v:.2f}" for v in r["booking_lag"].values()))
     Console().print(t)
     out = {"machine": platform.node(), "cpus": os.cpu_count(), "load_average_start": la,
            "load_average_end": os.getloadavg(), "bursts": a.bursts, "burst": a.burst, "seed": a.seed, "runs": rows}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import urllib.request
@@ -41,6 +42,8 @@ HOST_ENV = "HETMESH_METRICS_HOST"  # default 0.0.0.0 (containers); the local lau
 disable_created_metrics()  # no `_created` series next to every counter and histogram
 
 # From sub-millisecond mesh hops up to minute-long generations.
+# sub-millisecond: a bus hop between schedulers, the window in which two can place on one stale view
+BOOKING_LAG_BUCKETS = (0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.1)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 34, 2))  # 1 KiB .. 8 GiB
@@ -103,6 +106,11 @@ class SchedulerMetrics:
                                  "booking heard late, by outcome", ["outcome"], registry=r)
         for outcome in ("kept", "withdrawn"):
             self.rechecked.labels(outcome)
+        # How stale the views are that schedulers place on: another scheduler's placement heard this long after
+        # it was made (its placed_at; across hosts this includes their clocks' offset)
+        self.booking_lag = Histogram("hetmesh_scheduler_booking_lag_seconds",
+                                     "Another scheduler's booking, from its placement to this one handling it",
+                                     buckets=BOOKING_LAG_BUCKETS, registry=r)
         self.placement_seconds = Histogram("hetmesh_scheduler_placement_duration_seconds",
                                            "Prefix lookup, policy and dispatch of one request",
                                            buckets=LATENCY_BUCKETS, registry=r)
@@ -239,7 +247,11 @@ def scrape(url: str, timeout_s: float = 5.0) -> Samples:
     with urllib.request.urlopen(url, timeout=timeout_s) as r:
         if r.headers.get_content_type() != "text/plain":
             raise ValueError(f"{url}: not Prometheus text ({r.headers.get_content_type()})")
-        text = r.read().decode()
+        return parse(r.read().decode())
+
+
+def parse(text: str) -> Samples:
+    """Prometheus text as samples keyed by (name, sorted labels)."""
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
@@ -248,3 +260,26 @@ def total(samples: Samples, name: str, **labels: str) -> float:
     """The sum of `name`'s samples whose labels include `labels`."""
     want = set(labels.items())
     return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
+
+
+def histogram_quantile(q: float, samples: Iterable[Samples], name: str) -> float | None:
+    """The q-quantile of histogram `name` summed over `samples` (several services' scrapes), interpolated
+    linearly within its bucket as Prometheus' histogram_quantile does; None with no observations."""
+    counts: dict[float, float] = {}
+    for s in samples:
+        for (n, labels), v in s.items():
+            if n == f"{name}_bucket":
+                le = float(dict(labels)["le"])
+                counts[le] = counts.get(le, 0.0) + v
+    bounds = sorted(counts)
+    if not bounds or counts[bounds[-1]] <= 0:
+        return None
+    rank = q * counts[bounds[-1]]
+    lo, below = 0.0, 0.0
+    for le in bounds:
+        if counts[le] >= rank:
+            if math.isinf(le):
+                return lo  # past the last finite bucket: its bound is all that is known
+            return lo + (le - lo) * (rank - below) / max(counts[le] - below, 1e-12)
+        lo, below = le, counts[le]
+    return lo

@@ -68,7 +68,8 @@ def test_bookings_count_from_schedulers_heard_beating_of_workers_in_view() -> No
              Booked(scheduler="stranger", request_id="r4", decode_worker="a"),
              Booked(scheduler="gone", request_id="r5", decode_worker="a"),
              Booked(scheduler="s2", request_id="r1", decode_worker="a", placed_at=0.25, withdrawn=True)]
-    got = sift(batch, "me", lambda s: peers.alive(s, 0.5), {"a", "b"}.__contains__)
+    got = sift(batch, "me", lambda s: peers.alive(s, 0.5), {"a", "b"}.__contains__, now=1.0)
     assert [(d.mode, d.workers) for _, d in got.booked] == [("aggregated", ("a",)), ("disaggregated", ("a", "b"))]
     assert [d.workers for d in got.withdrawn] == [("a",)]  # taken back by s2: un-booked, not booked
     assert (got.unknown_scheduler, got.unknown_worker) == (2, 1)
+    assert got.lags == [1.0, 1.0, 1.0, 0.75]  # s2's four, each from its placed_at (r3's worker unknown: heard all the same)

@@ -57,14 +57,15 @@ class Sifted:
     booked: list[tuple[Key, Decision]] = field(default_factory=list)  # to count on their workers and book in the
     # policy, each with its order (hetmesh.placement.withdrawal)
     withdrawn: list[Decision] = field(default_factory=list)  # taken back by their scheduler: to un-book
+    lags: list[float] = field(default_factory=list)  # each known scheduler's booking: seconds since its placement
     unknown_scheduler: int = 0  # from a scheduler not heard beating
     unknown_worker: int = 0  # naming a worker this view has lost (or not heard yet)
 
 
 def sift(batch: Iterable[Booked], me: str, known_scheduler: Callable[[str], bool],
-         known_worker: Callable[[str], bool]) -> Sifted:
+         known_worker: Callable[[str], bool], now: float) -> Sifted:
     """What of `batch` counts here: not this scheduler's own echoes (`me`), nor bookings from schedulers or of
-    workers it does not know."""
+    workers it does not know. `now`: the wall clock, for each booking's lag."""
     out = Sifted()
     for b in batch:
         if b.scheduler == me:
@@ -72,6 +73,7 @@ def sift(batch: Iterable[Booked], me: str, known_scheduler: Callable[[str], bool
         if not known_scheduler(b.scheduler):
             out.unknown_scheduler += 1
             continue
+        out.lags.append(max(now - b.placed_at, 0.0))
         d = Decision(mode="aggregated" if b.prefill_worker is None else "disaggregated",
                      decode_worker=b.decode_worker, prefill_worker=b.prefill_worker, booking=b.booking)
         if not all(known_worker(w) for w in d.workers):

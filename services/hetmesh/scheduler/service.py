@@ -445,9 +445,11 @@ class Scheduler:
         """Other schedulers' placements, counted as its own: on their workers until their next heartbeats, and in
         the policy's bookkeeping (the cost policy's prefill backlog); bookings.py says which count. Its own
         placements they move are taken back (withdraw.py)."""
-        now = time.monotonic()
-        got = sift(batch, self.instance, lambda s: self.peers.alive(s, now), self.state.__contains__)
-        kept, taken = self.withdrawals.count(got.booked, got.withdrawn, time.time())
+        now, wall = time.monotonic(), time.time()
+        got = sift(batch, self.instance, lambda s: self.peers.alive(s, now), self.state.__contains__, wall)
+        for lag in got.lags:
+            self.metrics.booking_lag.observe(lag)
+        kept, taken = self.withdrawals.count(got.booked, got.withdrawn, wall)
         self.metrics.rechecked.labels("kept").inc(kept)
         for t in taken:  # each placed anew as its next attempt, maybe by another scheduler
             self.metrics.rechecked.labels("withdrawn").inc()
