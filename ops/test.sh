@@ -28,20 +28,21 @@ fi
 if [ ${#args[@]} -gt 0 ] || [ "${HETMESH_TEST_LANES:-2}" = 1 ]; then
   exec "$VPY/python" -m pytest -q --durations=15 "${args[@]}"  # the slowest tests listed: keep the suite short
 fi
-# The whole suite as two pytest runs at once: the failure lane (fault injection; mostly waiting out heartbeat,
-# stall and lease timeouts) at normal priority, everything else niced beside it, so that those waits overlap
-# the CPU-bound lanes (vLLM's start-up, the simulator) while the timing-sensitive lane still gets the CPU
-# when it needs it. HETMESH_TEST_LANES=1: one run, one after the other.
+# The whole suite as two pytest runs at once: the live-mesh end-to-end and failure tests (mostly waiting out
+# heartbeat, stall and lease timeouts) at normal priority, everything else niced beside them, so that those
+# waits overlap the CPU-bound tests (vLLM's start-up, the simulator) while the timing-sensitive ones still get
+# the CPU when they need it. HETMESH_TEST_LANES=1: one run, one after the other.
+live=(tests/failures tests/e2e)
 log=$(mktemp)
-"$VPY/python" -m pytest -q --durations=10 -p no:cacheprovider tests/failures > "$log" 2>&1 &
-failures_pid=$!
+"$VPY/python" -m pytest -q --durations=10 -p no:cacheprovider "${live[@]}" > "$log" 2>&1 &
+live_pid=$!
 set +e
-nice -n 10 "$VPY/python" -m pytest -q --durations=15 --ignore=tests/failures
+nice -n 10 "$VPY/python" -m pytest -q --durations=15 "${live[@]/#/--ignore=}"
 rest=$?
-wait "$failures_pid"
-failures=$?
+wait "$live_pid"
+live_rc=$?
 set -e
-echo "=== tests/failures, run beside the rest (exit $failures) ==="
+echo "=== ${live[*]}, run beside the rest (exit $live_rc) ==="
 cat "$log"
 rm -f "$log"
-[ "$rest" = 0 ] && [ "$failures" = 0 ]
+[ "$rest" = 0 ] && [ "$live_rc" = 0 ]
