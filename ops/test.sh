@@ -36,6 +36,8 @@ live=(tests/failures tests/e2e)
 log=$(mktemp)
 "$VPY/python" -m pytest -q --durations=10 -p no:cacheprovider "${live[@]}" > "$log" 2>&1 &
 live_pid=$!
+# a background job ignores Ctrl-C: SIGTERM ends it as Ctrl-C would (tests/conftest.py), its meshes stopped
+trap 'kill "$live_pid" 2>/dev/null; wait "$live_pid"; rm -f "$log"; exit 130' INT TERM
 set +e
 nice -n 10 "$VPY/python" -m pytest -q --durations=15 "${live[@]/#/--ignore=}"
 rest=$?

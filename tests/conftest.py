@@ -12,6 +12,7 @@ unit tests say `@pytest.mark.slow`; `-m "unit and not slow"` is the fast lane (o
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,6 +71,13 @@ def pytest_configure(config: pytest.Config) -> None:
     # matplotlib builds its font cache on first use by running fc-list: done here, once, so that a unit test that
     # plots on a fresh machine does not start that process itself (_unit_starts_no_process)
     import matplotlib.font_manager  # noqa: F401
+
+    # SIGTERM ends the run as Ctrl-C does, fixtures torn down (their meshes stopped): how ops/test.sh stops the
+    # lane it runs in the background, and what a CI runner's timeout sends
+    def term(_sig: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, term)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -42,8 +42,8 @@ def running_mesh(d: Path, cluster: str, ready_timeout_s: float = 90, **kw: objec
     path = d / "cluster.toml"
     path.write_text(cluster)
     m = Mesh(path, gateway_port=0, log_dir=d / "logs", **kw)  # type: ignore[arg-type]
-    m.start(ready_timeout_s=ready_timeout_s)
-    try:
+    try:  # stopped however it ends, even interrupted while it starts
+        m.start(ready_timeout_s=ready_timeout_s)
         yield m
     finally:
         m.stop()
