@@ -119,6 +119,7 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=4, help="draws per point and replica count (goodput: their mean)")
     ap.add_argument("--only", nargs="*", default=None, choices=sorted(CLUSTERS))
     ap.add_argument("--traces", nargs="*", default=None, choices=sorted(TRACES))
+    ap.add_argument("--loads", nargs="*", type=float, default=list(LOADS), help="x capacity")
     ap.add_argument("--share-s", type=float, default=MODES["shared"], help="how late the other replicas hear a booking")
     ap.add_argument("--out", default=str(ROOT / "results" / "scheduler_replicas.json"))
     ap.add_argument("--tables", action="store_true", help="print the markdown table of --out, run nothing")
@@ -134,7 +135,7 @@ def main() -> int:
     results: dict[str, Any] = {
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "cpus": os.cpu_count(),
         "load_average_start": os.getloadavg(), "span_s": args.span, "max_requests": args.max_requests,
-        "loads": LOADS, "replicas": REPLICAS, "modes": {k: v for k, v in MODES.items()}, "seeds": args.seeds,
+        "loads": args.loads, "replicas": REPLICAS, "modes": {k: v for k, v in MODES.items()}, "seeds": args.seeds,
         "heartbeat_s": 0.5, "finished_s": EVENT_BATCH_S, "goodput": "mean over the seeds' draws", "target": TARGET, "clusters": {}}
     tb = Table(title="Scheduler replicas: SLO goodput (tok/s, mean of the draws) and over 1 replica; over-booking "
                      "summed over the draws")
@@ -155,7 +156,7 @@ def main() -> int:
             trace = trace.head(int(min(max(cap * args.span, 300), args.max_requests)))
             natural = len(trace) / max(trace.requests[-1].arrival - trace.requests[0].arrival, 1e-9)
             points = []
-            for x in LOADS:
+            for x in args.loads:
                 tr = trace.scaled(x * cap / natural)
                 p = run_point(build("both"), tr, cfg, slo, sc, args.seeds)
                 points.append({"load": x, "rate_req_s": x * cap, **p})
