@@ -42,11 +42,12 @@ HOST_ENV = "HETMESH_METRICS_HOST"  # default 0.0.0.0 (containers); the local lau
 disable_created_metrics()  # no `_created` series next to every counter and histogram
 
 # From sub-millisecond mesh hops up to minute-long generations.
-# sub-millisecond: a bus hop between schedulers, the window in which two can place on one stale view
-BOOKING_LAG_BUCKETS = (0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.1)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 34, 2))  # 1 KiB .. 8 GiB
+# From a tenth of a millisecond (a bus hop between schedulers: the window in which two place on views that miss
+# each other) up to a tenth of a second.
+BOOKING_LAG_BUCKETS = (0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.1)
 
 
 class GatewayMetrics:
