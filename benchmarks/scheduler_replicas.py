@@ -21,7 +21,9 @@ chosen workers that the placing replica did not count, placements onto a batch t
 replica's view showed room, prefills placed on a worker another replica had just placed on (its booking not heard
 yet: the collisions the sharing delay allows), admissions past pool_full (queue_factor) the replica could not see, and steps in
 which any worker ran past its batch or KV limit (must be 0). Writes results/scheduler_replicas.json.
-    nice .venv/bin/python benchmarks/scheduler_replicas.py [--only mix] [--traces azure-conv] [--seeds 4] [--share-s 0.001]
+--place-s: each replica's time per placement (default 0, instant), behind which what it hears waits.
+    nice .venv/bin/python benchmarks/scheduler_replicas.py [--only mix] [--traces azure-conv] [--loads 0.8]
+        [--seeds 4] [--share-s 0.001] [--place-s 0.00069]
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ TARGET = 0.97  # goodput of M replicas over one
 RUNS = ("2 own", "4 own", "2 shared", "4 shared", "2 withdrawn", "4 withdrawn")
 
 
-def run_point(ws: list, tr: Any, cfg: SimConfig, slo: Any, sc: SchedulerConfig, seeds: int) -> dict[str, Any]:
+def run_point(ws: list, tr: Any, cfg: SimConfig, slo: Any, sc: SchedulerConfig, seeds: int,
+              place_s: float = 0.0) -> dict[str, Any]:
     kw = {"objective": sc.objective, "admission_margin": sc.admission_margin}
     s, _ = simulate(ws, "cost", tr, cfg, slo, **kw)
     out: dict[str, Any] = {"instant": _row(s, tr, "instant", "both")}
@@ -69,7 +72,8 @@ def run_point(ws: list, tr: Any, cfg: SimConfig, slo: Any, sc: SchedulerConfig, 
             runs, obs = [], []
             for seed in range(seeds if mode != "own" or m == 1 else 1):  # without sharing: one draw shows it
                 s, _, ob = simulate_replicas(ws, "cost", m, tr, cfg, slo, seed=seed, share_s=share,
-                                             queue_factor=sc.queue_factor, withdraw=mode == "withdrawn", **kw)
+                                             queue_factor=sc.queue_factor, withdraw=mode == "withdrawn",
+                                             place_s=place_s, **kw)
                 runs.append(_row(s, tr, f"{m} {mode}", "both"))
                 obs.append(dataclasses.asdict(ob))
             r = runs[0]
@@ -121,6 +125,8 @@ def main() -> int:
     ap.add_argument("--traces", nargs="*", default=None, choices=sorted(TRACES))
     ap.add_argument("--loads", nargs="*", type=float, default=list(LOADS), help="x capacity")
     ap.add_argument("--share-s", type=float, default=MODES["shared"], help="how late the other replicas hear a booking")
+    ap.add_argument("--place-s", type=float, default=0.0,
+                    help="each replica's time per placement, which what it hears waits behind (0: instant)")
     ap.add_argument("--out", default=str(ROOT / "results" / "scheduler_replicas.json"))
     ap.add_argument("--tables", action="store_true", help="print the markdown table of --out, run nothing")
     args = ap.parse_args()
@@ -135,7 +141,7 @@ def main() -> int:
     results: dict[str, Any] = {
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "cpus": os.cpu_count(),
         "load_average_start": os.getloadavg(), "span_s": args.span, "max_requests": args.max_requests,
-        "loads": args.loads, "replicas": REPLICAS, "modes": {k: v for k, v in MODES.items()}, "seeds": args.seeds,
+        "loads": args.loads, "replicas": REPLICAS, "modes": {k: v for k, v in MODES.items()}, "seeds": args.seeds, "place_s": args.place_s,
         "heartbeat_s": 0.5, "finished_s": EVENT_BATCH_S, "goodput": "mean over the seeds' draws", "target": TARGET, "clusters": {}}
     tb = Table(title="Scheduler replicas: SLO goodput (tok/s, mean of the draws) and over 1 replica; over-booking "
                      "summed over the draws")
@@ -158,7 +164,7 @@ def main() -> int:
             points = []
             for x in args.loads:
                 tr = trace.scaled(x * cap / natural)
-                p = run_point(build("both"), tr, cfg, slo, sc, args.seeds)
+                p = run_point(build("both"), tr, cfg, slo, sc, args.seeds, args.place_s)
                 points.append({"load": x, "rate_req_s": x * cap, **p})
                 ob = {k: p[k]["overbooking"] for k in p if k != "instant"}
                 per = {k: o["unseen"] / max(o["placements"], 1) for k, o in ob.items()}

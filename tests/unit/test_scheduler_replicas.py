@@ -126,3 +126,20 @@ def test_a_replica_takes_back_a_placement_an_earlier_booking_heard_late_would_ha
     # heard at once, no placement is ever made without knowing of an earlier one
     assert _arbitrated(0.0).overbooking.rechecked == 0
     assert _arbitrated(0.05, withdraw=False).overbooking.rechecked == 0  # the live scheduler's way: the engine queues it
+
+
+def test_what_a_busy_replica_hears_waits_behind_its_own_placements() -> None:
+    ws = pool("h100", 2, "nvidia-h100", model="llama-3.1-70b", max_batch=16)
+    trace = synthetic(300, rate=12.0, input_mean=2000, output_mean=100, seed=3)
+
+    def collided(place_s: float) -> int:
+        reps = [policy_for("cost", ws, admission_margin=0.0) for _ in range(2)]
+        sim = ReplicaSimulator(ws, reps, share_s=1e-5, seed=1, place_s=place_s)
+        res = sim.run(trace)
+        assert len(res.records) + res.rejected == len(trace)
+        return sim.overbooking.collided
+
+    # a 10 us hop: every booking is heard before the next arrival; with placements that take time, a replica hears
+    # the other's only once its own queued ones are done, and places more on views that miss them
+    near, busy, busier = collided(0.0), collided(0.05), collided(0.2)
+    assert near == 0 < busy < busier

@@ -10,7 +10,8 @@ that hears another's placement on a worker it has placed on since without knowin
 un-books its own and places it again, knowing of the other's: where its policy now picks other workers or
 refuses it, the other replicas un-book it a bus hop later, its worker drops it then if its engine has not
 started it (else it goes on), and two hops after that (the worker's error to the gateway, the gateway's submit)
-a replica the gateway picks places it anew, once per request. A
+a replica the gateway picks places it anew, once per request. A replica busy placing (`place_s` a placement)
+handles what it hears only once the placements it had queued are done. A
 gateway sends each request, and each client retry, to a replica picked at random; a request a replica refuses
 and holds stays on that replica, which places it again (the scheduler's hold loop). The worker's engine is the
 arbiter: its batching core admits nothing past its batch or its KV blocks, the rest waits in its queue.
@@ -63,7 +64,7 @@ class Overbooking:
 class _Replica:
     """One scheduler's books: the heartbeats every replica shares, plus its own placements since each."""
 
-    __slots__ = ("assigned", "dirty", "policy", "recent", "unheard", "views")
+    __slots__ = ("assigned", "busy", "dirty", "policy", "recent", "unheard", "views")
 
     def __init__(self, policy: Policy, views: list[WorkerView], horizon_s: float) -> None:
         self.policy = policy
@@ -72,6 +73,7 @@ class _Replica:
         self.dirty: set[int] = set()
         self.unheard = [0] * len(views)  # other replicas' placements on each worker on their way here
         self.recent: Recent[Any] = Recent(horizon_s)  # own placements the others may not have heard of yet
+        self.busy = 0.0  # until when its placements keep it busy: what it hears waits behind them (`place_s`)
 
 
 class ReplicaSimulator(Simulator):
@@ -81,7 +83,7 @@ class ReplicaSimulator(Simulator):
     def __init__(self, workers: Sequence[WorkerSpec], replicas: Sequence[Policy], config: SimConfig | None = None,
                  heartbeat_s: float = MeshConfig().heartbeat_interval_s, finished_s: float = FINISHED_S,
                  seed: int = 0, queue_factor: float = 4.0, share_s: float | None = None,
-                 withdraw: bool = False) -> None:
+                 withdraw: bool = False, place_s: float = 0.0) -> None:
         self._reps: list[Policy] = list(replicas)
         super().__init__(workers, _Router(self), config)
         self.heartbeat_s = heartbeat_s
@@ -89,6 +91,7 @@ class ReplicaSimulator(Simulator):
         self.queue_factor = queue_factor
         self.share_s = share_s
         self.withdraw = withdraw
+        self.place_s = place_s  # a replica's time per placement; 0: instant
         self._rng = random.Random(seed)
         self.overbooking = Overbooking(per_replica=[0] * len(self._reps))
         self._books: list[_Replica] = []
@@ -106,7 +109,7 @@ class ReplicaSimulator(Simulator):
         """The workers' first heartbeats at the first placement, then one per heartbeat_s each, out of phase."""
         truth = self._views()
         self._hb, self._hb_t, self._fin = list(truth), [self.now] * len(truth), [0] * len(truth)
-        self._books = [_Replica(p, truth, 2 * (self.share_s or 0.0)) for p in self._reps]
+        self._books = [_Replica(p, truth, self.heartbeat_s) for p in self._reps]
         for i in range(len(truth)):
             self._beat_at(i, self.now + self._rng.uniform(0.0, self.heartbeat_s))
 
@@ -185,8 +188,13 @@ class ReplicaSimulator(Simulator):
         hop = self.share_s or 0.0
         for other in self._books:
             if other is not b:
-                self.call_at(self.now + hop, lambda o=other: self._heard_withdrawal(o, q))
+                self.call_at(self._heard_at(other), lambda o=other: self._heard_withdrawal(o, q))
         self.call_at(self.now + hop, lambda: self._arbitrate(req, q))
+
+    def _heard_at(self, other: _Replica) -> float:
+        """When `other` handles a message on the bus sent now: a hop later, or once its own placements queued by
+        then are done (`place_s`)."""
+        return max(self.now + (self.share_s or 0.0), other.busy)
 
     def _arbitrate(self, req: Any, q: Decision) -> None:
         """The worker's side of a withdrawal: drop the item only if its engine has not started it."""
@@ -224,6 +232,7 @@ class ReplicaSimulator(Simulator):
         if k is None or not self._held:  # a new request or a client's retry: the gateway picks
             k = self._rng.randrange(len(self._books))
         b = self._books[k]
+        b.busy = max(b.busy, self.now) + self.place_s
         mine = self.view_of(b)
         d = b.policy.place(info, mine)
         if d is None or d.mode == REFUSED:
@@ -252,7 +261,7 @@ class ReplicaSimulator(Simulator):
                 if other is not b:
                     for wid in d.workers:
                         other.unheard[idx[wid]] += 1
-                    self.call_at(self.now + self.share_s, lambda o=other, n=self._order: self._heard_booking(o, d, n))
+                    self.call_at(self._heard_at(other), lambda o=other, n=self._order: self._heard_booking(o, d, n))
         cap = sum(w.max_batch for w in truth if w.model == info.model) * (1.0 + self.queue_factor)
         held = sum(w.load for w in truth if w.model == info.model)
         ob.peak_pool_load = max(ob.peak_pool_load, held / cap)
@@ -317,14 +326,15 @@ class _Router:
 def simulate_replicas(workers: Sequence[WorkerSpec], policy: str, replicas: int, trace: Trace,
                       config: SimConfig | None = None, slo: Slo = Slo(), seed: int = 0,
                       share_s: float | None = None, queue_factor: float = 4.0, withdraw: bool = False,
-                      **policy_kwargs: Any) -> tuple[dict[str, Any], SimResult, Overbooking]:
+                      place_s: float = 0.0, **policy_kwargs: Any) -> tuple[dict[str, Any], SimResult, Overbooking]:
     """`simulate` with `replicas` schedulers, each its own `policy` object, placing on its own view (share_s: each
     placement heard by the other replicas this late; None: not shared; withdraw: a placement an earlier one heard
-    late left no room for is taken back and placed again)."""
+    late left no room for is taken back and placed again; place_s: each replica's time per placement, which what it
+    hears waits behind)."""
     if policy == "cost" and config is not None and config.efficiencies:
         policy_kwargs.setdefault("efficiencies", config.efficiencies)
     reps = [policy_for(policy, workers, slo, **policy_kwargs) for _ in range(replicas)]
     sim = ReplicaSimulator(workers, reps, config, seed=seed, queue_factor=queue_factor, share_s=share_s,
-                           withdraw=withdraw)
+                           withdraw=withdraw, place_s=place_s)
     res = sim.run(trace)
     return summarize(res, slo), res, sim.overbooking
