@@ -111,11 +111,9 @@ async def run(schedulers: int, bursts: int, burst: int, seed: int) -> dict[str, 
             await asyncio.gather(*(one(b * burst + k, rng.randint(15, 120)) for k in range(burst)))
         wall = time.perf_counter() - t0
         urls = mesh.metrics_urls()
-        rechecked = {"kept": 0.0, "withdrawn": 0.0}
         scraped = [await asyncio.to_thread(scrape, url) for name, url in urls.items() if name.startswith("scheduler")]
-        for s in scraped:
-            for k in rechecked:
-                rechecked[k] += s.get(("hetmesh_scheduler_rechecked_total", (("outcome", k),)), 0.0)
+        rechecked = {k: sum(total(s, "hetmesh_scheduler_rechecked_total", outcome=k) for s in scraped)
+                     for k in ("kept", "withdrawn")}
         # how late the schedulers heard each other's bookings (placement to handling it): the window for collisions
         heard = sum(total(s, f"{LAG}_count") for s in scraped)
         lag = {"mean_ms": sum(total(s, f"{LAG}_sum") for s in scraped) / heard * 1e3 if heard else None}

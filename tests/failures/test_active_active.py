@@ -31,7 +31,7 @@ from hetmesh.bus import decode, encode
 from hetmesh.gateway.schedulers import Schedulers
 from hetmesh.kvindex.blocks import block_hashes
 from hetmesh.launcher import Mesh
-from hetmesh.metrics import scrape
+from hetmesh.metrics import scrape, total
 from hetmesh.protocol import (
     Heartbeat,
     InferenceRequest,
@@ -103,7 +103,7 @@ async def streamed(c: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> str:
 
 def bad_input(m: Mesh, kind: str) -> float:
     """Both schedulers' hetmesh_scheduler_bad_input{kind}, summed."""
-    return sum(scrape(m.metrics_urls()[s]).get(("hetmesh_scheduler_bad_input_total", (("kind", kind),)), 0.0)
+    return sum(total(scrape(m.metrics_urls()[s]), "hetmesh_scheduler_bad_input_total", kind=kind)
                for s in ("scheduler", "scheduler-1"))
 
 
