@@ -23,7 +23,7 @@ yet: the collisions the sharing delay allows), admissions past pool_full (queue_
 which any worker ran past its batch or KV limit (must be 0). Writes results/scheduler_replicas.json.
 --place-s: each replica's time per placement (default 0, instant), behind which what it hears waits.
     nice .venv/bin/python benchmarks/scheduler_replicas.py [--only mix] [--traces azure-conv] [--loads 0.8]
-        [--seeds 4] [--share-s 0.001] [--place-s 0.00069]
+        [--seeds 4] [--share-s 0.001] [--place-s S]
 """
 
 from __future__ import annotations
