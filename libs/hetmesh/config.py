@@ -178,8 +178,8 @@ class FlowConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     # meets its TTFT SLO (the SLO less its own prefill), then 429 + Retry-After.
     headroom: float = 0.5
     # In a pump, a tenant whose held request the fleet refuses has this many of its next requests (earliest
-    # deadline first) tried before its turn ends: more fills the fleet more fully at overload, each try a
-    # placement's CPU.
+    # deadline first) tried before its turn ends: more fills the fleet more fully at overload. Each held request
+    # is tried at most once until room may have freed (a finish, or each admission hold period).
     lookahead: int = LOOKAHEAD
 
 

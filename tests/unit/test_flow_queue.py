@@ -225,7 +225,10 @@ def test_a_head_is_passed_over_for_at_most_its_own_cost() -> None:
         q.hold(f"a{k}", "a", 1.0, deadline=1.0 + k, now=0.0)
     small = lambda h: h.cost <= 1.0  # noqa: E731
     assert _pump(q, small) == [("a0", False), ("a1", True), ("a2", True)]  # passed over for 2.0: no more
+    assert _pump(q, small) == []  # nothing freed since: no placement is tried
+    q.recheck()
     assert _pump(q, small) == [("a0", False)]  # its tenant's room is kept for it
+    q.recheck()
     assert _pump(q, lambda h: True)[0] == ("a0", True)
 
 
@@ -332,3 +335,39 @@ def test_the_headroom_is_a_share_of_the_slos_checked_by_name() -> None:
     cfg.validate()
     q = wiring.flow(cfg)
     assert q is not None and q.reserve == 0.25
+
+
+def test_a_refusal_stands_until_room_may_have_freed() -> None:
+    q = FlowQueue([Tenant("a"), Tenant("b")])
+    for k in range(2):
+        q.hold(f"a{k}", "a", 1.0, deadline=1.0 + k, now=0.0)
+    assert _pump(q, lambda h: False) == [("a0", False), ("a1", False)]
+    q.hold("a2", "a", 1.0, deadline=5.0, now=0.1)  # a new arrival, held: only it is new to this pump
+    q.hold("b0", "b", 1.0, deadline=5.0, now=0.1)
+    turns, seen = Turns(q), []
+    while (h := turns.next()) is not None:
+        seen.append(h.key)
+        q.take(h, 0.1)
+        q.hold(h.key, h.tenant, h.cost, h.deadline, 0.1, again=True)
+        turns.refused(h, 0.1)
+    assert sorted(seen) == ["a2", "b0"] and turns.done == {"a", "b"}  # a is owed room all the same
+    q.placed("b", 1.0)
+    q.finished("b", 1.0, now=0.2)  # room freed: every held request may go
+    assert [k for k, _ in _pump(q, lambda h: False)] == ["a0", "a1", "a2", "b0"]
+    q.recheck()  # as each admission hold period
+    # a1 goes past a0 for a0's whole cost: a's turn ends there
+    assert _pump(q, lambda h: h.key == "a1") == [("a0", False), ("a1", True), ("b0", False)]
+
+
+def test_a_refusal_with_headroom_left_ends_its_tenants_turn_and_not_its_chances() -> None:
+    q = FlowQueue([Tenant("a"), Tenant("b")])
+    for k in range(3):
+        q.hold(f"b{k}", "b", 1.0, deadline=1.0 + k, now=0.0)
+    turns = Turns(q)
+    h = turns.next()
+    assert h is not None and h.key == "b0"
+    q.take(h, 0.0)
+    q.hold(h.key, h.tenant, h.cost, h.deadline, 0.0, again=True)
+    turns.refused(h, 0.0, kept=True)  # placed leaving room for another: no lookahead past it
+    assert turns.next() is None
+    assert _pump(q, lambda h: True)[0] == ("b0", True)  # the same epoch: its refusal said nothing of its full share

@@ -18,8 +18,11 @@ the queue and the shell places from the queue's head, so that room the fleet fre
 (work-conserving: with nothing held, nothing waits). A pump walks the queue in that order and a refusal ends
 only its tenant's turn (and every lower band's): another tenant's request may still be placed behind it, but
 only with headroom left for the refused one (below), so that room freed goes to whoever is behind its share.
-Before its turn ends, the refused tenant's next few requests in EDF order are tried (one that fits goes in its
-tenant's share), for as long as its head has been passed over for less than its own cost (`Turns`).
+Before its turn ends, the refused tenant's next requests in EDF order are tried (one that fits goes in its
+tenant's share), for as long as its head has been passed over for less than its own cost (`Turns`). A request
+the fleet refused is not tried again until room may have freed (`epoch`: a finish, or `recheck` each admission
+hold period as predictions move with time): the pumps between, on each held arrival, try only what is new, so a
+tenant's whole queue can be looked through with the policy asked about each held request once per freed room.
 
 Headroom (`headroom`): a request is placed only if its predicted TTFT and TPOT stay within `1 - reserve` of its
 SLOs (`reserved`) while someone it would crowd out is active: a higher band (in flight or held); or, for a
@@ -49,7 +52,7 @@ import msgspec
 from hetmesh.placement.state import RequestInfo
 
 MAX_RETRY_AFTER_S = 60.0
-LOOKAHEAD = 4  # requests of a tenant a pump tries past its refused head, in EDF order
+LOOKAHEAD = 64  # requests of a tenant a pump tries past its refused head, in EDF order (each once per `epoch`)
 RATE_WINDOW_S = 10.0  # a tenant's drain rate (cost finished per second) decays over this long
 
 
@@ -78,6 +81,7 @@ class Held:
     item: object = None
     seq: int = 0
     passed: float = 0.0  # cost its tenant placed past it while it did not fit (`Turns`)
+    refused_in: int = -1  # the queue's `epoch` when the fleet last refused it at its full share (`Turns`)
 
 
 _edf = attrgetter("deadline", "seq")  # EDF, then arrival order
@@ -171,6 +175,7 @@ class FlowQueue:
         self._due = math.inf  # no held request's deadline is earlier (a bound: `expired` skips the walk before it)
         self._top = min(self.vtime)  # the highest band
         self._taken: Held | None = None  # the last request taken out (held again if still refused)
+        self.epoch = 0  # moves when room may have freed (`finished`, `recheck`): a refusal stands until then
 
     # ---- reading ----
     def __len__(self) -> int:
@@ -299,19 +304,19 @@ class FlowQueue:
 
     def hold(self, key: str, tenant: str, cost: float, deadline: float, now: float, item: object = None,
              again: bool = False) -> Held | None:
-        """Hold a request (`again`: one taken out to be placed and still refused, not counted twice, its deadline
-        and what was placed past it kept); None: its tenant already holds max_held (refuse it: `refused`)."""
+        """Hold a request (`again`: one taken out to be placed and still refused, not counted twice, the same
+        Held back with its deadline, what was placed past it and its last refusal); None: its tenant already holds
+        max_held (refuse it: `refused`)."""
         s = self.tenants[tenant]
         if len(s.held) >= self.max_held:
             return None
         self._seq += 1
-        out = self._taken
-        again_of = out if again and out is not None and out.key == key else None  # the same request back
-        if again_of is not None:
-            deadline = again_of.deadline
-        h = Held(key, tenant, cost, deadline, now, item, self._seq)
-        if again_of is not None:
-            h.passed = again_of.passed
+        h = self._taken
+        if again and h is not None and h.key == key:  # the same request back
+            h.arrival, h.item, h.seq = now, item, self._seq
+            deadline = h.deadline
+        else:
+            h = Held(key, tenant, cost, deadline, now, item, self._seq)
         bisect.insort(s.held, h, key=_edf)
         self._n_held += 1
         self._held_in[s.band] += 1
@@ -364,6 +369,8 @@ class FlowQueue:
         s.stats.tokens += tokens
 
     def finished(self, tenant: str, cost: float, now: float, slo_met: bool | None = None) -> None:
+        """A request of `tenant` left the fleet: its room may go to any held request (`epoch`)."""
+        self.epoch += 1
         s = self.tenants[tenant]
         s.inflight = max(s.inflight - cost, 0.0)
         s.rate = _decayed(s.rate, s.rate_t, now) + cost
@@ -375,6 +382,11 @@ class FlowQueue:
     def refused(self, tenant: str) -> None:
         self.tenants[tenant].stats.refused += 1
 
+    def recheck(self) -> None:
+        """Every held request may be tried again (`epoch`): the shells call it each admission hold period, as
+        the predictions move with time."""
+        self.epoch += 1
+
 
 class Turns:
     """One pump's walk of the queue: held requests in its order (`FlowQueue.head`). A refusal ends every lower
@@ -383,8 +395,10 @@ class Turns:
     `lookahead` requests in EDF order are tried in turn: one that fits goes, charged to its tenant's tags as any
     placement (the shares hold), and the refused head stays first for the next pump. A head is passed over so for
     at most its own cost (`Held.passed`): its wait grows by at most what it would take itself, as if one more
-    request of its tenant had come before it; from then on its tenant's room is kept for it. At most
-    1 + `lookahead` refused placements per tenant per pump."""
+    request of its tenant had come before it; from then on its tenant's room is kept for it. A request refused at
+    its full share since room last freed (`FlowQueue.epoch`) counts as refused again without a placement; one
+    refused with headroom left for others ends its tenant's turn (the room it missed is kept for someone else).
+    At most 1 + `lookahead` refused placements per tenant per pump, and each held request at most one per epoch."""
 
     __slots__ = ("_ahead", "done", "last_band", "lookahead", "over", "q", "tried")
 
@@ -408,20 +422,33 @@ class Turns:
                 head.passed += c.cost
                 if head.passed >= head.cost:
                     self.over.add(c.tenant)
+        epoch = q.epoch
         while (h := q.head(self.over, self.last_band)) is not None:
             tried = self.tried.get(h.tenant)
-            if not tried:
-                return h
-            for c in q.tenants[h.tenant].held[: len(tried) + 1]:  # EDF: those tried lie among the first
-                if c.key not in tried:
+            c: Held | None = h
+            if tried:  # EDF: those tried lie among the first
+                c = next((x for x in q.tenants[h.tenant].held[: len(tried) + 1] if x.key not in tried), None)
+            if c is None:
+                self.over.add(h.tenant)
+            elif c.refused_in == epoch:  # nothing freed since the fleet refused it
+                self._refused(c)
+            else:
+                if c is not h:
                     self._ahead = c
-                    return c
-            self.over.add(h.tenant)
+                return c
         return None
 
-    def refused(self, h: Held, now: float) -> None:
-        """`h` could not be placed now (held again, or still held)."""
+    def refused(self, h: Held, now: float, kept: bool = False) -> None:
+        """`h` could not be placed now (held again, or still held); `kept`: it was placed with headroom left for
+        others (`FlowQueue.headroom` > 0)."""
         self._ahead = None
+        if kept:
+            self.over.add(h.tenant)
+        else:
+            h.refused_in = self.q.epoch
+        self._refused(h)
+
+    def _refused(self, h: Held) -> None:
         t = h.tenant
         self.done.add(t)
         if self.last_band is None:

@@ -36,8 +36,10 @@ class _Reserving:
     def place(self, info: RequestInfo, workers: Any) -> Decision | None:
         fl = self._flow
         req = fl.sim.reqs.get(int(info.request_id))
+        fl.headroom = 0.0
         if req is not None:
-            info = reserved(info, fl.q.headroom(req.tenant, fl.sim.now, fl.turns.done if fl.turns else ()))
+            fl.headroom = fl.q.headroom(req.tenant, fl.sim.now, fl.turns.done if fl.turns else ())
+            info = reserved(info, fl.headroom)
         return self._policy.place(info, workers)
 
     def __getattr__(self, name: str) -> Any:
@@ -64,6 +66,7 @@ class SimFlow:
         self.soon_at = -math.inf  # when a pump for a finished request was last queued
         self.busy = False  # a pump is running (what it places re-enters arrive() and refused())
         self.turns: Turns | None = None  # the running pump's turns
+        self.headroom = 0.0  # what the last placement left others (`_Reserving`)
 
     def cost(self, req: Any, model: str) -> float:
         return self.prices[model](req.n_in, 0, req.n_out)
@@ -128,6 +131,8 @@ class SimFlow:
 
     def pump(self) -> None:
         """A pump event (periodic, or a finished request's room): drain the queue, keep ticking while it holds."""
+        if self.sim.now >= self.tick_at:  # the periodic one: predictions moved, every held request may go
+            self.q.recheck()
         self._drain()
         self._tick()
 
@@ -141,8 +146,9 @@ class SimFlow:
         while (h := turns.next()) is not None:
             q.take(h, now)
             self.blocked = False
+            self.headroom = 0.0
             self.sim.place_held(h.item)
             if self.blocked:
-                turns.refused(h, now)
+                turns.refused(h, now, kept=self.headroom > 0)
         self.turns = None
         self.busy = False

@@ -62,11 +62,12 @@ class FlowGate:
         n, out = len(req.prompt_tokens), req.sampling.max_tokens
         return price(n, cached, out) if price is not None else token_cost(n - cached, out)
 
-    def _place(self, req: InferenceRequest, info: RequestInfo, turns: Turns | None = None) -> Decision | None:
+    def _place(self, req: InferenceRequest, info: RequestInfo,
+               turns: Turns | None = None) -> tuple[Decision | None, float]:
         """The policy's placement, with the headroom its tenant leaves others (`FlowQueue.headroom`; `turns`: the
-        pump's, whose refused tenants are owed room)."""
+        pump's, whose refused tenants are owed room), and that headroom."""
         head = self.q.headroom(self.tenant(req), time.monotonic(), turns.done if turns is not None else ())
-        return self.place_fn(reserved(info, head))
+        return self.place_fn(reserved(info, head)), head
 
     def _refusal(self, req: InferenceRequest, why: str) -> refusals.Refusal:
         t = self.tenant(req)
@@ -87,7 +88,7 @@ class FlowGate:
             q.arrived(t, cost, time.monotonic())
         tried = q.may_try(t)
         if tried:
-            d = self._place(req, info)
+            d, _ = self._place(req, info)
             if d is None or d.mode != REFUSED:
                 self._booked(req, d, cost)
                 return d, False
@@ -110,6 +111,7 @@ class FlowGate:
     async def _pump_loop(self) -> None:
         while len(self.q):
             await asyncio.sleep(self.tick_s)
+            self.q.recheck()  # predictions moved: every held request may go
             self.pump()
 
     def pump(self) -> None:
@@ -128,13 +130,13 @@ class FlowGate:
                 continue
             held = (now - w.t0) * self.scale
             q.take(h, now)  # out of the queue while placed (its tenant's headroom counts the others waiting)
-            d = self._place(w.req, msgspec.structs.replace(w.info, arrival=w.info.arrival + held,
-                                                           waited_s=w.info.waited_s + held), turns)
+            d, head = self._place(w.req, msgspec.structs.replace(w.info, arrival=w.info.arrival + held,
+                                                                 waited_s=w.info.waited_s + held), turns)
             if d is not None and d.mode == REFUSED and d.hold_s is not None:
                 # the fleet is still full for it: back in the queue (its place kept), its tenant's turn goes on
                 # with the requests behind it or is over (`Turns`)
                 q.hold(h.key, h.tenant, h.cost, h.deadline, now, w, again=True)
-                turns.refused(h, now)
+                turns.refused(h, now, kept=head > 0)
                 continue
             if d is not None and d.mode != REFUSED:
                 self.state.assigned(d)
