@@ -120,6 +120,7 @@ class _State:
     got: float = 0.0  # cost placed, decaying sum over RATE_WINDOW_S
     got_t: float = 0.0
     stats: TenantStats = field(default_factory=TenantStats)
+    walked: int = -1  # the epoch in which a pump found nothing of it to try (`Turns`); any hold or take resets it
 
 
 def engine_seconds(prefill_s: float, decode_token_s: float, uncached: int, output_tokens: int) -> float:
@@ -318,6 +319,7 @@ class FlowQueue:
         else:
             h = Held(key, tenant, cost, deadline, now, item, self._seq)
         bisect.insort(s.held, h, key=_edf)
+        s.walked = -1
         self._n_held += 1
         self._held_in[s.band] += 1
         if deadline < self._due:
@@ -333,6 +335,7 @@ class FlowQueue:
             del held[0]
         else:  # by identity
             del held[next(i for i, x in enumerate(held) if x is h)]
+        s.walked = -1
         self._n_held -= 1
         self._held_in[s.band] -= 1
         s.stats.held_s += max(now - h.arrival, 0.0)
@@ -424,18 +427,28 @@ class Turns:
                     self.over.add(c.tenant)
         epoch = q.epoch
         while (h := q.head(self.over, self.last_band)) is not None:
-            tried = self.tried.get(h.tenant)
-            c: Held | None = h
-            if tried:  # EDF: those tried lie among the first
-                c = next((x for x in q.tenants[h.tenant].held[: len(tried) + 1] if x.key not in tried), None)
-            if c is None:
-                self.over.add(h.tenant)
-            elif c.refused_in == epoch:  # nothing freed since the fleet refused it
-                self._refused(c)
-            else:
-                if c is not h:
-                    self._ahead = c
-                return c
+            t = h.tenant
+            s = q.tenants[t]
+            if s.walked == epoch:  # nothing of it to try until room frees or it holds something new
+                self._refused(h)
+                self.over.add(t)
+                continue
+            tried = self.tried.get(t, ())
+            fresh = False  # a request within reach that the fleet has not refused at its full share this epoch
+            for c in s.held[: self.lookahead + 1]:  # EDF
+                if c.refused_in != epoch:
+                    fresh = True
+                    if c.key not in tried:
+                        if c is not h:
+                            self._ahead = c
+                        return c
+                elif c.key not in tried:  # nothing freed since the fleet refused it: refused again, unasked
+                    self._refused(c)
+                    if t in self.over:
+                        break
+            if not fresh:
+                s.walked = epoch
+            self.over.add(t)
         return None
 
     def refused(self, h: Held, now: float, kept: bool = False) -> None:
