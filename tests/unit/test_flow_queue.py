@@ -371,3 +371,17 @@ def test_a_refusal_with_headroom_left_ends_its_tenants_turn_and_not_its_chances(
     turns.refused(h, 0.0, kept=True)  # placed leaving room for another: no lookahead past it
     assert turns.next() is None
     assert _pump(q, lambda h: True)[0] == ("b0", True)  # the same epoch: its refusal said nothing of its full share
+
+
+def test_a_pump_asks_nothing_of_a_tenant_refused_since_room_last_freed_until_it_holds_something_new() -> None:
+    q = FlowQueue([Tenant("a")], lookahead=3)
+    for k in range(10):
+        q.hold(f"a{k}", "a", 1.0, deadline=1.0 + k, now=0.0)
+    assert len(_pump(q, lambda h: False)) == 4  # the head and three past it
+    for _ in range(2):
+        turns = Turns(q)
+        assert turns.next() is None and turns.done == {"a"}  # still owed room, nothing asked
+    q.hold("urgent", "a", 1.0, deadline=0.5, now=0.1)  # new, and first in EDF order
+    assert _pump(q, lambda h: False) == [("urgent", False)]
+    q.recheck()
+    assert [k for k, _ in _pump(q, lambda h: False)] == ["urgent", "a0", "a1", "a2"]
