@@ -4,8 +4,9 @@ hetmesh.wiring.flow_queue) at the point where the scheduler holds or refuses a r
 A request the policy refuses but could still serve in time (`Decision.hold_s`) waits in the queue instead of
 being placed again on its own; the queue is pumped, in its fair order, on each arrival it holds, whenever a
 request finishes and every admission hold period while it holds anything, and a refusal ends its tenant's turn
-in the pump once the requests behind it that may go instead have been tried (`Turns`). A new arrival joins the
-queue while anything of its band or a higher one waits there.
+in the pump once the requests behind it that may go instead have been tried (`Turns`); a refusal stands until a
+request finishes or the next periodic pump (`FlowQueue.recheck`). A new arrival joins the queue while anything of
+its band or a higher one waits there.
 The policy sees each request with the headroom its tenant must leave others (`FlowQueue.headroom`).
 """
 

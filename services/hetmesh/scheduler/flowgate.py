@@ -4,7 +4,8 @@ as the simulator builds its own) at the point where the scheduler holds a reques
 A submit that arrives while anything of its band or a higher one is held, or that the policy refuses while its
 SLO is still in reach, waits on a future; a pump places held requests in the queue's order as it is held,
 every admission hold period and whenever a request finishes, a refusal ending its tenant's turn once the
-requests behind it that may go instead have been tried (`Turns`).
+requests behind it that may go instead have been tried (`Turns`) and standing until a request finishes or the next
+periodic pump (`FlowQueue.recheck`).
 The policy sees each request with the headroom its tenant must leave others (`FlowQueue.headroom`). What the
 pump places is booked in the cluster view at once (`ClusterState.assigned`), so the next placement of the same
 pump sees it. A request's booked cost leaves its tenant's share when it finishes, is cancelled, its worker is
