@@ -217,9 +217,15 @@ class CostPolicy:
         stolen = np.maximum(prefill - p.steps * steps.decode_alone, 0.0)
         d = pricing.decode_step(ld, steps)
         slow = 1.0 - self._decode_share(now, sl, req)
-        tpot = pricing.tpot(d, slow, ld, self._life[sl], req.max_tokens, self._margin(req.model) > 0)
+        # keeping SLOs, a sequence behind a full batch waits for a slot: before its first token where it
+        # prefills, and spread over its tokens where it decodes
+        wait = pricing.slot_wait(ld, self._life[sl]) if self._margin(req.model) > 0 else None
+        tpot = pricing.tpot(d, slow, wait, req.max_tokens)
+        ttft = backlog + prefill + self._gap[sl]
+        if wait is not None:
+            ttft = ttft + wait
         return Priced(now=now, pre=pre, dec=dec, agg=agg, cached=p.cached, ctx=p.ctx, prefill=prefill,
-                      booked=booked, stolen=stolen, ttft=backlog + prefill + self._gap[sl], plain=d.plain,
+                      booked=booked, stolen=stolen, ttft=ttft, plain=d.plain,
                       full_chunk=d.full_chunk,
                       tpot=tpot, prefill_delay=stolen * pricing.stalled(ld, self._queued_prefills(now)),
                       decode_delay=pricing.decode_delay(ld, d, slow, req.max_tokens), fits=pricing.kv_fits(ld, req))

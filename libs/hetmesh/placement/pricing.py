@@ -285,14 +285,21 @@ def decode_step(ld: Load, s: Steps) -> DecodeStep:
     return DecodeStep(step, marginal, s.with_chunk - s.decode_alone, waits)
 
 
-def tpot(d: DecodeStep, slow: np.ndarray, ld: Load, life: np.ndarray, n_out: int, keep_slo: bool) -> np.ndarray:
+def slot_wait(ld: Load, life: np.ndarray) -> np.ndarray | None:
+    """Seconds a sequence joining each worker's batch waits for a slot: behind a full batch, batch - max_batch
+    slots must free first, one every life / max_batch seconds (None where no batch is full)."""
+    if not np.count_nonzero(ld.waits):
+        return None
+    return np.where(ld.waits, np.maximum(ld.batch - ld.max_batch, 0.0) * life / ld.max_batch, 0.0)
+
+
+def tpot(d: DecodeStep, slow: np.ndarray, wait: np.ndarray | None, n_out: int) -> np.ndarray:
     """Time per output token on each worker as D: its step slowed by the prefill share (`slow` = 1 - share),
-    never by more than a full chunk beside the batch. Keeping SLOs (`keep_slo`), a decode behind a full
-    batch also waits for batch - max_batch slots to free, one every life / max_batch seconds, and pays that
-    wait in its own tokens (with admission off the wait costs the cluster nothing: the rounds alone price it)."""
+    never by more than a full chunk beside the batch, plus the slot `wait` (when SLOs are kept) spread over
+    its own tokens (with admission off the wait costs the cluster nothing: the rounds alone price it)."""
     out = np.minimum(d.plain / slow, d.plain + d.full_chunk)
-    if keep_slo and np.count_nonzero(d.waits):
-        out = out + np.maximum(ld.batch - ld.max_batch, 0.0) * life / ld.max_batch / max(n_out - 1, 1)
+    if wait is not None:
+        out = out + wait / max(n_out - 1, 1)
     return out
 
 
