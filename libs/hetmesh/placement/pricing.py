@@ -39,7 +39,8 @@ class Priced(msgspec.Struct, frozen=True, kw_only=True):
     ttft: np.ndarray  # backlog + prefill on each worker as P
     plain: np.ndarray  # decode step on each worker as D at its batch, no prefill beside it
     full_chunk: np.ndarray  # what one full prefill chunk there takes from the decodes beside it
-    tpot: np.ndarray  # that step slowed by the worker's prefill share
+    tpot: np.ndarray  # that step slowed by the worker's prefill share (as D where it also prefilled)
+    joined: np.ndarray  # `tpot` for a decode joining after another worker's prefill: its slot wait spread in it
     prefill_delay: np.ndarray  # seconds a prefill there takes from the sequences running or queued there
     decode_delay: np.ndarray  # seconds this decode there adds to the others' steps
     fits: np.ndarray  # its KV fits on each worker as D
