@@ -36,7 +36,7 @@ class Priced(msgspec.Struct, frozen=True, kw_only=True):
     prefill: np.ndarray  # prefill seconds on each worker (its steps, the decodes riding along included)
     booked: np.ndarray  # what it adds to the worker's backlog: `prefill`, or less where it shares steps
     stolen: np.ndarray  # of which the decodes there would not have spent anyway
-    ttft: np.ndarray  # backlog + prefill on each worker as P
+    ttft: np.ndarray  # backlog + prefill on each worker as P, and its wait for a slot there (keeping SLOs)
     plain: np.ndarray  # decode step on each worker as D at its batch, no prefill beside it
     full_chunk: np.ndarray  # what one full prefill chunk there takes from the decodes beside it
     tpot: np.ndarray  # that step slowed by the worker's prefill share (as D where it also prefilled)
