@@ -328,6 +328,7 @@ class CostPolicy:
         p, d = int(ip[k]), int(id_[k])
         booking = Booking(prefill_s=float(pr.booked[p]), stolen_s=float(pr.stolen[p]),
                           first_token_s=float(o_ttft[k] + xfer[k]), decode_step_s=float(pr.plain[d]),
+                          tpot_s=float(pr.tpot[d]),
                           full_chunk_s=float(pr.full_chunk[d]), decode_batch=int(f.num[d, 2]), max_tokens=n_out,
                           tpot_slo_s=tpot_slo, placed_at=pr.now)
         self._book(booking, int(f.slots[p]), int(f.slots[d]), pr.now)
@@ -423,9 +424,11 @@ class CostPolicy:
         if n_out > 1:
             start = now + b.first_token_s
             life = (n_out - 1) * b.decode_step_s
-            # the slot's life, in the mean over the last max_batch or so decodes placed there
+            # how long it holds its slot (its steps slowed by the prefills beside it), in the mean over the last
+            # max_batch or so decodes placed there: what a sequence behind a full batch waits for
+            held = (n_out - 1) * (b.tpot_s or b.decode_step_s)
             old, mb = float(self._life[slot_d]), max(float(b.decode_batch), 1.0)
-            self._life[slot_d] = life if old == 0.0 else old + (life - old) / mb
+            self._life[slot_d] = held if old == 0.0 else old + (held - old) / mb
             queued = max(float(self._busy_until[slot_d]) - start, 0.0)  # prefill still queued on D by then
             slack = (n_out - 1) * b.tpot_slo_s - life - queued
             if slack < b.full_chunk_s:  # fragile: one prefill chunk beside it would break its SLO
