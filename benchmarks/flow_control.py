@@ -70,8 +70,8 @@ def served(res: SimResult) -> dict[str, float]:
 
 def second_half(res: SimResult) -> dict[str, int]:
     """Output tokens within SLO per tenant of the requests that arrived in the second half of the trace's span:
-    the shares once the fleet is full, past the first fill (where every arrival finds room and is placed at
-    once, whatever its tenant's weight: flow control holds nothing while nothing waits)."""
+    the shares without the first fill, where every arrival finds room and is placed at once whatever its
+    tenant's weight (flow control holds nothing while nothing waits)."""
     if not res.records:
         return {}
     first, last = min(r.arrival for r in res.records), max(r.arrival for r in res.records)
