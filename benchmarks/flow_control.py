@@ -50,7 +50,7 @@ def load(rate: float, duration: float, tenant: str, seed: int, input_mean: int =
 
 def run(trace: Trace, tenants: tuple[Tenant, ...], lookahead: int = LOOKAHEAD) -> dict[str, Any]:
     s, res = simulate(WORKERS, "cost", trace, SimConfig(tenants=tenants, flow_lookahead=lookahead), SLO)
-    return s | {"served": served(res), "second_half": second_half(res)}
+    return s | {"served": served(res)}
 
 
 def within_slo(r: RequestRecord) -> bool:
@@ -67,19 +67,6 @@ def served(res: SimResult) -> dict[str, float]:
             "within_slo": len(ok), "mean_prompt_within_slo": round(sum(r.input_len for r in ok) / max(len(ok), 1)),
             "mean_output_within_slo": round(sum(r.output_len for r in ok) / max(len(ok), 1))}
 
-
-def second_half(res: SimResult) -> dict[str, int]:
-    """Output tokens within SLO per tenant of the requests that arrived in the second half of the trace's span:
-    the shares without the first fill, where every arrival finds room and is placed at once whatever its
-    tenant's weight (flow control holds nothing while nothing waits)."""
-    if not res.records:
-        return {}
-    first, last = min(r.arrival for r in res.records), max(r.arrival for r in res.records)
-    out: dict[str, int] = {}
-    for r in res.records:
-        if r.arrival >= (first + last) / 2 and r.output_len > 0 and within_slo(r):
-            out[r.tenant] = out.get(r.tenant, 0) + r.output_len
-    return out
 
 
 def jain(xs: list[float]) -> float:
@@ -131,13 +118,9 @@ def cases(cap: float, d: float, k: int, lookahead: int = LOOKAHEAD) -> list[dict
         s = sim(weighted, tenants)
         g = {n: s["tenants"][n]["goodput_tok_s"] for n in ws}
         err = max(abs(g[n] / sum(g.values()) / (w / 7) - 1) for n, w in ws.items())
-        h = {n: s["second_half"].get(n, 0) for n in ws}
-        err_h = max(abs(h[n] / sum(h.values()) / (w / 7) - 1) for n, w in ws.items()) if sum(h.values()) else None
         rows.append({"case": "weights 1:2:4, backlogged", "run": label, "metric": "largest share error vs 1:2:4",
                      "value": err, "target": "<= 0.10", "ok": err <= 0.10,
-                     "detail": {n: round(v / sum(g.values()), 3) for n, v in g.items()}
-                     | {"second half of the arrivals": {"error": None if err_h is None else round(err_h, 4)}
-                        | {n: round(v / max(sum(h.values()), 1), 3) for n, v in h.items()}}})
+                     "detail": {n: round(v / sum(g.values()), 3) for n, v in g.items()}})
 
     equal = merge(*(ld(cap, n, i) for i, n in enumerate("abc")))
     idle_t = tuple(Tenant(n) for n in "abcd")  # d sends nothing
