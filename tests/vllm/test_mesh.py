@@ -168,7 +168,8 @@ async def test_kv_events_reach_redis_and_prefix_aware_routing_hits(
         rid2, _, usage, _ = await _complete(aclient, "tiny-agg", shared + " second question", max_tokens=2)
         placed = await events.wait_for(_rid(rid2), "placed", policy="prefix_aware")  # the scheduler's record
         assert placed.detail["decode_worker"] == holder
-        assert int(placed.detail["cached_tokens"] or 0) >= BLOCK  # type: ignore[arg-type]
+        assert int(placed.detail["cached_tokens"] or 0) >= BLOCK, [  # type: ignore[arg-type]
+            (e.kind, e.detail) for e in events.events if e.service == "scheduler" and not e.request_id]
         # vLLM's own prefix cache served those blocks.
         assert usage is not None and usage.prompt_tokens_details is not None
         assert usage.prompt_tokens_details.cached_tokens >= BLOCK

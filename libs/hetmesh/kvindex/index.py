@@ -26,11 +26,19 @@ from hetmesh.redispool import blocking_client
 KEY = "hetmesh:kv:"
 POOL_WAIT_S = 1.0  # a lookup waits no longer for a free connection (then it finds nothing: load alone)
 
-# ARGV: model, worker, now, ttl, stored, removed (each a space-separated list of block hashes)
+# ARGV: model, worker, now, ttl, stored, removed (each a space-separated list of block hashes), cleared ("1":
+# forget everything the worker held first). One script: a lookup never sees a worker cleared but not yet
+# stored again (a resync's first batch).
 _APPLY = """
 local model, worker, now, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local prefix = KEYS[1]
 local wkey = prefix .. 'wrk:' .. worker
+if ARGV[7] == '1' then
+  for _, entry in ipairs(redis.call('SMEMBERS', wkey)) do
+    redis.call('ZREM', prefix .. 'blk:' .. entry, worker)
+  end
+  redis.call('DEL', wkey)
+end
 local ns = 0
 for h in string.gmatch(ARGV[5], '%S+') do
   local k = prefix .. 'blk:' .. model .. ':' .. h
@@ -108,11 +116,10 @@ class PrefixIndex:
         return cls.from_url(url, ttl_s, **options)
 
     async def apply(self, ev: KvEvent) -> None:
-        if ev.cleared:
-            await self.drop_worker(ev.worker_id)
-        if ev.stored or ev.removed:
+        if ev.cleared or ev.stored or ev.removed:
             await self._run(_APPLY, [ev.model, ev.worker_id, repr(float(ev.ts or time.time())),
-                                     str(int(self.ttl_s) + 1), _packed(ev.stored), _packed(ev.removed)])
+                                     str(int(self.ttl_s) + 1), _packed(ev.stored), _packed(ev.removed),
+                                     "1" if ev.cleared else "0"])
 
     async def lookup(
         self, model: str, hashes: Sequence[int], live_workers: Iterable[str] | None = None, now: float | None = None
@@ -128,13 +135,7 @@ class PrefixIndex:
         return {flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     async def drop_worker(self, worker_id: str) -> None:
-        entries = await self.r.smembers(f"{KEY}wrk:{worker_id}")
-        pipe = self.r.pipeline(transaction=False)
-        for entry in entries:
-            model, _, h = entry.rpartition(":")
-            pipe.zrem(f"{KEY}blk:{model}:{h}", worker_id)
-        pipe.delete(f"{KEY}wrk:{worker_id}")
-        await pipe.execute()
+        await self.apply(KvEvent(worker_id=worker_id, model="", cleared=True))
 
     async def close(self) -> None:
         await self.r.aclose()

@@ -6,7 +6,11 @@ events are dropped and lookups find nothing (placement runs on load alone), and 
 restarted empty) every worker is asked to republish its whole prefix cache (`hetmesh.kv.resync`), which
 rebuilds the index. Only a failure of Redis itself counts as down: a call that found no free connection in
 this process's pool (many placements at once) degrades alone (a lookup finds nothing, the writer tries the
-event again), with no resync. Kept apart from placement and the cluster view, which only call it.
+event again), with no resync. Nor does one slow answer (a socket timeout): a lookup that timed out finds
+nothing and the writer tries the event again, but Redis counts as down only when the probe times out
+PROBE_TIMEOUTS times in a row, so a moment's stall in this process or in Redis neither places the next requests
+on load alone nor makes every worker republish its cache. Kept apart from placement and the cluster view,
+which only call it.
 
 Of several schedulers, one writes the index (events, a lost worker's entries, the resync when Redis is back):
 the one `role` makes the writer, each beat (bookings.Peers.writer); only it subscribes to the events, the
@@ -23,6 +27,7 @@ from collections.abc import Iterable, Sequence
 
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from hetmesh import metrics, subjects
 from hetmesh.bus import Bus, EventBatcher
@@ -33,6 +38,12 @@ from hetmesh.redispool import pool_exhausted
 log = logging.getLogger("hetmesh.scheduler")
 
 REDIS_PROBE_S = 1.0  # how often the scheduler checks Redis (down -> up, or restarted empty)
+PROBE_TIMEOUTS = 2  # probes in a row that time out before a Redis that answers nothing counts as down
+
+
+def timed_out(exc: BaseException) -> bool:
+    """Redis (or this process) was slow: the call's socket timeout ran out, the connection still open."""
+    return isinstance(exc, (RedisTimeoutError, TimeoutError))
 
 
 class PrefixMirror:
@@ -45,13 +56,22 @@ class PrefixMirror:
         self.run_id = ""  # a different one means Redis restarted (empty: no persistence)
         self.queue: asyncio.Queue[KvEvent] = asyncio.Queue(maxsize=100_000)
         self.busy = 0  # calls that found no free Redis connection in time (not counted as Redis down)
+        self.slow = 0  # calls that timed out (not counted as Redis down: the probe decides)
+        self.probe_timeouts = 0  # probes in a row that timed out
         self.writing = False  # this scheduler writes the index (`role`)
         self._events: Subscription | None = None  # the workers' KV events, while it writes
 
-    def down(self, exc: BaseException) -> None:
+    def down(self, exc: BaseException, probe: bool = False) -> None:
         if pool_exhausted(exc):  # busy here, not down there
             self.busy += 1
             return
+        if timed_out(exc):
+            if not probe:
+                self.slow += 1  # this call degrades alone
+                return
+            self.probe_timeouts += 1
+            if self.probe_timeouts < PROBE_TIMEOUTS:
+                return
         if self.ok:
             log.warning("Redis unreachable (%s): placing on load alone until it is back", exc)
             self.events.add(ServiceEvent(service="scheduler", instance=self.instance, request_id="",
@@ -62,8 +82,9 @@ class PrefixMirror:
         try:
             run_id = str((await self.index.r.info("server"))["run_id"])
         except Exception as exc:
-            self.down(exc)
+            self.down(exc, probe=True)
             return
+        self.probe_timeouts = 0
         if not self.ok or run_id != self.run_id:
             # Back, or restarted (and empty): every worker republishes what its cache holds.
             was = "restarted" if self.ok else "up"
@@ -117,7 +138,7 @@ class PrefixMirror:
                     await self.index.apply(ev)
                     break
                 except Exception as exc:
-                    self.down(exc)  # a full pool leaves `ok` set: the same event again, in order
+                    self.down(exc)  # a full pool or a timeout leaves `ok` set: the same event again, in order
 
     async def lookup(self, model: str, hashes: Sequence[int], live_workers: Iterable[str]) -> dict[str, int]:
         """Cached blocks per worker for the prompt's block hashes; none while Redis is unreachable."""
