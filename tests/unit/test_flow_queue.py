@@ -81,14 +81,21 @@ def test_an_idle_tenant_banks_no_credit_and_a_lone_tenant_is_served() -> None:
     assert _drain(q, 6).count("b") <= 4
 
 
-def test_a_new_arrival_waits_while_its_band_or_a_higher_one_holds_anything() -> None:
+def test_a_new_arrival_waits_while_a_higher_band_or_a_tenant_served_before_it_holds_requests() -> None:
     q = FlowQueue([Tenant("hi", band=0), Tenant("lo", band=1), Tenant("x"), Tenant("y")])
     assert q.may_try("lo") and q.may_try("x")  # nothing held: straight to the policy (work-conserving)
     q.hold("l", "lo", 1.0, 1e9, 0.0)
-    assert q.may_try("hi") and q.may_try("x") and not q.may_try("lo")  # a lower band holds: a higher one goes
+    assert q.may_try("hi") and q.may_try("x")  # a lower band holds: a higher one goes
+    assert q.may_try("lo")  # its own held request is all its band holds: it may fit where that one did not
     q.hold("h", "hi", 1.0, 1e9, 0.0)
-    assert not q.may_try("x") and not q.may_try("hi")  # held requests go first, in the queue's order
-    q.placed("x", 100.0)
+    assert not q.may_try("lo")  # a higher band holds
+    # hi is the band's next tenant: its newcomer may take the room its held request was refused
+    assert q.may_try("hi")
+    q.placed("hi", 5.0)
+    q.placed("x", 10.0)
+    # y (tag 0) would start before hi (5), hi before x (10): y goes now, x waits behind hi's held request
+    assert q.may_try("y") and not q.may_try("x")
+    q.placed("x", 90.0)
     q.hold("x1", "x", 1.0, 1e9, 0.0)
     q.hold("y1", "y", 1.0, 1e9, 0.0)
     # the queue's head: the higher band, then y (x just took 100), then x, then the lower band

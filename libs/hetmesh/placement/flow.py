@@ -13,8 +13,10 @@ it here instead of letting every held request retry on its own, where whoever se
 - earliest deadline first within a tenant (deadline: the latest start that meets its TTFT SLO, `hold_deadline`).
 
 A request's cost is in the cost model's units (`engine_seconds`: its predicted engine time; or tokens).
-A new arrival goes straight to the policy only while nothing of its band or above waits; otherwise it joins
-the queue and the shell places from the queue's head, so that room the fleet frees goes in fair order
+A new arrival goes straight to the policy while nothing of a higher band waits and no tenant of its band
+holding requests would start before its own (its tenant is the one the queue serves next: it may take the room
+its own held requests were refused, as a request of the tenant's placed past its head would); otherwise it
+joins the queue and the shell places from the queue's head, so that room the fleet frees goes in fair order
 (work-conserving: with nothing held, nothing waits). A pump walks the queue in that order and a refusal ends
 only its tenant's turn (and every lower band's): another tenant's request may still be placed behind it, but
 only with headroom left for the refused one (below), so that room freed goes to whoever is behind its share.
@@ -215,13 +217,19 @@ class FlowQueue:
         return _decayed(s.rate, s.rate_t, now) / RATE_WINDOW_S
 
     def may_try(self, tenant: str) -> bool:
-        """A new arrival goes to the policy now (True) or joins the queue: nothing of its band or a higher one
-        waits. Held requests go first, in the queue's order, whatever the newcomer's tags."""
-        band = self.tenants[tenant].band
+        """A new arrival goes to the policy now (True) or joins the queue: nothing of a higher band waits, and no
+        other tenant of its band holding requests would start before it (its tenant is the one the band serves
+        next; ties go to the newcomer). Its own held requests keep their places: what the fleet refused them,
+        the newcomer may fit, and its placement moves its tenant's tags as any other."""
+        me = self.tenants[tenant]
+        band = me.band
         for b, n in self._held_in.items():
-            if n and b <= band:
+            if n and b < band:
                 return False
-        return True
+        if not self._held_in[band]:
+            return True
+        st = self._start(me)
+        return not any(s.held and s.band == band and s is not me and self._start(s) < st for s in self._states)
 
     def headroom(self, tenant: str, now: float, refused: Container[str] = ()) -> float:
         """The share of its SLOs a request of `tenant` (taken out of the queue, if it was held) must leave free

@@ -1,8 +1,8 @@
 """The scheduler's side of flow control: the flow queue (hetmesh.placement.flow, built by hetmesh.wiring.flow,
 as the simulator builds its own) at the point where the scheduler holds a request it cannot place yet.
 
-A submit that arrives while anything of its band or a higher one is held, or that the policy refuses while its
-SLO is still in reach, waits on a future; a pump places held requests in the queue's order as it is held,
+A submit that arrives while anything of a higher band is held or a tenant of its band that would start before
+its own (`FlowQueue.may_try`), or that the policy refuses while its SLO is still in reach, waits on a future; a pump places held requests in the queue's order as it is held,
 every admission hold period and whenever a request finishes, a refusal ending its tenant's turn once the
 requests behind it that may go instead have been tried (`Turns`) and standing until a request finishes or the next
 periodic pump (`FlowQueue.recheck`).
