@@ -4,12 +4,15 @@ When the policy cannot place a request now (SLO-aware admission refuses it, the 
 it here instead of letting every held request retry on its own, where whoever sends most gets most:
 
 - strict priority between bands (band 0 first): a lower band is served only while no higher one waits;
-- weighted fair sharing between the tenants of a band: start-time fair queuing (Goyal et al.), a virtual-time
-  form of WFQ. Each tenant has a finish tag F; a request of cost c placed for tenant t starts at
-  S = max(V, F_t) and moves F_t to S + c / weight_t; V, the band's virtual time, is the largest start placed.
-  The next held request is the one whose tenant would start first. An idle tenant's tag is pulled up to V
-  when it comes back (no credit banked while idle), and a band with one tenant waiting serves it alone: the
-  queue is work-conserving;
+- weighted fair sharing between the tenants of a band, of what the fleet holds: the next held request is the
+  one of the tenant with the least cost in flight (placed, not finished) per weight, ties to the heavier. The
+  fleet is non-preemptive, so what a tenant has in flight is its share of the fleet now: room that frees goes
+  to whoever holds least of it per weight, and what was placed while nothing waited (the first fill of an
+  empty fleet, placements on arrival) is evened out as it drains. A virtual clock (start-time fair queuing's)
+  would forgive it: its virtual time moves with every placement, so a tenant whose requests went in out of
+  their order keeps what they took. No history is kept: a tenant back from idle has nothing in flight and
+  takes freed room until it holds its share, never more, and a band with one tenant waiting serves it alone:
+  the queue is work-conserving;
 - earliest deadline first within a tenant (deadline: the latest start that meets its TTFT SLO, `hold_deadline`).
 
 A request's cost is in the cost model's units (`engine_seconds`: its predicted engine time; or tokens).
@@ -112,7 +115,6 @@ class _State:
     tenant: Tenant
     band: int = 0  # the tenant's, read on every walk
     weight: float = 1.0
-    finish: float = 0.0  # F: its finish tag
     inflight: float = 0.0  # cost placed and not finished
     held: list[Held] = field(default_factory=list)  # sorted, EDF (`_edf`): the head first
     rate: float = 0.0  # cost finished, decaying sum over RATE_WINDOW_S
@@ -163,7 +165,7 @@ class FlowQueue:
         self._states = list(self.tenants.values())
         if len(self.tenants) != len(tenants):
             raise ValueError("tenant names must be unique")
-        self.vtime: dict[int, float] = {t.band: 0.0 for t in tenants}
+        bands = sorted({t.band for t in tenants})
         self.max_held = max_held  # per tenant
         self.retry_floor_s = retry_floor_s
         if not 0.0 <= reserve < 1.0:
@@ -174,9 +176,9 @@ class FlowQueue:
         self.lookahead = lookahead  # a pump's tries past a tenant's refused head (`Turns`)
         self._seq = 0
         self._n_held = 0
-        self._held_in: dict[int, int] = dict.fromkeys(self.vtime, 0)  # requests held per band
+        self._held_in: dict[int, int] = dict.fromkeys(bands, 0)  # requests held per band
         self._due = math.inf  # no held request's deadline is earlier (a bound: `expired` skips the walk before it)
-        self._top = min(self.vtime)  # the highest band
+        self._top = bands[0]  # the highest band
         self._taken: Held | None = None  # the last request taken out (held again if still refused)
         self.epoch = 0  # moves when room may have freed (`finished`, `recheck`): a refusal stands until then
 
@@ -186,9 +188,6 @@ class FlowQueue:
 
     def stats(self, tenant: str) -> TenantStats:
         return self.tenants[tenant].stats
-
-    def _start(self, s: _State) -> float:
-        return max(self.vtime[s.band], s.finish)
 
     def _active(self) -> list[_State]:
         return [s for s in self.tenants.values() if s.inflight > 1e-12 or s.held]
@@ -218,9 +217,9 @@ class FlowQueue:
 
     def may_try(self, tenant: str) -> bool:
         """A new arrival goes to the policy now (True) or joins the queue: nothing of a higher band waits, and no
-        other tenant of its band holding requests would start before it (its tenant is the one the band serves
-        next; ties go to the newcomer). Its own held requests keep their places: what the fleet refused them,
-        the newcomer may fit, and its placement moves its tenant's tags as any other."""
+        other tenant of its band holding requests has less in flight per weight (its tenant is the one the band
+        serves next; ties go to the newcomer). Its own held requests keep their places: what the fleet refused
+        them, the newcomer may fit, and its placement counts in its tenant's share as any other."""
         me = self.tenants[tenant]
         band = me.band
         for b, n in self._held_in.items():
@@ -228,8 +227,9 @@ class FlowQueue:
                 return False
         if not self._held_in[band]:
             return True
-        st = self._start(me)
-        return not any(s.held and s.band == band and s is not me and self._start(s) < st for s in self._states)
+        mine = me.inflight / me.weight
+        return not any(s.held and s.band == band and s is not me and s.inflight / s.weight < mine
+                       for s in self._states)
 
     def headroom(self, tenant: str, now: float, refused: Container[str] = ()) -> float:
         """The share of its SLOs a request of `tenant` (taken out of the queue, if it was held) must leave free
@@ -262,43 +262,39 @@ class FlowQueue:
         return 0.0
 
     def order(self) -> Iterator[Held]:
-        """Every held request in service order: bands first, then tenants by start tag (as if each were placed
-        in turn), EDF within a tenant. A snapshot: the caller may take() while it walks it."""
+        """Every held request in service order: bands first, then tenants by cost in flight per weight (as if
+        each were placed in turn), EDF within a tenant. A snapshot: the caller may take() while it walks it."""
         by_band: dict[int, list[_State]] = {}
         for s in self.tenants.values():
             if s.held:
                 by_band.setdefault(s.band, []).append(s)
         for band in sorted(by_band):
-            v = self.vtime[band]
             heap = []
             for i, s in enumerate(by_band[band]):
                 queue = list(s.held)
-                heap.append((max(v, s.finish), -s.weight, i, 0, queue, s))
+                heap.append((s.inflight / s.weight, -s.weight, i, 0, queue, s))
             heapq.heapify(heap)
             while heap:
-                start, nw, i, j, queue, s = heapq.heappop(heap)
+                held, nw, i, j, queue, s = heapq.heappop(heap)
                 h = queue[j]
                 yield h
                 if j + 1 < len(queue):
-                    v = max(v, start)
-                    heapq.heappush(heap, (max(v, start + h.cost / s.weight), nw, i, j + 1, queue, s))
+                    heapq.heappush(heap, (held + h.cost / s.weight, nw, i, j + 1, queue, s))
 
     def head(self, skip: Container[str] = (), last_band: int | None = None) -> Held | None:
-        """The held request that goes next: the highest band that holds any, the tenant of it that would start
-        first (ties: the heavier), its earliest deadline. O(tenants). `skip`: tenants whose turn is over;
+        """The held request that goes next: the highest band that holds any, the tenant of it with the least
+        cost in flight per weight (ties: the heavier), its earliest deadline. O(tenants). `skip`: tenants whose turn is over;
         `last_band`: no tenant of a lower band (a pump's turns, `Turns`)."""
         if not self._n_held:
             return None
         best = None
-        kb, ks, kw = math.inf, math.inf, 0.0  # the best's band, start tag, weight
-        vtime = self.vtime
+        kb, ks, kw = math.inf, math.inf, 0.0  # the best's band, in flight per weight, weight
         for s in self._states:
             if s.held:
                 b = s.band
                 if b > kb or (last_band is not None and b > last_band) or (skip and s.tenant.name in skip):
                     continue
-                v, f = vtime[b], s.finish
-                st = f if f > v else v
+                st = s.inflight / s.weight
                 if b < kb or st < ks or (st == ks and s.weight > kw):
                     best, kb, ks, kw = s, b, st, s.weight
         return best.held[0] if best is not None else None
@@ -367,14 +363,10 @@ class FlowQueue:
         return out
 
     def placed(self, tenant: str, cost: float, tokens: int = 0, now: float = 0.0) -> None:
-        """A request of `tenant` was placed: its start and finish tags, its in-flight cost."""
+        """A request of `tenant` was placed: its in-flight cost."""
         s = self.tenants[tenant]
         s.got = _decayed(s.got, s.got_t, now) + cost
         s.got_t = now
-        band = s.band
-        start = self._start(s)
-        s.finish = start + cost / s.weight
-        self.vtime[band] = max(self.vtime[band], start)
         s.inflight += cost
         s.stats.placed += 1
         s.stats.tokens += tokens
@@ -403,7 +395,7 @@ class Turns:
     """One pump's walk of the queue: held requests in its order (`FlowQueue.head`). A refusal ends every lower
     band's turn (strict priority) but not its band's: the others' requests may fit where it did not, with headroom
     left for its tenant (`FlowQueue.headroom`'s `refused`: `done`). Within the refused tenant, the next
-    `lookahead` requests in EDF order are tried in turn: one that fits goes, charged to its tenant's tags as any
+    `lookahead` requests in EDF order are tried in turn: one that fits goes, charged to its tenant's share as any
     placement (the shares hold), and the refused head stays first for the next pump. A head is passed over so for
     at most its own cost (`Held.passed`): its wait grows by at most what it would take itself, as if one more
     request of its tenant had come before it; from then on its tenant's room is kept for it. A request refused at
