@@ -260,6 +260,7 @@ class Booking(Struct, frozen=True, kw_only=True):
     stolen_s: float = 0.0  # of which the decodes beside it there lose
     first_token_s: float = 0.0  # from placing to its first token on the decode worker (TTFT and KV transfer)
     decode_step_s: float = 0.0  # its decode step there, no prefill beside it
+    tpot_s: float = 0.0  # its predicted step there, slowed by the prefill share (0: decode_step_s)
     full_chunk_s: float = 0.0  # what one full prefill chunk beside it adds to that step
     decode_batch: int = 1  # the decode worker's max_batch
     max_tokens: int = 1

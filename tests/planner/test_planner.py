@@ -369,11 +369,11 @@ def test_the_local_search_takes_back_what_the_demand_does_not_need_and_simulates
 def test_the_local_search_may_cross_a_plateau_to_reach_a_drop() -> None:
     from hetmesh.planner import buy
 
-    # 9 req/s on MI300X: one server tp meets the SLOs, one dp does not, two dp do (fully). From two dp no
+    # 8 req/s on MI300X: one server tp meets the SLOs, one dp does not, two dp do (fully). From two dp no
     # drop meets them, and moving one to tp saves nothing and meets them no better: a search that only
     # descends stops at two servers; one that may cross the plateau moves it, then drops the dp
     g = [ServerGroup(name="mi300x", accelerator="amd-mi300x", count=4)]
-    d = [ModelDemand(name="m", spec="llama-3.1-70b", rate=9.0, input_mean=1024, output_mean=128, tpot_slo_s=0.08)]
+    d = [ModelDemand(name="m", spec="llama-3.1-70b", rate=8.0, input_mean=1024, output_mean=128, tpot_slo_s=0.08)]
     tr = demand_trace(d, 60.0)
 
     def servers(*layouts: str) -> list[Assignment]:
@@ -444,15 +444,18 @@ def test_the_plan_simulates_the_tied_layouts_and_keeps_the_best() -> None:
     groups, d = _tie_case()
     idle = plan(groups, [d[0].scaled(0.1)], check_duration_s=30)  # all served within the SLOs: nothing to refine
     assert idle.predicted["slo_attainment"] == 1.0 and not any(c.name.startswith("layout-") for c in idle.candidates)
-    # today one server runs tp and two dp: the solver keeps the mix (a tie, and no move), the simulation does not
+    # today one server runs tp and two dp: without refining no variant is simulated; refining simulates the
+    # pool in one layout beside the solver's candidates and the current layout
     mixed = [msgspec.structs.replace(groups[0], name="a", count=1, model="b", parallel="tp"),
              msgspec.structs.replace(groups[0], name="c", count=2, model="b", parallel="dp")]
     kept = plan(mixed, d, check_duration_s=30, refine=0)
-    assert sorted(a.parallel for a in kept.assignments) == ["dp", "dp", "tp"]
+    assert not any(c.name.startswith("layout-") for c in kept.candidates)
     p = plan(mixed, d, check_duration_s=30)
-    names = {c.name: c.score for c in p.candidates}
-    assert p.chosen.startswith("layout-") and len({a.parallel for a in p.assignments}) == 1
-    assert names[p.chosen] > max(c.score for c in kept.candidates)
+    for q in (kept, p):  # kept: the best score, or the current layout within 1% of it (no moves for a tie)
+        names = {c.name: c.score for c in q.candidates}
+        top = max(names.values())
+        assert names[q.chosen] == top or (q.chosen == "current" and names["current"] >= 0.99 * top)
+    assert any(c.name.startswith("layout-") for c in p.candidates)
     assert p.predicted["slo_attainment"] < 1.0
 
 

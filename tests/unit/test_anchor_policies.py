@@ -210,35 +210,52 @@ def test_cost_policy_holds_a_refusal_for_tpot_and_counts_the_wait_in_its_ttft() 
     assert d is not None and d.mode == REFUSED
 
 
-def test_behind_a_full_batch_a_decode_pays_its_wait_for_a_slot_when_admission_is_on() -> None:
-    """Keeping SLOs (admission on), a decode queued behind a full batch also waits until enough slots free,
-    one every life / max_batch (life: the mean time the decodes placed there hold one), and pays that wait
-    in its own tokens: a 2-token request in its one TPOT interval, a 101-token one over 100. Serving
-    everything (admission off) only the b / max_batch rounds price the queue; with a slot free, no wait."""
-    def views(running: int, queue: int) -> list[WorkerView]:
-        return [WorkerView(worker_id="h-0", model="llama-3.1-70b", accelerator="nvidia-h100", vendor="nvidia",
-                           devices=8, role=Role.BOTH, queue_depth=queue, running=running, max_batch=64,
-                           kv_blocks_total=0, kv_blocks_used=0, block_size=16)]
+def test_behind_a_full_batch_a_sequence_pays_its_wait_for_a_slot_once_when_admission_is_on() -> None:
+    """Keeping SLOs (admission on), a sequence queued behind a full batch also waits until enough slots free,
+    one every life / max_batch (life: the mean time the decodes placed there hold one), and waits once: on a
+    `both` worker before its first token (its prefill needs the slot, then it runs through), on a decode
+    worker after another's prefill spread over its own tokens (a 2-token request in its one TPOT interval, a
+    101-token one over 100). Serving everything (admission off) only the b / max_batch rounds price the
+    queue; with a slot free, no wait."""
+    def views(split: bool, running: int, queue: int) -> list[WorkerView]:
+        def view(wid: str, role: Role, running: int, queue: int) -> WorkerView:
+            return WorkerView(worker_id=wid, model="llama-3.1-70b", accelerator="nvidia-h100", vendor="nvidia",
+                              devices=8, role=role, queue_depth=queue, running=running, max_batch=64,
+                              kv_blocks_total=0, kv_blocks_used=0, block_size=16)
+        if not split:
+            return [view("h-0", Role.BOTH, running, queue)]
+        return [view("p-0", Role.PREFILL, 0, 0), view("d-0", Role.DECODE, running, queue)]
 
     def req(rid: str, n: int, at: float = 600.0) -> RequestInfo:
         return RequestInfo(request_id=rid, model="llama-3.1-70b", prompt_len=100, max_tokens=n, arrival=at)
 
-    def placed(margin: float, n: int, running: int, queue: int) -> tuple[float, float]:
-        """(life of the one decode placed before, TPOT predicted for an n-token decode at that batch)"""
+    def placed(split: bool, margin: float, n: int, running: int, queue: int) -> tuple[float, float, float]:
+        """(life of the one decode placed before, TTFT and TPOT predicted for an n-token request at that batch)"""
         p = make_policy("cost", admission_margin=margin)
-        first = p.place(req("a", 33, 0.0), views(0, 0))  # alone: its slot is held 32 steps of a batch of one
-        d = p.place(req("c", n), views(running, queue))  # 600 s on: the first one's prefill share is gone
+        first = p.place(req("a", 33, 0.0), views(split, 0, 0))  # alone: its slot is held 32 steps of a batch of 1
+        d = p.place(req("c", n), views(split, running, queue))  # 600 s on: the first one's prefill share is gone
         assert first is not None and first.predicted_tpot_s and d is not None and d.predicted_tpot_s
-        return 32 * first.predicted_tpot_s, d.predicted_tpot_s
+        assert d.predicted_ttft_s is not None and (d.prefill_worker == "p-0") == split
+        return 32 * first.predicted_tpot_s, d.predicted_ttft_s, d.predicted_tpot_s
 
-    over = {}
-    for n in (2, 101):
-        life, on = placed(1e9, n, 64, 31)  # on, never refusing; 96 in 64 slots: 32 slots to free
-        _, off = placed(0.0, n, 64, 31)
-        over[n] = on - off
-        assert math.isclose(over[n], 32 * life / 64 / (n - 1), rel_tol=0.02)
-        assert math.isclose(placed(1e9, n, 40, 0)[1], placed(0.0, n, 40, 0)[1], rel_tol=1e-9)  # a slot free
-    assert math.isclose(over[2] / over[101], 100, rel_tol=0.02)
+    for split in (False, True):
+        over = {}
+        for n in (2, 101):
+            life, ttft_on, on = placed(split, 1e9, n, 64, 31)  # on, never refusing; 96 in 64 slots: 32 to free
+            _, ttft_off, off = placed(split, 0.0, n, 64, 31)
+            over[n] = on - off
+            wait = 32 * life / 64
+            if split:  # the decode joins the full batch after its first token
+                assert math.isclose(over[n], wait / (n - 1), rel_tol=0.02)
+                assert math.isclose(ttft_on, ttft_off, rel_tol=1e-9)
+            else:  # it waits, then prefills and decodes in the batch
+                assert math.isclose(ttft_on - ttft_off, wait, rel_tol=0.02)
+                assert math.isclose(on, off, rel_tol=1e-9)
+            free_on, free_off = placed(split, 1e9, n, 40, 0), placed(split, 0.0, n, 40, 0)  # a slot free
+            assert math.isclose(free_on[1], free_off[1], rel_tol=1e-9) and math.isclose(free_on[2], free_off[2],
+                                                                                         rel_tol=1e-9)
+        if split:
+            assert math.isclose(over[2] / over[101], 100, rel_tol=0.02)
 
 
 def test_cost_policy_refuses_past_the_margin_and_commits_nothing() -> None:

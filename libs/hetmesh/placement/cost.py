@@ -1,7 +1,8 @@
 """The cost-aware placement policy: price every feasible placement with the cost model, pick the best.
 
 Every aggregated placement (one `both` worker) and the best prefill x decode pairs are priced for TTFT
-(backlog + prefill on P), TPOT (decode step on D slowed by its prefill share) and e2e (TTFT + KV transfer +
+(backlog + prefill on P, and the wait for a slot behind P's full batch), TPOT (decode step on D slowed by its
+prefill share; the slot wait spread over it where D decodes another's prefill) and e2e (TTFT + KV transfer +
 (output - 1) x TPOT); pricing.py holds the arithmetic. "throughput" takes the lowest e2e plus the delay the
 placement puts on others, "latency" the lowest TTFT, both preferring placements inside the SLOs. The backlog,
 the prefill share and the decode guard are the policy's own bookkeeping of what it placed, in arrays indexed
@@ -217,11 +218,18 @@ class CostPolicy:
         stolen = np.maximum(prefill - p.steps * steps.decode_alone, 0.0)
         d = pricing.decode_step(ld, steps)
         slow = 1.0 - self._decode_share(now, sl, req)
-        tpot = pricing.tpot(d, slow, ld, self._life[sl], req.max_tokens, self._margin(req.model) > 0)
+        # keeping SLOs, a sequence behind a full batch waits for a slot once: before its first token where it
+        # prefills (and so where it runs whole), spread over its tokens where it decodes another's prefill
+        wait = pricing.slot_wait(ld, self._life[sl]) if self._margin(req.model) > 0 else None
+        tpot = pricing.tpot(d, slow, None, req.max_tokens)
+        joined = tpot if wait is None else pricing.tpot(d, slow, wait, req.max_tokens)
+        ttft = backlog + prefill + self._gap[sl]
+        if wait is not None:
+            ttft = ttft + wait
         return Priced(now=now, pre=pre, dec=dec, agg=agg, cached=p.cached, ctx=p.ctx, prefill=prefill,
-                      booked=booked, stolen=stolen, ttft=backlog + prefill + self._gap[sl], plain=d.plain,
+                      booked=booked, stolen=stolen, ttft=ttft, plain=d.plain,
                       full_chunk=d.full_chunk,
-                      tpot=tpot, prefill_delay=stolen * pricing.stalled(ld, self._queued_prefills(now)),
+                      tpot=tpot, joined=joined, prefill_delay=stolen * pricing.stalled(ld, self._queued_prefills(now)),
                       decode_delay=pricing.decode_delay(ld, d, slow, req.max_tokens), fits=pricing.kv_fits(ld, req))
 
     def _decode_share(self, now: float, sl: np.ndarray | slice, req: RequestInfo) -> np.ndarray:
@@ -264,7 +272,7 @@ class CostPolicy:
         n_out = max(req.max_tokens, 1)
         ttft_slo, tpot_slo = self._slo(req.model)
         margin = self._margin(req.model)
-        pre, dec, agg_i, ttft, tpot = pr.pre, pr.dec, pr.agg, pr.ttft, pr.tpot
+        pre, dec, agg_i, ttft = pr.pre, pr.dec, pr.agg, pr.ttft
         # With admission on, the output tokens of the decodes placed on each worker that a prefill there would
         # push past their TPOT SLO (DecodeGuard); with it off the policy keeps no SLO but its own preference
         # and places by cost (None: no decode is guarded, nothing harmed).
@@ -280,7 +288,7 @@ class CostPolicy:
             t_pre = ttft[pre]
             late = t_pre > ttft_slo
             best_p = pre[first_k(t_pre, (late,) if harm_w is None else (harm_w[pre] > 0, late), self.top_k)].tolist()
-            best_d = dec[first_k(tpot[dec], (), self.top_k)].tolist()
+            best_d = dec[first_k(pr.joined[dec], (), self.top_k)].tolist()
             pairs = [(p, d) for p in best_p for d in best_d if p != d]
             if pairs:
                 link, moves = self._link, {}  # the KV transfer between two servers' rows
@@ -293,7 +301,7 @@ class CostPolicy:
         if not len(ip):
             return None
         o_ttft = ttft[ip]
-        o_tpot = tpot[id_]
+        o_tpot = np.concatenate([pr.tpot[agg_i], pr.joined[id_[len(agg_i):]]])
         o_e2e = o_ttft + xfer + (n_out - 1) * o_tpot
         miss = ~pr.fits[id_]
         harm = None if harm_w is None else harm_w[ip]
@@ -321,6 +329,7 @@ class CostPolicy:
         p, d = int(ip[k]), int(id_[k])
         booking = Booking(prefill_s=float(pr.booked[p]), stolen_s=float(pr.stolen[p]),
                           first_token_s=float(o_ttft[k] + xfer[k]), decode_step_s=float(pr.plain[d]),
+                          tpot_s=float(pr.tpot[d]),
                           full_chunk_s=float(pr.full_chunk[d]), decode_batch=int(f.num[d, 2]), max_tokens=n_out,
                           tpot_slo_s=tpot_slo, placed_at=pr.now)
         self._book(booking, int(f.slots[p]), int(f.slots[d]), pr.now)
@@ -352,7 +361,7 @@ class CostPolicy:
             return decision  # nothing to judge it by
         n_out = max(req.max_tokens, 1)
         ttft = float(pr.ttft[p])
-        tpot = float(pr.tpot[d]) if n_out > 1 else 0.0
+        tpot = float((pr.tpot if p == d else pr.joined)[d]) if n_out > 1 else 0.0
         ttft_slo, tpot_slo = self._slo(req.model)
         over = over_slo(ttft + req.waited_s, tpot, n_out, ttft_slo, tpot_slo) / req.slo_share
         if margin is None:
@@ -416,9 +425,11 @@ class CostPolicy:
         if n_out > 1:
             start = now + b.first_token_s
             life = (n_out - 1) * b.decode_step_s
-            # the slot's life, in the mean over the last max_batch or so decodes placed there
+            # how long it holds its slot (its steps slowed by the prefills beside it), in the mean over the last
+            # max_batch or so decodes placed there: what a sequence behind a full batch waits for
+            held = (n_out - 1) * (b.tpot_s or b.decode_step_s)
             old, mb = float(self._life[slot_d]), max(float(b.decode_batch), 1.0)
-            self._life[slot_d] = life if old == 0.0 else old + (life - old) / mb
+            self._life[slot_d] = held if old == 0.0 else old + (held - old) / mb
             queued = max(float(self._busy_until[slot_d]) - start, 0.0)  # prefill still queued on D by then
             slack = (n_out - 1) * b.tpot_slo_s - life - queued
             if slack < b.full_chunk_s:  # fragile: one prefill chunk beside it would break its SLO

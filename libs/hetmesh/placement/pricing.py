@@ -36,10 +36,11 @@ class Priced(msgspec.Struct, frozen=True, kw_only=True):
     prefill: np.ndarray  # prefill seconds on each worker (its steps, the decodes riding along included)
     booked: np.ndarray  # what it adds to the worker's backlog: `prefill`, or less where it shares steps
     stolen: np.ndarray  # of which the decodes there would not have spent anyway
-    ttft: np.ndarray  # backlog + prefill on each worker as P
+    ttft: np.ndarray  # backlog + prefill on each worker as P, and its wait for a slot there (keeping SLOs)
     plain: np.ndarray  # decode step on each worker as D at its batch, no prefill beside it
     full_chunk: np.ndarray  # what one full prefill chunk there takes from the decodes beside it
-    tpot: np.ndarray  # that step slowed by the worker's prefill share
+    tpot: np.ndarray  # that step slowed by the worker's prefill share (as D where it also prefilled)
+    joined: np.ndarray  # `tpot` for a decode joining after another worker's prefill: its slot wait spread in it
     prefill_delay: np.ndarray  # seconds a prefill there takes from the sequences running or queued there
     decode_delay: np.ndarray  # seconds this decode there adds to the others' steps
     fits: np.ndarray  # its KV fits on each worker as D
@@ -285,14 +286,21 @@ def decode_step(ld: Load, s: Steps) -> DecodeStep:
     return DecodeStep(step, marginal, s.with_chunk - s.decode_alone, waits)
 
 
-def tpot(d: DecodeStep, slow: np.ndarray, ld: Load, life: np.ndarray, n_out: int, keep_slo: bool) -> np.ndarray:
+def slot_wait(ld: Load, life: np.ndarray) -> np.ndarray | None:
+    """Seconds a sequence joining each worker's batch waits for a slot: behind a full batch, batch - max_batch
+    slots must free first, one every life / max_batch seconds (None where no batch is full)."""
+    if not np.count_nonzero(ld.waits):
+        return None
+    return np.where(ld.waits, np.maximum(ld.batch - ld.max_batch, 0.0) * life / ld.max_batch, 0.0)
+
+
+def tpot(d: DecodeStep, slow: np.ndarray, wait: np.ndarray | None, n_out: int) -> np.ndarray:
     """Time per output token on each worker as D: its step slowed by the prefill share (`slow` = 1 - share),
-    never by more than a full chunk beside the batch. Keeping SLOs (`keep_slo`), a decode behind a full
-    batch also waits for batch - max_batch slots to free, one every life / max_batch seconds, and pays that
-    wait in its own tokens (with admission off the wait costs the cluster nothing: the rounds alone price it)."""
+    never by more than a full chunk beside the batch, plus the slot `wait` (when SLOs are kept) spread over
+    its own tokens (with admission off the wait costs the cluster nothing: the rounds alone price it)."""
     out = np.minimum(d.plain / slow, d.plain + d.full_chunk)
-    if keep_slo and np.count_nonzero(d.waits):
-        out = out + np.maximum(ld.batch - ld.max_batch, 0.0) * life / ld.max_batch / max(n_out - 1, 1)
+    if wait is not None:
+        out = out + wait / max(n_out - 1, 1)
     return out
 
 
