@@ -94,11 +94,12 @@ def tenants(cfg: ClusterConfig) -> list[Tenant]:
 
 
 def flow(cfg: ClusterConfig) -> FlowQueue | None:
-    """The scheduler's flow queue; None without [[tenants]] (flow control off)."""
+    """The scheduler's flow queue; None without [[tenants]] (flow control off). It runs on the engines' clock
+    (wall x mesh.time_scale), so its Retry-After floor is scheduler.retry_after_s of wall time."""
     if not cfg.tenants:
         return None
-    return flow_queue(tenants(cfg), cfg.flow.max_held, cfg.scheduler.retry_after_s, cfg.flow.headroom,
-                      cfg.flow.lookahead)
+    return flow_queue(tenants(cfg), cfg.flow.max_held, cfg.scheduler.retry_after_s * cfg.mesh.time_scale,
+                      cfg.flow.headroom, cfg.flow.lookahead)
 
 
 def pricer(cm: CostModel, max_batch: int) -> Callable[[int, int, int], float]:

@@ -6,6 +6,9 @@ its own (`FlowQueue.may_try`), or that the policy refuses while its SLO is still
 every admission hold period and whenever a request finishes, a refusal ending its tenant's turn once the
 requests behind it that may go instead have been tried (`Turns`) and standing until a request finishes or the next
 periodic pump (`FlowQueue.recheck`).
+The queue runs on the policy's clock, the engines' (monotonic wall time x `mesh.time_scale`), as the simulator
+runs it: its deadlines, its decaying sums of what each tenant sent and was placed, and the rate a tenant's work
+drains at are in engine seconds; a Retry-After goes back to the client in wall seconds.
 The policy sees each request with the headroom its tenant must leave others (`FlowQueue.headroom`). What the
 pump places is booked in the cluster view at once (`ClusterState.assigned`), so the next placement of the same
 pump sees it. A request's booked cost leaves its tenant's share when it finishes, is cancelled, its worker is
@@ -35,7 +38,7 @@ class _Waiting:
     fut: asyncio.Future[Placed | refusals.Refusal]
     info: RequestInfo
     req: InferenceRequest
-    t0: float  # monotonic, when it was first held
+    t0: float  # on the queue's clock (`FlowGate.now`), when it was first held
 
 
 class FlowGate:
@@ -50,6 +53,10 @@ class FlowGate:
         self.prices = {m.name: wiring.cluster_pricer(cfg, m.name) for m in cfg.models}
         self.inflight: dict[str, tuple[str, float, float]] = {}  # request id -> tenant, cost, when placed
         self._pump_task: asyncio.Task[None] | None = None
+
+    def now(self) -> float:
+        """The queue's clock: the engines' (the policy's) time."""
+        return time.monotonic() * self.scale
 
     def tenant(self, req: InferenceRequest) -> str:
         return req.tenant or wiring.DEFAULT_TENANT
@@ -67,18 +74,18 @@ class FlowGate:
                turns: Turns | None = None) -> tuple[Decision | None, float]:
         """The policy's placement, with the headroom its tenant leaves others (`FlowQueue.headroom`; `turns`: the
         pump's, whose refused tenants are owed room), and that headroom."""
-        head = self.q.headroom(self.tenant(req), time.monotonic(), turns.done if turns is not None else ())
+        head = self.q.headroom(self.tenant(req), self.now(), turns.done if turns is not None else ())
         return self.place_fn(reserved(info, head)), head
 
     def _refusal(self, req: InferenceRequest, why: str) -> refusals.Refusal:
         t = self.tenant(req)
         self.q.refused(t)
-        return refusals.flow_refused(req.model, t, why, self.q.retry_after_s(t, time.monotonic()))
+        return refusals.flow_refused(req.model, t, why, self.q.retry_after_s(t, self.now()) / self.scale)
 
     def _booked(self, req: InferenceRequest, d: Decision | None, cost: float) -> None:
         if d is not None:
             t = self.tenant(req)
-            self.q.placed(t, cost, len(req.prompt_tokens) + req.sampling.max_tokens, time.monotonic())
+            self.q.placed(t, cost, len(req.prompt_tokens) + req.sampling.max_tokens, self.now())
             self.inflight[req.request_id] = (t, cost, time.monotonic())
 
     async def place(self, req: InferenceRequest, info: RequestInfo, cached: int) -> Placed | refusals.Refusal:
@@ -86,7 +93,7 @@ class FlowGate:
         t, q = self.tenant(req), self.q
         cost = self.cost(req, cached)
         if req.attempt == 0:
-            q.arrived(t, cost, time.monotonic())
+            q.arrived(t, cost, self.now())
         tried = q.may_try(t)
         if tried:
             d, _ = self._place(req, info)
@@ -95,10 +102,10 @@ class FlowGate:
                 return d, False
             if d.hold_s is None:
                 return d, False  # admission's own refusal: the caller answers it
-        now = time.monotonic()
-        price = self.prices.get(req.model)  # its own prefill, on the engines' clock (none: unknown, taken as 0)
-        prefill = price(len(req.prompt_tokens), cached, 0) / self.scale if price is not None else 0.0
-        deadline = hold_deadline(now, self.cfg.slo(req.model)[0] / self.scale, prefill, self.cfg.gateway.hold_limit_s,
+        now = self.now()
+        price = self.prices.get(req.model)  # its own prefill (none: unknown, taken as 0)
+        prefill = price(len(req.prompt_tokens), cached, 0) if price is not None else 0.0
+        deadline = hold_deadline(now, self.cfg.slo(req.model)[0], prefill, self.cfg.gateway.hold_limit_s * self.scale,
                                  q.headroom(t, now))
         fut: asyncio.Future[Placed | refusals.Refusal] = asyncio.get_running_loop().create_future()
         if q.hold(req.request_id, t, cost, deadline, now, _Waiting(fut, info, req, now)) is None:
@@ -118,7 +125,7 @@ class FlowGate:
     def pump(self) -> None:
         """Place held requests in the queue's order, each tenant's until the fleet refuses it (`Turns`; no await:
         one view)."""
-        q, now = self.q, time.monotonic()
+        q, now = self.q, self.now()
         for h in q.expired(now):
             w: _Waiting = h.item  # type: ignore[assignment]
             if not w.fut.done():
@@ -129,7 +136,7 @@ class FlowGate:
             if w.fut.done():  # its client went away
                 q.take(h, now)
                 continue
-            held = (now - w.t0) * self.scale
+            held = now - w.t0
             q.take(h, now)  # out of the queue while placed (its tenant's headroom counts the others waiting)
             d, head = self._place(w.req, msgspec.structs.replace(w.info, arrival=w.info.arrival + held,
                                                                  waited_s=w.info.waited_s + held), turns)
@@ -149,7 +156,7 @@ class FlowGate:
         its cost leaves its tenant's share; `slo_met`: a finished one's verdict (None: not judged)."""
         got = self.inflight.pop(request_id, None)
         if got is not None:
-            self.q.finished(got[0], got[1], time.monotonic(), slo_met)
+            self.q.finished(got[0], got[1], self.now(), slo_met)
             if len(self.q):
                 self.pump()
 
@@ -164,7 +171,7 @@ class FlowGate:
                     ("hetmesh_tenant_refused_total", "Requests flow control refused per tenant (429)", "counter",
                      lab, s.refused),
                     ("hetmesh_tenant_held_total", "Requests flow control held per tenant", "counter", lab, s.held),
-                    ("hetmesh_tenant_held_seconds_total", "Seconds requests were held, per tenant", "counter", lab,
+                    ("hetmesh_tenant_held_seconds_total", "Seconds requests were held, per tenant (engine time)", "counter", lab,
                      s.held_s),
                     ("hetmesh_tenant_tokens_total", "Prompt + max output tokens placed per tenant", "counter", lab,
                      s.tokens),
