@@ -16,9 +16,9 @@ it here instead of letting every held request retry on its own, where whoever se
 - earliest deadline first within a tenant (deadline: the latest start that meets its TTFT SLO, `hold_deadline`).
 
 A request's cost is in the cost model's units (`engine_seconds`: its predicted engine time; or tokens).
-A new arrival goes straight to the policy while nothing of a higher band waits and no tenant of its band
-holding requests would start before its own (its tenant is the one the queue serves next: it may take the room
-its own held requests were refused, as a request of the tenant's placed past its head would); otherwise it
+A new arrival goes straight to the policy while nothing of a higher band waits and no other tenant of its band
+holding requests has less in flight per weight (its tenant is the one the queue serves next: it may take the
+room its own held requests were refused, as a request of the tenant's placed past its head would); otherwise it
 joins the queue and the shell places from the queue's head, so that room the fleet frees goes in fair order
 (work-conserving: with nothing held, nothing waits). A pump walks the queue in that order and a refusal ends
 only its tenant's turn (and every lower band's): another tenant's request may still be placed behind it, but
@@ -32,7 +32,7 @@ tenant's whole queue can be looked through with the policy asked about each held
 Headroom (`headroom`): a request is placed only if its predicted TTFT and TPOT stay within `1 - reserve` of its
 SLOs (`reserved`) while someone it would crowd out is active: a higher band (in flight or held); or, for a
 tenant with more requests waiting, another tenant of its band whose request this pump could not place and that
-it leads by more than that request's cost per weight (up to that lead it uses the room: fair queuing's own
+it leads by more than that request's cost per weight (up to that lead it uses the room: fair sharing's own
 bound), or one owed room (active, nothing waiting, sending less per weight than the waiting tenant is
 placed). The fleet is non-preemptive and admission fills it to the edge of the SLOs: the room left is what those
 tenants' next arrivals land in, prefill backlog and decode batch alike.
@@ -236,7 +236,7 @@ class FlowQueue:
         when placed: `reserve` while a tenant of a higher band has work in flight or held; or while `tenant` has
         more requests waiting and another tenant of its band is owed room: in `refused` (this pump could not
         place its request: `Turns.done`) while `tenant` has been placed more cost per weight than it by more than
-        its head's cost per weight (up to that lead, placing past it stays within fair queuing's bound of one
+        its head's cost per weight (up to that lead, placing past it stays within fair sharing's bound of one
         request: the fleet's room is used, not kept), or active with nothing waiting and sending less cost per
         weight than `tenant` is being placed (its next arrivals are within what `tenant` takes). Else 0: no one
         to keep room for (a tenant with nothing else waiting takes what it fits: it is within what it sends).
@@ -283,8 +283,8 @@ class FlowQueue:
 
     def head(self, skip: Container[str] = (), last_band: int | None = None) -> Held | None:
         """The held request that goes next: the highest band that holds any, the tenant of it with the least
-        cost in flight per weight (ties: the heavier), its earliest deadline. O(tenants). `skip`: tenants whose turn is over;
-        `last_band`: no tenant of a lower band (a pump's turns, `Turns`)."""
+        cost in flight per weight (ties: the heavier), its earliest deadline. O(tenants). `skip`: tenants whose
+        turn is over; `last_band`: no tenant of a lower band (a pump's turns, `Turns`)."""
         if not self._n_held:
             return None
         best = None

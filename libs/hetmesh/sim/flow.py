@@ -6,7 +6,8 @@ being placed again on its own; the queue is pumped, in its fair order, on each a
 request finishes and every admission hold period while it holds anything, and a refusal ends its tenant's turn
 in the pump once the requests behind it that may go instead have been tried (`Turns`); a refusal stands until a
 request finishes or the next periodic pump (`FlowQueue.recheck`). A new arrival joins the queue while anything of
-a higher band waits there, or a tenant of its band that would start before its own (`FlowQueue.may_try`).
+a higher band waits there, or a tenant of its band with less in flight per weight than its own
+(`FlowQueue.may_try`).
 The policy sees each request with the headroom its tenant must leave others (`FlowQueue.headroom`).
 """
 

@@ -1,11 +1,11 @@
 """The scheduler's side of flow control: the flow queue (hetmesh.placement.flow, built by hetmesh.wiring.flow,
 as the simulator builds its own) at the point where the scheduler holds a request it cannot place yet.
 
-A submit that arrives while anything of a higher band is held or a tenant of its band that would start before
-its own (`FlowQueue.may_try`), or that the policy refuses while its SLO is still in reach, waits on a future; a pump places held requests in the queue's order as it is held,
-every admission hold period and whenever a request finishes, a refusal ending its tenant's turn once the
-requests behind it that may go instead have been tried (`Turns`) and standing until a request finishes or the next
-periodic pump (`FlowQueue.recheck`).
+A submit that arrives while anything of a higher band is held or a tenant of its band with less in flight per
+weight than its own (`FlowQueue.may_try`), or that the policy refuses while its SLO is still in reach, waits on a
+future; a pump places held requests in the queue's order as it is held, every admission hold period and whenever
+a request finishes, a refusal ending its tenant's turn once the requests behind it that may go instead have been
+tried (`Turns`) and standing until a request finishes or the next periodic pump (`FlowQueue.recheck`).
 The queue runs on the policy's clock, the engines' (monotonic wall time x `mesh.time_scale`), as the simulator
 runs it: its deadlines, its decaying sums of what each tenant sent and was placed, and the rate a tenant's work
 drains at are in engine seconds; a Retry-After goes back to the client in wall seconds.
