@@ -55,6 +55,7 @@ from mesh_replicas import code
 from rich.console import Console
 from rich.table import Table
 
+from hetmesh.cli.mesh import fetch_status
 from hetmesh.launcher import Mesh
 from hetmesh.placement.flow import Tenant
 from hetmesh.sim import Trace
@@ -171,10 +172,14 @@ def live(trace: Trace, tenants: tuple[Tenant, ...], a: argparse.Namespace, label
         load0, c0, k0, me0, w0 = os.getloadavg(), cpu_seconds(pids), cpu_ticks(), time.process_time(), time.time()
         outs = asyncio.run(replay(mesh.url, trace, a.time_scale, bool(tenants), a.grace))
         wall = time.time() - w0
+        # the scheduler's own per-tenant figures (placed, refused, held, cost in flight), as `hetmesh status
+        # --tenants` shows them: what the queue did, beside what the client saw
+        queue = asyncio.run(fetch_status(mesh.nats_url, 5.0)).tenants if tenants else {}
         run = {"label": label, "flow": bool(tenants), "requests": len(outs), "wall_s": wall,
                "load_average_start": load0, "load_average_end": os.getloadavg(),
                "mesh_cpu_cores": (cpu_seconds(pids) - c0) / wall, "client_cpu_cores": (time.process_time() - me0) / wall,
-               "host_steal_fraction": steal_fraction(k0, cpu_ticks()), "tenants": score(outs, a.time_scale)}
+               "host_steal_fraction": steal_fraction(k0, cpu_ticks()), "tenants": score(outs, a.time_scale),
+               "scheduler_tenants": queue}
     finally:
         mesh.stop()
     t = run["tenants"]
