@@ -221,8 +221,8 @@ class CostPolicy:
         # keeping SLOs, a sequence behind a full batch waits for a slot once: before its first token where it
         # prefills (and so where it runs whole), spread over its tokens where it decodes another's prefill
         wait = pricing.slot_wait(ld, self._life[sl]) if self._margin(req.model) > 0 else None
-        tpot = pricing.tpot(d, slow, None, req.max_tokens)
-        joined = tpot if wait is None else pricing.tpot(d, slow, wait, req.max_tokens)
+        tpot = pricing.tpot(d, slow)
+        joined = pricing.joined(tpot, wait, req.max_tokens)
         ttft = backlog + prefill + self._gap[sl]
         if wait is not None:
             ttft = ttft + wait

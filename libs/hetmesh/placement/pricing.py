@@ -294,14 +294,16 @@ def slot_wait(ld: Load, life: np.ndarray) -> np.ndarray | None:
     return np.where(ld.waits, np.maximum(ld.batch - ld.max_batch, 0.0) * life / ld.max_batch, 0.0)
 
 
-def tpot(d: DecodeStep, slow: np.ndarray, wait: np.ndarray | None, n_out: int) -> np.ndarray:
+def tpot(d: DecodeStep, slow: np.ndarray) -> np.ndarray:
     """Time per output token on each worker as D: its step slowed by the prefill share (`slow` = 1 - share),
-    never by more than a full chunk beside the batch, plus the slot `wait` (when SLOs are kept) spread over
-    its own tokens (with admission off the wait costs the cluster nothing: the rounds alone price it)."""
-    out = np.minimum(d.plain / slow, d.plain + d.full_chunk)
-    if wait is not None:
-        out = out + wait / max(n_out - 1, 1)
-    return out
+    never by more than a full chunk beside the batch."""
+    return np.minimum(d.plain / slow, d.plain + d.full_chunk)
+
+
+def joined(tpot: np.ndarray, wait: np.ndarray | None, n_out: int) -> np.ndarray:
+    """`tpot` for a decode joining after another worker's prefill: the slot `wait` (when SLOs are kept) spread
+    over its own tokens (with admission off the wait costs the cluster nothing: the rounds alone price it)."""
+    return tpot if wait is None else tpot + wait / max(n_out - 1, 1)
 
 
 def decode_delay(ld: Load, d: DecodeStep, slow: np.ndarray, n_out: int) -> np.ndarray:
