@@ -11,9 +11,9 @@ with ignore_eos, its tenant in the flow header. The client stamps the first toke
 SLOs when TTFT x time_scale <= 2 s and (last - first) / (tokens - 1) x time_scale <= 0.1 s; a refusal (429/503)
 is a miss. Attainment is of all a tenant offered; goodput is the output tokens of the requests within SLO, each
 counted whole: a run waits for every stream to end (`--grace` caps the wait; a stream cut by it counts what it
-streamed, and the simulator's figure is then scored at the same cut, as a cut favours short outputs). Each case runs with flow control ([[tenants]] in the cluster
-file) and without (no [[tenants]]: the header is ignored), and the simulator's figure for the same trace is shown
-beside it:
+streamed, and the simulator's figure is then scored at the same cut, as a cut favours short outputs). Each case
+runs with flow control ([[tenants]] in the cluster file) and without (no [[tenants]]: the header is ignored), and
+the simulator's figure for the same trace is shown beside it:
 
 - noisy neighbour: three quiet tenants at 0.2x capacity each, a fourth sending 10x its fair share (2.5x capacity)
   of 8k-token prompts; target: each quiet tenant's attainment within 3 points of the run without the noisy one;
@@ -66,7 +66,7 @@ from hetmesh.sim.traces import merge
 MODEL = "llama-3.1-8b"
 # The client's streams are spread over this many httpx clients: httpcore's connection pool walks every connection
 # it holds each time a request starts or ends (quadratically once past its keep-alive limit), and a single pool of
-# the ~1,000 streams these traces hold open put the client itself, not the mesh, seconds behind its own schedule.
+# the hundreds of streams these traces hold open put the client itself, not the mesh, seconds behind its schedule.
 CLIENT_POOLS = 32
 HEADER = "x-hetmesh-tenant"
 
