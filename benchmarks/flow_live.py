@@ -137,10 +137,10 @@ async def replay(url: str, trace: Trace, time_scale: float, flow: bool, grace_s:
         tasks = []
         t0 = time.perf_counter()
         for i, r in enumerate(trace.requests):
-            delay = t0 + r.arrival / time_scale - time.perf_counter()
-            if delay > 0:
+            due = t0 + r.arrival / time_scale
+            if (delay := due - time.perf_counter()) > 0:
                 await asyncio.sleep(delay)
-            outs[i].late_s = max(-delay, 0.0)
+            outs[i].late_s = max(time.perf_counter() - due, 0.0)  # after the sleep: a busy loop oversleeps
             tasks.append(asyncio.create_task(one(pools[i % CLIENT_POOLS], outs[i], i, r.input_len, r.output_len,
                                                  flow)))
         _, pending = await asyncio.wait(tasks, timeout=grace_s)
